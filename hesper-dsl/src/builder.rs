@@ -1,0 +1,1015 @@
+//! `KernelBuilder`: Hesper's `ShaderM` in Rust. Declarations, statements and scopes are effects
+//! recorded into the builder; expressions are values (see [`crate::expr`]).
+//!
+//! Builder misuse never panics and never reaches naga: it is recorded, and [`KernelBuilder::finish`]
+//! returns the first error, naming the kernel and the item.
+
+use std::collections::BTreeSet;
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::error::{DslError, ErrorKind};
+use crate::expr::{AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Node, VarId, node};
+use crate::kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
+use crate::ty::{Access, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType};
+use crate::{check, names, wgsl};
+
+/// A statement block.
+pub(crate) type Block = Vec<Stmt>;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum VarKind {
+    Let,
+    Var,
+    /// A `for` loop's counter: a `var` the body may read but not assign.
+    LoopCounter,
+    Workgroup,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) struct LocalInfo {
+    pub hint: String,
+    pub ty: Ty,
+    pub kind: VarKind,
+}
+
+#[derive(Clone, Debug)]
+pub(crate) enum Stmt {
+    Let {
+        id: VarId,
+        value: Node,
+    },
+    Var {
+        id: VarId,
+        init: Option<Node>,
+    },
+    Assign {
+        target: Node,
+        op: Option<BinaryOp>,
+        value: Node,
+    },
+    If {
+        cond: Node,
+        then: Block,
+        otherwise: Block,
+    },
+    For {
+        counter: VarId,
+        init: Node,
+        cond: Node,
+        step_op: BinaryOp,
+        step: Node,
+        body: Block,
+    },
+    While {
+        cond: Node,
+        body: Block,
+    },
+    Loop {
+        body: Block,
+    },
+    Break,
+    Continue,
+    Return,
+    WorkgroupBarrier,
+    StorageBarrier,
+    Comment(String),
+}
+
+static NEXT_KERNEL: AtomicU32 = AtomicU32::new(1);
+
+/// Builds one kernel. Get one from [`Kernel::build`] (or [`KernelBuilder::new`] and
+/// [`KernelBuilder::finish`]).
+pub struct KernelBuilder {
+    key: KernelKey,
+    tag: u32,
+    pub(crate) bindings: Vec<Binding>,
+    pub(crate) params: Vec<Param>,
+    pub(crate) locals: Vec<LocalInfo>,
+    scopes: Vec<Block>,
+    loop_depth: u32,
+    errors: Vec<ErrorKind>,
+}
+
+// ---------------------------------------------------------------- handles
+
+/// A read-only storage buffer `array<T>`. It has no store: writing to it does not compile.
+#[derive(Clone, Debug)]
+pub struct ReadBuffer<T> {
+    name: String,
+    _t: PhantomData<fn() -> T>,
+}
+
+/// A read-write storage buffer `array<T>`.
+#[derive(Clone, Debug)]
+pub struct RwBuffer<T> {
+    name: String,
+    _t: PhantomData<fn() -> T>,
+}
+
+/// A `var<workgroup>` array of `len` elements.
+#[derive(Clone, Debug)]
+pub struct WorkgroupArray<T> {
+    id: VarId,
+    len: u32,
+    _t: PhantomData<fn() -> T>,
+}
+
+/// A function-local `var` array of `len` elements (registers, when the compiler can).
+#[derive(Clone, Debug)]
+pub struct LocalArray<T> {
+    id: VarId,
+    len: u32,
+    _t: PhantomData<fn() -> T>,
+}
+
+/// A function-local `var`.
+#[derive(Clone, Debug)]
+pub struct Var<T> {
+    id: VarId,
+    _t: PhantomData<fn() -> T>,
+}
+
+fn array_node(kind: ExprKind, elem: &Ty, len: u32) -> Node {
+    node(kind, Ty::Array(Box::new(elem.clone()), len))
+}
+
+fn index_node(base: Node, index: Node) -> Node {
+    let elem = match &base.ty {
+        Ty::Array(e, _) => (**e).clone(),
+        other => other.clone(),
+    };
+    node(ExprKind::Index(base, index), elem)
+}
+
+/// Something elements can be read from by index.
+pub trait Indexable<T: WgslType> {
+    #[doc(hidden)]
+    fn base(&self) -> Node;
+    /// `self[i]`
+    fn at(&self, i: impl IntoExpr<u32>) -> Expr<T> {
+        Expr::wrap(index_node(self.base(), i.into_expr().node))
+    }
+}
+
+/// Something elements can be stored into by index ([`KernelBuilder::store`]).
+pub trait Writable<T: WgslType>: Indexable<T> {}
+
+impl<T: WgslType> Indexable<T> for ReadBuffer<T> {
+    fn base(&self) -> Node {
+        array_node(ExprKind::Global(self.name.clone()), &T::ty(), 0)
+    }
+}
+impl<T: WgslType> Indexable<T> for RwBuffer<T> {
+    fn base(&self) -> Node {
+        array_node(ExprKind::Global(self.name.clone()), &T::ty(), 0)
+    }
+}
+impl<T: WgslType> Indexable<T> for WorkgroupArray<T> {
+    fn base(&self) -> Node {
+        array_node(ExprKind::Local(self.id), &T::ty(), self.len)
+    }
+}
+impl<T: WgslType> Indexable<T> for LocalArray<T> {
+    fn base(&self) -> Node {
+        array_node(ExprKind::Local(self.id), &T::ty(), self.len)
+    }
+}
+impl<T: WgslType> Writable<T> for RwBuffer<T> {}
+impl<T: WgslType> Writable<T> for WorkgroupArray<T> {}
+impl<T: WgslType> Writable<T> for LocalArray<T> {}
+
+macro_rules! buffer_common {
+    ($t:ident) => {
+        impl<T: WgslType> $t<T> {
+            /// The binding's name, as the executor binds it.
+            pub fn name(&self) -> &str {
+                &self.name
+            }
+            /// `arrayLength(&self)`: elements in the bound buffer.
+            pub fn len(&self) -> Expr<u32> {
+                Expr::wrap(node(ExprKind::ArrayLength(self.name.clone()), Ty::U32))
+            }
+        }
+    };
+}
+buffer_common!(ReadBuffer);
+buffer_common!(RwBuffer);
+
+impl<T> WorkgroupArray<T> {
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+impl<T> LocalArray<T> {
+    pub fn len(&self) -> u32 {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl<T: WgslType> Var<T> {
+    /// The variable's current value.
+    pub fn get(&self) -> Expr<T> {
+        Expr::wrap(node(ExprKind::Local(self.id), T::ty()))
+    }
+}
+impl<T: WgslType> IntoExpr<T> for &Var<T> {
+    fn into_expr(self) -> Expr<T> {
+        self.get()
+    }
+}
+
+/// A storage buffer declared through the untyped path.
+#[derive(Clone, Debug)]
+pub struct AnyBuffer {
+    name: String,
+    elem: Ty,
+}
+
+impl AnyBuffer {
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    pub fn elem(&self) -> &Ty {
+        &self.elem
+    }
+    /// `self[i]`; `i` must be `u32` or `i32`.
+    pub fn at(&self, i: &AnyExpr) -> Result<AnyExpr, String> {
+        let base = AnyExpr {
+            node: array_node(ExprKind::Global(self.name.clone()), &self.elem, 0),
+        };
+        if !matches!(i.ty(), Ty::Scalar(Scalar::U32 | Scalar::I32)) {
+            return Err(format!(
+                "index into `{}` must be u32 or i32, found {}",
+                self.name,
+                i.ty()
+            ));
+        }
+        Ok(AnyExpr {
+            node: index_node(base.node, i.node.clone()),
+        })
+    }
+}
+
+/// Types a shape parameter can have.
+pub trait ShapeType: ScalarType + Copy {
+    fn from_value(v: ShapeValue) -> Option<Self>;
+    fn fallback() -> Self;
+}
+macro_rules! shape_type {
+    ($t:ty, $v:ident, $fb:expr) => {
+        impl ShapeType for $t {
+            fn from_value(v: ShapeValue) -> Option<Self> {
+                match v {
+                    ShapeValue::$v(x) => Some(x),
+                    _ => None,
+                }
+            }
+            fn fallback() -> Self {
+                $fb
+            }
+        }
+    };
+}
+shape_type!(u32, U32, 1);
+shape_type!(i32, I32, 1);
+shape_type!(bool, Bool, false);
+impl ShapeType for f32 {
+    fn from_value(v: ShapeValue) -> Option<Self> {
+        match v {
+            ShapeValue::F32Bits(b) => Some(f32::from_bits(b)),
+            _ => None,
+        }
+    }
+    fn fallback() -> Self {
+        1.0
+    }
+}
+
+/// Types a runtime scalar can have (4-byte scalars: what uniforms and immediates hold portably).
+pub trait ParamType: ScalarType {}
+impl ParamType for f32 {}
+impl ParamType for u32 {}
+impl ParamType for i32 {}
+
+/// Integer types a `for` loop can count with.
+pub trait LoopCounter: ScalarType + Numeric + Sized {
+    fn one() -> Expr<Self>;
+}
+impl LoopCounter for u32 {
+    fn one() -> Expr<u32> {
+        crate::lit(1u32)
+    }
+}
+impl LoopCounter for i32 {
+    fn one() -> Expr<i32> {
+        crate::lit(1i32)
+    }
+}
+
+// ---------------------------------------------------------------- the builder
+
+impl Kernel {
+    /// Build a kernel for `key`: `f` declares and records its body. Checked against the default
+    /// [`Limits`]; see [`Kernel::build_with_limits`].
+    pub fn build(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> Result<Kernel, DslError> {
+        Kernel::build_with_limits(key, &Limits::default(), f)
+    }
+
+    pub fn build_with_limits(
+        key: &KernelKey,
+        limits: &Limits,
+        f: impl FnOnce(&mut KernelBuilder),
+    ) -> Result<Kernel, DslError> {
+        let mut k = KernelBuilder::new(key);
+        f(&mut k);
+        k.finish_with_limits(limits)
+    }
+}
+
+impl KernelBuilder {
+    pub fn new(key: &KernelKey) -> Self {
+        let mut b = KernelBuilder {
+            key: key.clone(),
+            tag: NEXT_KERNEL.fetch_add(1, Ordering::Relaxed),
+            bindings: vec![],
+            params: vec![],
+            locals: vec![],
+            scopes: vec![vec![]],
+            loop_depth: 0,
+            errors: vec![],
+        };
+        for (name, _) in key.shape_params() {
+            if let Err(why) = names::check_user_name(name) {
+                b.error(ErrorKind::InvalidName {
+                    name: name.clone(),
+                    why,
+                });
+            }
+        }
+        b
+    }
+
+    pub fn key(&self) -> &KernelKey {
+        &self.key
+    }
+
+    /// Invocations per workgroup (the product of the key's workgroup size).
+    pub fn invocations(&self) -> u32 {
+        self.key.invocations()
+    }
+
+    pub fn has_feature(&self, f: Features) -> bool {
+        self.key.feature_set().contains(f)
+    }
+
+    /// Record a misuse; the first one is what `finish` reports.
+    pub fn error(&mut self, kind: ErrorKind) {
+        self.errors.push(kind);
+    }
+
+    /// Finish with the default [`Limits`].
+    pub fn finish(self) -> Result<Kernel, DslError> {
+        self.finish_with_limits(&Limits::default())
+    }
+
+    /// Check everything, emit WGSL, validate it with naga, and check `limits`.
+    pub fn finish_with_limits(mut self, limits: &Limits) -> Result<Kernel, DslError> {
+        let name = self.key.name().to_string();
+        if let Some(kind) = self.errors.first() {
+            return Err(DslError::new(&name, kind.clone()));
+        }
+        debug_assert_eq!(self.scopes.len(), 1, "scopes are balanced by construction");
+        let body = self.scopes.pop().unwrap_or_default();
+        let found = check::check(&self, &body).map_err(|kind| DslError::new(&name, kind))?;
+        let mut kernel = Kernel {
+            key: self.key,
+            bindings: self.bindings,
+            params: self.params,
+            workgroup_vars: vec![],
+            locals: self.locals,
+            var_names: vec![],
+            builtins: found.builtins,
+            helpers: found.helpers,
+            body,
+            uses_f16: found.uses_f16,
+            wgsl: String::new(),
+        };
+        kernel.var_names = names::assign(&kernel);
+        kernel.workgroup_vars = kernel
+            .locals
+            .iter()
+            .zip(&kernel.var_names)
+            .filter(|(l, _)| l.kind == VarKind::Workgroup)
+            .map(|(l, name)| WorkgroupVar {
+                name: name.clone(),
+                ty: l.ty.clone(),
+            })
+            .collect();
+        kernel.wgsl = wgsl::emit(&kernel);
+        crate::validate::validate(&kernel).map_err(|message| {
+            DslError::new(
+                &name,
+                ErrorKind::Naga {
+                    message,
+                    wgsl: kernel.wgsl.clone(),
+                },
+            )
+        })?;
+        kernel.check_limits(limits)?;
+        Ok(kernel)
+    }
+
+    // ------------------------------------------------------------ shape parameters
+
+    /// A compile-time shape parameter from the key, as a Rust value (comptime is plain Rust).
+    /// Missing or of another type: an error at `finish`, and a fallback value meanwhile.
+    pub fn shape<T: ShapeType>(&mut self, name: &str) -> T {
+        match self.key.get(name).and_then(T::from_value) {
+            Some(v) => v,
+            None => {
+                self.error(ErrorKind::MissingShape {
+                    name: name.into(),
+                    expected: T::ty().to_string(),
+                });
+                T::fallback()
+            }
+        }
+    }
+
+    /// A shape parameter as a WGSL expression: a reference to its module-scope `const`.
+    pub fn shape_const<T: ShapeType>(&mut self, name: &str) -> Expr<T> {
+        self.shape::<T>(name);
+        Expr::wrap(node(ExprKind::Const(name.into()), T::ty()))
+    }
+
+    // ------------------------------------------------------------ declarations
+
+    fn declare_name(&mut self, name: &str) -> bool {
+        if let Err(why) = names::check_user_name(name) {
+            self.error(ErrorKind::InvalidName {
+                name: name.into(),
+                why,
+            });
+            return false;
+        }
+        let taken = self.bindings.iter().any(|b| b.name == name)
+            || self.params.iter().any(|p| p.name == name)
+            || self.key.get(name).is_some();
+        if taken {
+            self.error(ErrorKind::DuplicateName { name: name.into() });
+        }
+        !taken
+    }
+
+    fn declare_binding(&mut self, name: &str, elem: Ty, access: Access) {
+        if !elem.is_scalar_or_vector() && !matches!(elem, Ty::Array(_, n) if n > 0) {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("element type of binding `{name}`"),
+                expected: "a scalar, vector or fixed-size array".into(),
+                found: elem.to_string(),
+            });
+        }
+        if elem.scalar() == Scalar::Bool {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("element type of binding `{name}`"),
+                expected: "a host-shareable type (bool is not)".into(),
+                found: elem.to_string(),
+            });
+        }
+        if self.declare_name(name) {
+            let binding = self.bindings.len() as u32;
+            self.bindings.push(Binding {
+                name: name.into(),
+                binding,
+                elem,
+                access,
+            });
+        }
+    }
+
+    /// Declare a read-only storage buffer `array<T>` bound by `name` (binding order = declaration order).
+    pub fn storage<T: HostShareable>(&mut self, name: &str) -> ReadBuffer<T> {
+        self.declare_binding(name, T::ty(), Access::Read);
+        ReadBuffer {
+            name: name.into(),
+            _t: PhantomData,
+        }
+    }
+
+    /// Declare a read-write storage buffer `array<T>` bound by `name`.
+    pub fn storage_rw<T: HostShareable>(&mut self, name: &str) -> RwBuffer<T> {
+        self.declare_binding(name, T::ty(), Access::ReadWrite);
+        RwBuffer {
+            name: name.into(),
+            _t: PhantomData,
+        }
+    }
+
+    /// Declare a storage buffer through the untyped path.
+    pub fn storage_any(&mut self, name: &str, elem: Ty, access: Access) -> AnyBuffer {
+        self.declare_binding(name, elem.clone(), access);
+        AnyBuffer {
+            name: name.into(),
+            elem,
+        }
+    }
+
+    /// Declare a runtime scalar (a per-step value: learning rate, step, token count). It travels in
+    /// a uniform buffer, or as immediates when the key asks for `Features::IMMEDIATES`, and never
+    /// changes the WGSL text.
+    pub fn param<T: ParamType>(&mut self, name: &str) -> Expr<T> {
+        Expr::wrap(self.param_any(name, T::SCALAR).node)
+    }
+
+    /// Declare a runtime scalar through the untyped path (`f32`, `u32` or `i32`).
+    pub fn param_any(&mut self, name: &str, ty: Scalar) -> AnyExpr {
+        if !matches!(ty, Scalar::F32 | Scalar::U32 | Scalar::I32) {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("runtime scalar `{name}`"),
+                expected: "f32, u32 or i32".into(),
+                found: ty.wgsl().into(),
+            });
+        } else if self.declare_name(name) {
+            let offset = self.params.len() as u32 * 4;
+            self.params.push(Param {
+                name: name.into(),
+                ty,
+                offset,
+            });
+        }
+        AnyExpr {
+            node: node(ExprKind::Param(name.into()), Ty::Scalar(ty)),
+        }
+    }
+
+    fn new_var(&mut self, hint: &str, ty: Ty, kind: VarKind) -> VarId {
+        let id = VarId {
+            kernel: self.tag,
+            index: self.locals.len() as u32,
+        };
+        self.locals.push(LocalInfo {
+            hint: hint.into(),
+            ty,
+            kind,
+        });
+        id
+    }
+
+    /// Declare a `var<workgroup>` array. Where in the body this is called does not matter: it
+    /// is always emitted at module scope. Its name is made fresh from `hint`.
+    pub fn workgroup_array<T: HostShareable>(&mut self, hint: &str, len: u32) -> WorkgroupArray<T> {
+        if len == 0 {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("workgroup array `{hint}`"),
+                expected: "at least one element".into(),
+                found: "0".into(),
+            });
+        }
+        let id = self.new_var(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Workgroup);
+        WorkgroupArray {
+            id,
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    // ------------------------------------------------------------ builtins
+
+    /// Builtins need no builder borrow; a subgroup builtin in a kernel whose key lacks
+    /// `Features::SUBGROUPS` is reported by `finish`.
+    fn builtin<T: WgslType>(&self, b: Builtin) -> Expr<T> {
+        Expr::wrap(node(ExprKind::Builtin(b), b.info().2))
+    }
+    /// `@builtin(global_invocation_id)`
+    pub fn global_id(&self) -> Expr<crate::Vec3<u32>> {
+        self.builtin(Builtin::GlobalInvocationId)
+    }
+    /// `@builtin(local_invocation_id)`
+    pub fn local_id(&self) -> Expr<crate::Vec3<u32>> {
+        self.builtin(Builtin::LocalInvocationId)
+    }
+    /// `@builtin(local_invocation_index)`
+    pub fn local_index(&self) -> Expr<u32> {
+        self.builtin(Builtin::LocalInvocationIndex)
+    }
+    /// `@builtin(workgroup_id)`
+    pub fn workgroup_id(&self) -> Expr<crate::Vec3<u32>> {
+        self.builtin(Builtin::WorkgroupId)
+    }
+    /// `@builtin(num_workgroups)`
+    pub fn num_workgroups(&self) -> Expr<crate::Vec3<u32>> {
+        self.builtin(Builtin::NumWorkgroups)
+    }
+    /// `@builtin(subgroup_size)` (needs `Features::SUBGROUPS`)
+    pub fn subgroup_size(&self) -> Expr<u32> {
+        self.builtin(Builtin::SubgroupSize)
+    }
+    /// `@builtin(subgroup_invocation_id)` (needs `Features::SUBGROUPS`)
+    pub fn subgroup_invocation_id(&self) -> Expr<u32> {
+        self.builtin(Builtin::SubgroupInvocationId)
+    }
+    /// `@builtin(subgroup_id)` (needs `Features::SUBGROUPS`)
+    pub fn subgroup_id(&self) -> Expr<u32> {
+        self.builtin(Builtin::SubgroupId)
+    }
+    /// `@builtin(num_subgroups)` (needs `Features::SUBGROUPS`)
+    pub fn num_subgroups(&self) -> Expr<u32> {
+        self.builtin(Builtin::NumSubgroups)
+    }
+
+    // ------------------------------------------------------------ subgroup operations
+
+    fn require_subgroups(&mut self, op: &str) {
+        if !self.has_feature(Features::SUBGROUPS) {
+            self.error(ErrorKind::SubgroupsNotRequested { op: op.into() });
+        }
+    }
+
+    /// A subgroup operation, bound with `let` right where it is called (where the subgroup's
+    /// invocations are converged), never moved into a later branch.
+    fn subgroup_op<T: Numeric>(&mut self, f: Func, args: Vec<Node>) -> Expr<T> {
+        self.require_subgroups(f.wgsl());
+        let tys: Vec<&Ty> = args.iter().map(|a| &a.ty).collect();
+        let e = match crate::expr::call_type(f, &tys) {
+            Ok(t) => node(ExprKind::Call(f, args), t),
+            Err(m) => node(ExprKind::Error(m), T::ty()),
+        };
+        self.let_("sg", Expr::wrap(e))
+    }
+    /// `subgroupAdd(e)`: the sum over the subgroup's active invocations.
+    pub fn subgroup_add<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
+        self.subgroup_op(Func::SubgroupAdd, vec![e.into_expr().node])
+    }
+    /// `subgroupMax(e)`
+    pub fn subgroup_max<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
+        self.subgroup_op(Func::SubgroupMax, vec![e.into_expr().node])
+    }
+    /// `subgroupMin(e)`
+    pub fn subgroup_min<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
+        self.subgroup_op(Func::SubgroupMin, vec![e.into_expr().node])
+    }
+    /// `subgroupShuffleXor(e, mask)`: the value of the invocation whose id is `own id ^ mask`.
+    pub fn subgroup_shuffle_xor<T: Numeric>(&mut self, e: impl IntoExpr<T>, mask: impl IntoExpr<u32>) -> Expr<T> {
+        let args = vec![e.into_expr().node, mask.into_expr().node];
+        self.subgroup_op(Func::SubgroupShuffleXor, args)
+    }
+    /// `subgroupBroadcast(e, lane)`: invocation `lane`'s value (`lane` is a constant).
+    pub fn subgroup_broadcast<T: Numeric>(&mut self, e: impl IntoExpr<T>, lane: u32) -> Expr<T> {
+        let args = vec![e.into_expr().node, crate::lit(lane).node];
+        self.subgroup_op(Func::SubgroupBroadcast, args)
+    }
+
+    // ------------------------------------------------------------ statements
+
+    fn push(&mut self, s: Stmt) {
+        self.scopes
+            .last_mut()
+            .expect("the root scope is never popped before finish")
+            .push(s);
+    }
+
+    fn scoped(&mut self, f: impl FnOnce(&mut Self)) -> Block {
+        self.scopes.push(vec![]);
+        f(self);
+        self.scopes.pop().expect("pushed just above")
+    }
+
+    /// `let <fresh name from hint> = value;` — bind a value once, use it many times.
+    pub fn let_<T: WgslType>(&mut self, hint: &str, value: impl IntoExpr<T>) -> Expr<T> {
+        Expr::wrap(self.let_any(hint, &value.into_expr().erase()).node)
+    }
+
+    /// `let` through the untyped path.
+    pub fn let_any(&mut self, hint: &str, value: &AnyExpr) -> AnyExpr {
+        let ty = value.ty().clone();
+        let id = self.new_var(hint, ty.clone(), VarKind::Let);
+        self.push(Stmt::Let {
+            id,
+            value: value.node.clone(),
+        });
+        AnyExpr {
+            node: node(ExprKind::Local(id), ty),
+        }
+    }
+
+    /// `var <fresh name>: T = init;`
+    pub fn var<T: WgslType>(&mut self, hint: &str, init: impl IntoExpr<T>) -> Var<T> {
+        let id = self.new_var(hint, T::ty(), VarKind::Var);
+        self.push(Stmt::Var {
+            id,
+            init: Some(init.into_expr().node),
+        });
+        Var {
+            id,
+            _t: PhantomData,
+        }
+    }
+
+    /// `var <fresh name>: array<T, len>;` (zero-initialised, as WGSL does).
+    pub fn var_array<T: WgslType>(&mut self, hint: &str, len: u32) -> LocalArray<T> {
+        let id = self.new_var(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Var);
+        if len == 0 {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("local array `{hint}`"),
+                expected: "at least one element".into(),
+                found: "0".into(),
+            });
+        }
+        self.push(Stmt::Var { id, init: None });
+        LocalArray {
+            id,
+            len,
+            _t: PhantomData,
+        }
+    }
+
+    /// `var = value;`
+    pub fn assign<T: WgslType>(&mut self, var: &Var<T>, value: impl IntoExpr<T>) {
+        self.push(Stmt::Assign {
+            target: var.get().node,
+            op: None,
+            value: value.into_expr().node,
+        });
+    }
+
+    /// `var op= value;` for an arithmetic or bit operator.
+    pub fn update<T: WgslType>(&mut self, var: &Var<T>, op: BinaryOp, value: impl IntoExpr<T>) {
+        self.assign_op_any(&var.get().erase(), Some(op), &value.into_expr().erase());
+    }
+
+    /// `var += value;`
+    pub fn add_assign<T: Numeric>(&mut self, var: &Var<T>, value: impl IntoExpr<T>) {
+        self.update(var, BinaryOp::Add, value);
+    }
+
+    /// `target[index] = value;`
+    pub fn store<T: WgslType>(&mut self, target: &impl Writable<T>, index: impl IntoExpr<u32>, value: impl IntoExpr<T>) {
+        self.push(Stmt::Assign {
+            target: target.at(index).node,
+            op: None,
+            value: value.into_expr().node,
+        });
+    }
+
+    /// `target[index] op= value;`
+    pub fn store_op<T: WgslType>(
+        &mut self,
+        target: &impl Writable<T>,
+        index: impl IntoExpr<u32>,
+        op: BinaryOp,
+        value: impl IntoExpr<T>,
+    ) {
+        self.assign_op_any(&target.at(index).erase(), Some(op), &value.into_expr().erase());
+    }
+
+    /// `name[index] = value;` through the untyped path: unknown names, read-only buffers and type
+    /// mismatches are errors.
+    pub fn store_any(&mut self, name: &str, index: &AnyExpr, value: &AnyExpr) {
+        let Some(b) = self.bindings.iter().find(|b| b.name == name).cloned() else {
+            self.error(ErrorKind::OutOfScope { name: name.into() });
+            return;
+        };
+        if b.access == Access::Read {
+            self.error(ErrorKind::StoreToReadOnly {
+                binding: name.into(),
+            });
+            return;
+        }
+        let buf = AnyBuffer {
+            name: b.name,
+            elem: b.elem,
+        };
+        match buf.at(index) {
+            Ok(place) => self.assign_op_any(&place, None, value),
+            Err(message) => self.error(ErrorKind::InvalidExpression { message }),
+        }
+    }
+
+    /// `target op= value;` through the untyped path; `target` must be a `var`, a writable buffer
+    /// or array element, or one component of a `var` vector (checked at `finish`).
+    pub fn assign_op_any(&mut self, target: &AnyExpr, op: Option<BinaryOp>, value: &AnyExpr) {
+        let result = match op {
+            Some(op) => crate::expr::binary_type(op, target.ty(), value.ty()),
+            None => Ok(value.ty().clone()),
+        };
+        match result {
+            Ok(t) if t == *target.ty() => self.push(Stmt::Assign {
+                target: target.node.clone(),
+                op,
+                value: value.node.clone(),
+            }),
+            Ok(t) => self.error(ErrorKind::TypeMismatch {
+                item: "assignment".into(),
+                expected: target.ty().to_string(),
+                found: t.to_string(),
+            }),
+            Err(message) => self.error(ErrorKind::InvalidExpression { message }),
+        }
+    }
+
+    /// `if cond { then }`
+    pub fn if_(&mut self, cond: impl IntoExpr<bool>, then: impl FnOnce(&mut Self)) {
+        let then = self.scoped(then);
+        self.push(Stmt::If {
+            cond: cond.into_expr().node,
+            then,
+            otherwise: vec![],
+        });
+    }
+
+    /// `if cond { then } else { otherwise }`
+    pub fn if_else(
+        &mut self,
+        cond: impl IntoExpr<bool>,
+        then: impl FnOnce(&mut Self),
+        otherwise: impl FnOnce(&mut Self),
+    ) {
+        let then = self.scoped(then);
+        let otherwise = self.scoped(otherwise);
+        self.push(Stmt::If {
+            cond: cond.into_expr().node,
+            then,
+            otherwise,
+        });
+    }
+
+    /// `if` through the untyped path (`cond` must be `bool`).
+    pub fn if_any(&mut self, cond: &AnyExpr, then: impl FnOnce(&mut Self), otherwise: impl FnOnce(&mut Self)) {
+        if *cond.ty() != Ty::BOOL {
+            self.error(ErrorKind::TypeMismatch {
+                item: "if condition".into(),
+                expected: "bool".into(),
+                found: cond.ty().to_string(),
+            });
+        }
+        let then = self.scoped(then);
+        let otherwise = self.scoped(otherwise);
+        self.push(Stmt::If {
+            cond: cond.node.clone(),
+            then,
+            otherwise,
+        });
+    }
+
+    /// A general runtime loop: `for (var c = init; cond(c); c op= step) { body(c) }`.
+    pub fn for_loop<T: LoopCounter>(
+        &mut self,
+        hint: &str,
+        init: impl IntoExpr<T>,
+        cond: impl FnOnce(&Expr<T>) -> Expr<bool>,
+        step_op: BinaryOp,
+        step: impl IntoExpr<T>,
+        body: impl FnOnce(&mut Self, Expr<T>),
+    ) {
+        let counter = self.new_var(hint, T::ty(), VarKind::LoopCounter);
+        let c = Expr::<T>::wrap(node(ExprKind::Local(counter), T::ty()));
+        let init = init.into_expr().node;
+        let cond = cond(&c).node;
+        let step = step.into_expr().node;
+        self.loop_depth += 1;
+        let body = self.scoped(|k| body(k, c));
+        self.loop_depth -= 1;
+        self.push(Stmt::For {
+            counter,
+            init,
+            cond,
+            step_op,
+            step,
+            body,
+        });
+    }
+
+    /// `for (var i = start; i < end; i += step) { body(i) }`
+    pub fn for_step<T: LoopCounter>(
+        &mut self,
+        hint: &str,
+        start: impl IntoExpr<T>,
+        end: impl IntoExpr<T>,
+        step: impl IntoExpr<T>,
+        body: impl FnOnce(&mut Self, Expr<T>),
+    ) {
+        let end = end.into_expr();
+        self.for_loop(hint, start, |i| i.lt(end), BinaryOp::Add, step, body);
+    }
+
+    /// `for (var i = start; i < end; i += 1) { body(i) }`
+    pub fn for_range<T: LoopCounter>(
+        &mut self,
+        hint: &str,
+        start: impl IntoExpr<T>,
+        end: impl IntoExpr<T>,
+        body: impl FnOnce(&mut Self, Expr<T>),
+    ) {
+        self.for_step(hint, start, end, T::one(), body);
+    }
+
+    /// A compile-time unrolled loop: `body` runs once per value, in Rust, and each run records
+    /// its own statements (comptime is plain Rust; this only reads better).
+    pub fn unroll(&mut self, range: impl IntoIterator<Item = u32>, mut body: impl FnMut(&mut Self, u32)) {
+        for i in range {
+            body(self, i);
+        }
+    }
+
+    /// `while cond { body }`
+    pub fn while_(&mut self, cond: impl IntoExpr<bool>, body: impl FnOnce(&mut Self)) {
+        let cond = cond.into_expr().node;
+        self.loop_depth += 1;
+        let body = self.scoped(body);
+        self.loop_depth -= 1;
+        self.push(Stmt::While { cond, body });
+    }
+
+    /// `loop { body }` — leave it with [`KernelBuilder::break_`] or [`KernelBuilder::break_if`].
+    pub fn loop_(&mut self, body: impl FnOnce(&mut Self)) {
+        self.loop_depth += 1;
+        let body = self.scoped(body);
+        self.loop_depth -= 1;
+        self.push(Stmt::Loop { body });
+    }
+
+    fn in_loop(&mut self, statement: &str) -> bool {
+        if self.loop_depth == 0 {
+            self.error(ErrorKind::NotInLoop {
+                statement: statement.into(),
+            });
+        }
+        self.loop_depth > 0
+    }
+
+    /// `break;`
+    pub fn break_(&mut self) {
+        if self.in_loop("break") {
+            self.push(Stmt::Break);
+        }
+    }
+
+    /// `if cond { break; }`
+    pub fn break_if(&mut self, cond: impl IntoExpr<bool>) {
+        if self.in_loop("break") {
+            self.push(Stmt::If {
+                cond: cond.into_expr().node,
+                then: vec![Stmt::Break],
+                otherwise: vec![],
+            });
+        }
+    }
+
+    /// `continue;`
+    pub fn continue_(&mut self) {
+        if self.in_loop("continue") {
+            self.push(Stmt::Continue);
+        }
+    }
+
+    /// `return;` — leave the kernel for this invocation. Every later barrier must still be
+    /// reached by all invocations of the workgroup, so return only where no barrier follows.
+    pub fn return_(&mut self) {
+        self.push(Stmt::Return);
+    }
+
+    /// `workgroupBarrier();` — call it where every invocation of the workgroup arrives.
+    pub fn workgroup_barrier(&mut self) {
+        self.push(Stmt::WorkgroupBarrier);
+    }
+
+    /// `storageBarrier();`
+    pub fn storage_barrier(&mut self) {
+        self.push(Stmt::StorageBarrier);
+    }
+
+    /// A `// comment` line in the emitted WGSL.
+    pub fn comment(&mut self, text: &str) {
+        for line in text.lines() {
+            self.push(Stmt::Comment(line.to_string()));
+        }
+    }
+
+    pub(crate) fn tag(&self) -> u32 {
+        self.tag
+    }
+}
+
+/// What the final walk over the body found.
+pub(crate) struct Found {
+    pub builtins: Vec<Builtin>,
+    pub helpers: Vec<Func>,
+    pub uses_f16: bool,
+}
+
+impl Found {
+    pub(crate) fn new(builtins: BTreeSet<Builtin>, helpers: BTreeSet<Func>, uses_f16: bool) -> Self {
+        Found {
+            builtins: builtins.into_iter().collect(),
+            helpers: helpers.into_iter().collect(),
+            uses_f16,
+        }
+    }
+}

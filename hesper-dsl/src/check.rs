@@ -1,0 +1,260 @@
+//! The walk `finish` makes over a kernel body before emitting it: scopes, names from other
+//! kernels, assignability, error nodes, features, and what the module needs (builtins, helpers,
+//! `enable f16`).
+
+use std::collections::BTreeSet;
+
+use crate::builder::{Block, Found, KernelBuilder, Stmt, VarKind};
+use crate::error::ErrorKind;
+use crate::expr::{Builtin, ExprKind, Func, Literal, Node, VarId};
+use crate::kernel::Features;
+use crate::ty::{Access, Ty};
+
+struct Checker<'a> {
+    k: &'a KernelBuilder,
+    visible: Vec<Vec<VarId>>,
+    builtins: BTreeSet<Builtin>,
+    helpers: BTreeSet<Func>,
+    uses_f16: bool,
+}
+
+pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind> {
+    let mut c = Checker {
+        k,
+        visible: vec![vec![]],
+        builtins: BTreeSet::new(),
+        helpers: BTreeSet::new(),
+        uses_f16: false,
+    };
+    c.uses_f16 = k.bindings.iter().any(|b| b.elem.contains_f16())
+        || k.locals.iter().any(|l| l.ty.contains_f16());
+    c.block(body)?;
+    if c.helpers.contains(&Func::Bf16Pack) {
+        c.helpers.insert(Func::Bf16Round);
+    }
+    Ok(Found::new(c.builtins, c.helpers, c.uses_f16))
+}
+
+impl Checker<'_> {
+    fn block(&mut self, b: &Block) -> Result<(), ErrorKind> {
+        self.visible.push(vec![]);
+        for s in b {
+            self.stmt(s)?;
+        }
+        self.visible.pop();
+        Ok(())
+    }
+
+    fn declare(&mut self, id: VarId) {
+        self.visible
+            .last_mut()
+            .expect("a block is always open while walking")
+            .push(id);
+    }
+
+    fn stmt(&mut self, s: &Stmt) -> Result<(), ErrorKind> {
+        match s {
+            Stmt::Let { id, value } => {
+                self.expr(value)?;
+                if matches!(value.ty, Ty::Array(_, 0)) {
+                    return Err(ErrorKind::TypeMismatch {
+                        item: format!("let `{}`", self.hint(*id)),
+                        expected: "a value (a storage buffer cannot be bound with let)".into(),
+                        found: value.ty.to_string(),
+                    });
+                }
+                self.declare(*id);
+            }
+            Stmt::Var { id, init } => {
+                if let Some(init) = init {
+                    self.expr(init)?;
+                    self.same_type(&format!("var `{}`", self.hint(*id)), &self.local_ty(*id), &init.ty)?;
+                }
+                self.declare(*id);
+            }
+            Stmt::Assign { target, value, .. } => {
+                self.expr(target)?;
+                self.expr(value)?;
+                self.assignable(target)?;
+            }
+            Stmt::If {
+                cond,
+                then,
+                otherwise,
+            } => {
+                self.condition("if condition", cond)?;
+                self.block(then)?;
+                self.block(otherwise)?;
+            }
+            Stmt::For {
+                counter,
+                init,
+                cond,
+                step,
+                body,
+                ..
+            } => {
+                self.expr(init)?;
+                self.visible.push(vec![*counter]);
+                self.condition("for condition", cond)?;
+                self.expr(step)?;
+                self.block(body)?;
+                self.visible.pop();
+            }
+            Stmt::While { cond, body } => {
+                self.condition("while condition", cond)?;
+                self.block(body)?;
+            }
+            Stmt::Loop { body } => self.block(body)?,
+            Stmt::Break
+            | Stmt::Continue
+            | Stmt::Return
+            | Stmt::WorkgroupBarrier
+            | Stmt::StorageBarrier
+            | Stmt::Comment(_) => {}
+        }
+        Ok(())
+    }
+
+    fn hint(&self, id: VarId) -> &str {
+        &self.k.locals[id.index as usize].hint
+    }
+
+    fn local_ty(&self, id: VarId) -> Ty {
+        self.k.locals[id.index as usize].ty.clone()
+    }
+
+    fn same_type(&self, item: &str, expected: &Ty, found: &Ty) -> Result<(), ErrorKind> {
+        if expected == found {
+            Ok(())
+        } else {
+            Err(ErrorKind::TypeMismatch {
+                item: item.into(),
+                expected: expected.to_string(),
+                found: found.to_string(),
+            })
+        }
+    }
+
+    fn condition(&mut self, item: &str, cond: &Node) -> Result<(), ErrorKind> {
+        self.expr(cond)?;
+        self.same_type(item, &Ty::BOOL, &cond.ty)
+    }
+
+    fn assignable(&self, target: &Node) -> Result<(), ErrorKind> {
+        let not = |what: String| Err(ErrorKind::NotAssignable { target: what });
+        match &target.kind {
+            ExprKind::Local(id) => match self.k.locals[id.index as usize].kind {
+                VarKind::Var | VarKind::Workgroup => Ok(()),
+                VarKind::Let => not(format!("let {}", self.hint(*id))),
+                VarKind::LoopCounter => not(format!("loop counter {}", self.hint(*id))),
+            },
+            ExprKind::Global(name) => match self.k.bindings.iter().find(|b| &b.name == name) {
+                Some(b) if b.access == Access::ReadWrite => Ok(()),
+                Some(_) => Err(ErrorKind::StoreToReadOnly {
+                    binding: name.clone(),
+                }),
+                None => Err(ErrorKind::OutOfScope { name: name.clone() }),
+            },
+            ExprKind::Index(base, _) => self.assignable(base),
+            ExprKind::Swizzle(base, pattern) if pattern.len() == 1 => self.assignable(base),
+            other => not(format!("{other:?}")),
+        }
+    }
+
+    fn expr(&mut self, n: &Node) -> Result<(), ErrorKind> {
+        if n.ty.contains_f16() {
+            self.uses_f16 = true;
+        }
+        match &n.kind {
+            ExprKind::Error(message) => {
+                return Err(ErrorKind::InvalidExpression {
+                    message: message.clone(),
+                });
+            }
+            ExprKind::Literal(l) => {
+                if let Literal::F32(v) | Literal::F16(v) = l
+                    && !v.is_finite()
+                {
+                    return Err(ErrorKind::InvalidExpression {
+                        message: format!("WGSL has no literal for {v}"),
+                    });
+                }
+            }
+            ExprKind::Local(id) => {
+                let ours = id.kernel == self.k.tag() && (id.index as usize) < self.k.locals.len();
+                let visible = ours
+                    && (self.k.locals[id.index as usize].kind == VarKind::Workgroup
+                        || self.visible.iter().any(|s| s.contains(id)));
+                if !visible {
+                    let name = if ours {
+                        self.hint(*id).to_string()
+                    } else {
+                        format!("local #{} of another kernel", id.index)
+                    };
+                    return Err(ErrorKind::OutOfScope { name });
+                }
+            }
+            ExprKind::Global(name) | ExprKind::ArrayLength(name) => {
+                let Some(b) = self.k.bindings.iter().find(|b| &b.name == name) else {
+                    return Err(ErrorKind::OutOfScope { name: name.clone() });
+                };
+                if let ExprKind::Global(_) = n.kind {
+                    self.same_type(&format!("binding `{name}`"), &Ty::Array(Box::new(b.elem.clone()), 0), &n.ty)?;
+                }
+            }
+            ExprKind::Param(name) => {
+                let Some(p) = self.k.params.iter().find(|p| &p.name == name) else {
+                    return Err(ErrorKind::OutOfScope { name: name.clone() });
+                };
+                self.same_type(&format!("runtime scalar `{name}`"), &Ty::Scalar(p.ty), &n.ty)?;
+            }
+            ExprKind::Const(name) => {
+                let Some(v) = self.k.key().get(name) else {
+                    return Err(ErrorKind::MissingShape {
+                        name: name.clone(),
+                        expected: n.ty.to_string(),
+                    });
+                };
+                self.same_type(&format!("shape parameter `{name}`"), &v.ty(), &n.ty)?;
+            }
+            ExprKind::Builtin(b) => {
+                if b.needs_subgroups() && !self.k.has_feature(Features::SUBGROUPS) {
+                    return Err(ErrorKind::SubgroupsNotRequested {
+                        op: b.info().0.into(),
+                    });
+                }
+                self.builtins.insert(*b);
+            }
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => self.expr(a)?,
+            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => {
+                self.expr(a)?;
+                self.expr(b)?;
+            }
+            ExprKind::Select(a, b, c) => {
+                self.expr(a)?;
+                self.expr(b)?;
+                self.expr(c)?;
+            }
+            ExprKind::Call(f, args) => {
+                if f.is_subgroup() && !self.k.has_feature(Features::SUBGROUPS) {
+                    return Err(ErrorKind::SubgroupsNotRequested {
+                        op: f.wgsl().into(),
+                    });
+                }
+                if f.is_helper() {
+                    self.helpers.insert(*f);
+                }
+                for a in args {
+                    self.expr(a)?;
+                }
+            }
+            ExprKind::Construct(args) => {
+                for a in args {
+                    self.expr(a)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,166 @@
+//! Combinators: the loops and reductions every kernel family needs, written once.
+//!
+//! - [`KernelBuilder::global_index`]: a flat 1-D index that stays right past 65535 workgroups
+//!   (the executor dispatches 2-D, `x` up to 65535 and `y` the rest).
+//! - [`KernelBuilder::grid_stride`]: each invocation walks `i, i + total, …` below `n`.
+//! - [`KernelBuilder::row_loop`]: the invocations of one workgroup stride over one row.
+//! - [`KernelBuilder::workgroup_reduce`]: sum or max over the workgroup (shared-memory tree, or
+//!   subgroup operations when the kernel key asks for subgroups).
+
+use crate::builder::{Indexable, KernelBuilder};
+use crate::expr::{BinaryOp, Expr, IntoExpr, lit};
+use crate::kernel::Features;
+use crate::ty::{F16, HostShareable, Numeric, Vec2, Vec3, Vec4};
+
+/// What a reduction computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Reduce {
+    Sum,
+    Max,
+}
+
+/// Types a workgroup reduction works on: their identity elements for sum and max.
+pub trait Reducible: Numeric + HostShareable + Sized {
+    fn zero() -> Expr<Self>;
+    /// The lowest finite value (the identity of max over finite values).
+    fn lowest() -> Expr<Self>;
+}
+
+macro_rules! reducible_scalar {
+    ($t:ty, $zero:expr, $lowest:expr) => {
+        impl Reducible for $t {
+            fn zero() -> Expr<$t> {
+                $zero
+            }
+            fn lowest() -> Expr<$t> {
+                $lowest
+            }
+        }
+    };
+}
+reducible_scalar!(f32, lit(0.0f32), lit(f32::MIN));
+reducible_scalar!(u32, lit(0u32), lit(0u32));
+reducible_scalar!(i32, lit(0i32), lit(i32::MIN));
+reducible_scalar!(F16, Expr::<F16>::lit(0.0), Expr::<F16>::lit(-65504.0));
+
+macro_rules! reducible_vector {
+    ($($v:ident<$s:ty>),*) => {$(
+        impl Reducible for $v<$s> {
+            fn zero() -> Expr<$v<$s>> {
+                Expr::<$v<$s>>::splat(<$s as Reducible>::zero())
+            }
+            fn lowest() -> Expr<$v<$s>> {
+                Expr::<$v<$s>>::splat(<$s as Reducible>::lowest())
+            }
+        }
+    )*};
+}
+reducible_vector!(Vec2<f32>, Vec3<f32>, Vec4<f32>, Vec2<u32>, Vec4<u32>, Vec2<i32>, Vec4<i32>);
+
+fn combine<T: Reducible>(op: Reduce, a: Expr<T>, b: Expr<T>) -> Expr<T> {
+    match op {
+        Reduce::Sum => a + b,
+        Reduce::Max => a.max(b),
+    }
+}
+
+impl KernelBuilder {
+    /// This invocation's flat index over a 1-D problem, bound once:
+    /// `(workgroup_id.y * num_workgroups.x + workgroup_id.x) * WG + local_index`.
+    /// Right for any number of workgroups up to 65535², given a 2-D dispatch.
+    pub fn global_index(&mut self) -> Expr<u32> {
+        let wid = self.workgroup_id();
+        let nwg = self.num_workgroups();
+        let lid = self.local_index();
+        let wg = self.invocations();
+        let group = wid.y() * nwg.x() + wid.x();
+        self.let_("index", group * wg + lid)
+    }
+
+    /// All invocations of the dispatch: `num_workgroups.x * num_workgroups.y * WG`, bound once.
+    pub fn total_invocations(&mut self) -> Expr<u32> {
+        let nwg = self.num_workgroups();
+        let wg = self.invocations();
+        self.let_("total_invocations", nwg.x() * nwg.y() * wg)
+    }
+
+    /// A grid-stride loop: `body(i)` for `i = global_index; i < n; i += total_invocations`, so any
+    /// dispatch size covers any `n`.
+    pub fn grid_stride(&mut self, n: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
+        let start = self.global_index();
+        let step = self.total_invocations();
+        self.for_step("i", start, n, step, body);
+    }
+
+    /// A row loop: the workgroup's invocations stride over `0..len`, each starting at its
+    /// `local_index` (`body(column)`).
+    pub fn row_loop(&mut self, len: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
+        let lid = self.local_index();
+        let wg = self.invocations();
+        self.for_step("col", lid, len, wg, body);
+    }
+
+    /// Reduce `value` over the whole workgroup; every invocation gets the result. Call it where
+    /// all invocations of the workgroup arrive (it has barriers). Uses subgroup operations when
+    /// the key asks for `Features::SUBGROUPS`, else a shared-memory tree. Each call has its own
+    /// workgroup scratch and ends with a barrier, so calls in loops do not race.
+    pub fn workgroup_reduce<T: Reducible>(&mut self, value: impl IntoExpr<T>, op: Reduce) -> Expr<T> {
+        let value = value.into_expr();
+        let wg = self.invocations();
+        let what = match op {
+            Reduce::Sum => "sum",
+            Reduce::Max => "max",
+        };
+        if self.has_feature(Features::SUBGROUPS) {
+            self.comment(&format!("workgroup_reduce({what}): subgroups, then one partial per subgroup"));
+            let partial = match op {
+                Reduce::Sum => self.subgroup_add(value),
+                Reduce::Max => self.subgroup_max(value),
+            };
+            // WGSL's smallest subgroup size is 4.
+            let scratch = self.workgroup_array::<T>("partials", wg.div_ceil(4));
+            let lane = self.subgroup_invocation_id();
+            let sg = self.subgroup_id();
+            self.if_(lane.eq(0u32), |k| k.store(&scratch, sg, partial));
+            self.workgroup_barrier();
+            let identity = match op {
+                Reduce::Sum => T::zero(),
+                Reduce::Max => T::lowest(),
+            };
+            let acc = self.var("acc", identity);
+            let count = self.num_subgroups();
+            self.for_range("s", 0u32, count, |k, s| {
+                k.assign(&acc, combine(op, acc.get(), scratch.at(s)));
+            });
+            self.workgroup_barrier();
+            return self.let_(what, acc.get());
+        }
+        self.comment(&format!("workgroup_reduce({what}): shared-memory tree"));
+        let scratch = self.workgroup_array::<T>("scratch", wg);
+        let lid = self.local_index();
+        self.store(&scratch, &lid, value);
+        self.workgroup_barrier();
+        let top = wg.next_power_of_two() / 2;
+        let pow2 = wg.is_power_of_two();
+        if top > 0 {
+            self.for_loop(
+                "stride",
+                top,
+                |s| s.gt(0u32),
+                BinaryOp::Shr,
+                1u32,
+                |k, s| {
+                    let partner = &lid + &s;
+                    let active = if pow2 { lid.lt(&s) } else { lid.lt(&s).and(partner.lt(wg)) };
+                    k.if_(active, |k| {
+                        k.store(&scratch, &lid, combine(op, scratch.at(&lid), scratch.at(partner)));
+                    });
+                    k.workgroup_barrier();
+                },
+            );
+        }
+        let result = self.let_(what, scratch.at(0u32));
+        self.workgroup_barrier();
+        result
+    }
+}

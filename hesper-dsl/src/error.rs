@@ -1,0 +1,109 @@
+//! The one error type of the DSL: every message names the kernel and the item at fault.
+
+use std::fmt;
+
+/// A kernel that could not be built, and why.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DslError {
+    /// The kernel's name (from its [`KernelKey`](crate::KernelKey)).
+    pub kernel: String,
+    pub kind: ErrorKind,
+}
+
+/// What went wrong.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ErrorKind {
+    /// A store through the untyped path into a buffer declared read-only.
+    StoreToReadOnly { binding: String },
+    /// A name used twice for bindings, runtime scalars or workgroup arrays.
+    DuplicateName { name: String },
+    /// A name that is not a WGSL identifier, or one WGSL reserves.
+    InvalidName { name: String, why: String },
+    /// A value of the wrong type for `item`.
+    TypeMismatch {
+        item: String,
+        expected: String,
+        found: String,
+    },
+    /// An expression that could not be typed (bad swizzle, bad bitcast, untyped misuse).
+    InvalidExpression { message: String },
+    /// A subgroup operation in a kernel whose key did not ask for `Features::SUBGROUPS`.
+    SubgroupsNotRequested { op: String },
+    /// A shape parameter the kernel reads but its key does not hold (or holds with another type).
+    MissingShape { name: String, expected: String },
+    /// A local used outside the scope that declared it, or a name from another kernel.
+    OutOfScope { name: String },
+    /// `break` or `continue` outside a loop.
+    NotInLoop { statement: String },
+    /// An assignment to something that cannot be assigned (a `let`, a read-only buffer).
+    NotAssignable { target: String },
+    /// Workgroup memory over the device limit (naga does not check this).
+    WorkgroupMemory { used: u32, limit: u32 },
+    /// Workgroup size over a device limit.
+    WorkgroupSize { size: [u32; 3], limit: String },
+    /// Runtime scalars passed as immediates over the device's immediate size.
+    ImmediateSize { used: u32, limit: u32 },
+    /// naga rejected the emitted WGSL. This is a hesper bug: the builder should have caught the
+    /// misuse first. The WGSL is kept for the report.
+    Naga { message: String, wgsl: String },
+}
+
+impl DslError {
+    pub(crate) fn new(kernel: &str, kind: ErrorKind) -> Self {
+        DslError {
+            kernel: kernel.to_string(),
+            kind,
+        }
+    }
+}
+
+impl fmt::Display for DslError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "kernel `{}`: ", self.kernel)?;
+        match &self.kind {
+            ErrorKind::StoreToReadOnly { binding } => {
+                write!(f, "store into `{binding}`, which is declared read-only")
+            }
+            ErrorKind::DuplicateName { name } => write!(f, "the name `{name}` is declared twice"),
+            ErrorKind::InvalidName { name, why } => write!(f, "invalid name `{name}`: {why}"),
+            ErrorKind::TypeMismatch {
+                item,
+                expected,
+                found,
+            } => write!(f, "{item}: expected {expected}, found {found}"),
+            ErrorKind::InvalidExpression { message } => write!(f, "invalid expression: {message}"),
+            ErrorKind::SubgroupsNotRequested { op } => write!(
+                f,
+                "`{op}` needs subgroups, but the kernel key does not ask for Features::SUBGROUPS"
+            ),
+            ErrorKind::MissingShape { name, expected } => write!(
+                f,
+                "shape parameter `{name}` ({expected}) is not in the kernel key"
+            ),
+            ErrorKind::OutOfScope { name } => write!(
+                f,
+                "`{name}` is used outside the scope that declares it (or comes from another kernel)"
+            ),
+            ErrorKind::NotInLoop { statement } => write!(f, "`{statement}` outside a loop"),
+            ErrorKind::NotAssignable { target } => write!(f, "`{target}` cannot be assigned"),
+            ErrorKind::WorkgroupMemory { used, limit } => write!(
+                f,
+                "workgroup memory of {used} bytes is over the limit of {limit} bytes"
+            ),
+            ErrorKind::WorkgroupSize { size, limit } => write!(
+                f,
+                "workgroup size {}x{}x{} is over the limit: {limit}",
+                size[0], size[1], size[2]
+            ),
+            ErrorKind::ImmediateSize { used, limit } => write!(
+                f,
+                "runtime scalars take {used} bytes of immediates, over the limit of {limit} bytes"
+            ),
+            ErrorKind::Naga { message, wgsl } => {
+                write!(f, "naga rejected the emitted WGSL (a hesper bug):\n{message}\n--- WGSL ---\n{wgsl}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for DslError {}

@@ -1,0 +1,82 @@
+//! # hesper-dsl
+//!
+//! A typed builder for WGSL compute kernels, in the spirit of Hesper's `ShaderM`: expressions are
+//! values ([`Expr<T>`]), statements and declarations are effects recorded by a
+//! [`KernelBuilder`], and [`Kernel::build`] turns a [`KernelKey`] and a body into validated,
+//! deterministic WGSL.
+//!
+//! ```
+//! use hesper_dsl::prelude::*;
+//!
+//! // d_up = dh · relu(g)²  and  d_gate = dh · u · 2·relu(g)   (ReLU²×Mul backward)
+//! let key = KernelKey::new("relu_sqr_mul_backward").workgroup_size(256);
+//! let kernel = Kernel::build(&key, |k| {
+//!     let gate = k.storage::<f32>("gate");
+//!     let up = k.storage::<f32>("up");
+//!     let d_h = k.storage::<f32>("d_h");
+//!     let d_gate = k.storage_rw::<f32>("d_gate");
+//!     let d_up = k.storage_rw::<f32>("d_up");
+//!     let n = k.param::<u32>("n");
+//!     let i = k.global_index();
+//!     k.if_(i.lt(&n), |k| {
+//!         let r = k.let_("r", gate.at(&i).max(0.0));
+//!         let dh = k.let_("dh", d_h.at(&i));
+//!         k.store(&d_gate, &i, &dh * up.at(&i) * 2.0 * &r);
+//!         k.store(&d_up, &i, &dh * &r * &r);
+//!     });
+//! })
+//! .unwrap();
+//! assert!(kernel.wgsl().contains("d_up[index] = dh * r * r;"));
+//! ```
+//!
+//! Misuse is an error naming the kernel and the item, never WGSL that naga rejects:
+//!
+//! ```
+//! use hesper_dsl::prelude::*;
+//! let err = Kernel::build(&KernelKey::new("twice"), |k| {
+//!     k.storage::<f32>("x");
+//!     k.storage_rw::<f32>("x");
+//! })
+//! .unwrap_err();
+//! assert_eq!(err.to_string(), "kernel `twice`: the name `x` is declared twice");
+//! ```
+//!
+//! Storing into a read-only buffer does not compile:
+//!
+//! ```compile_fail
+//! use hesper_dsl::prelude::*;
+//! Kernel::build(&KernelKey::new("ro"), |k| {
+//!     let x = k.storage::<f32>("x");
+//!     k.store(&x, 0u32, 1.0f32);
+//! });
+//! ```
+
+mod builder;
+mod check;
+mod combinators;
+mod error;
+pub mod expr;
+mod kernel;
+mod names;
+pub mod ty;
+pub mod validate;
+mod wgsl;
+
+pub use builder::{
+    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, ParamType, ReadBuffer, RwBuffer,
+    ShapeType, Var, WorkgroupArray, Writable,
+};
+pub use combinators::{Reduce, Reducible};
+pub use error::{DslError, ErrorKind};
+pub use expr::{VarId, AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, bf16, lit, select, vec2, vec3, vec4};
+pub use kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
+pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
+
+/// Everything a kernel author needs, in one `use`.
+pub mod prelude {
+    pub use crate::{
+        Access, Array, BinaryOp, Expr, F16, Features, Indexable, IntoExpr, Kernel, KernelBuilder,
+        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, lit, select,
+        vec2, vec3, vec4,
+    };
+}

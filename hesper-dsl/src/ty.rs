@@ -1,0 +1,260 @@
+//! WGSL types: scalars, vectors, fixed-size arrays, and the Rust marker types that name them.
+//!
+//! The builder is typed on the Rust side (`Expr<f32>`, `Expr<Vec4<f32>>`), and every expression
+//! node also carries its runtime [`Ty`], which the untyped paths check and the emitter prints.
+
+use std::fmt;
+use std::marker::PhantomData;
+
+/// A WGSL scalar type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Scalar {
+    F32,
+    F16,
+    I32,
+    U32,
+    Bool,
+}
+
+impl Scalar {
+    pub fn is_float(self) -> bool {
+        matches!(self, Scalar::F32 | Scalar::F16)
+    }
+    pub fn is_integer(self) -> bool {
+        matches!(self, Scalar::I32 | Scalar::U32)
+    }
+    pub fn is_numeric(self) -> bool {
+        self != Scalar::Bool
+    }
+    /// Size in bytes in host-shareable memory (`bool` has none: it may not live in buffers).
+    pub fn size(self) -> u32 {
+        match self {
+            Scalar::F16 => 2,
+            _ => 4,
+        }
+    }
+    pub fn wgsl(self) -> &'static str {
+        match self {
+            Scalar::F32 => "f32",
+            Scalar::F16 => "f16",
+            Scalar::I32 => "i32",
+            Scalar::U32 => "u32",
+            Scalar::Bool => "bool",
+        }
+    }
+}
+
+/// A WGSL type as the IR sees it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Ty {
+    Scalar(Scalar),
+    /// `vecN<S>`, N in 2..=4.
+    Vector(u8, Scalar),
+    /// `array<T, N>` with a fixed length (workgroup arrays, private arrays).
+    Array(Box<Ty>, u32),
+}
+
+impl Ty {
+    pub const F32: Ty = Ty::Scalar(Scalar::F32);
+    pub const F16: Ty = Ty::Scalar(Scalar::F16);
+    pub const I32: Ty = Ty::Scalar(Scalar::I32);
+    pub const U32: Ty = Ty::Scalar(Scalar::U32);
+    pub const BOOL: Ty = Ty::Scalar(Scalar::Bool);
+
+    /// The scalar at the bottom of this type (`f32` for `vec4<f32>` or `array<vec4<f32>, 8>`).
+    pub fn scalar(&self) -> Scalar {
+        match self {
+            Ty::Scalar(s) | Ty::Vector(_, s) => *s,
+            Ty::Array(e, _) => e.scalar(),
+        }
+    }
+
+    /// The number of components of a scalar (1) or vector; `None` for arrays.
+    pub fn width(&self) -> Option<u8> {
+        match self {
+            Ty::Scalar(_) => Some(1),
+            Ty::Vector(n, _) => Some(*n),
+            Ty::Array(..) => None,
+        }
+    }
+
+    /// The same shape (scalar or vector width) with another scalar.
+    pub fn with_scalar(&self, s: Scalar) -> Ty {
+        match self {
+            Ty::Scalar(_) => Ty::Scalar(s),
+            Ty::Vector(n, _) => Ty::Vector(*n, s),
+            Ty::Array(e, n) => Ty::Array(Box::new(e.with_scalar(s)), *n),
+        }
+    }
+
+    pub fn is_scalar_or_vector(&self) -> bool {
+        !matches!(self, Ty::Array(..))
+    }
+
+    pub fn contains_f16(&self) -> bool {
+        self.scalar() == Scalar::F16
+    }
+
+    /// WGSL alignment in storage / workgroup memory.
+    pub fn align(&self) -> u32 {
+        match self {
+            Ty::Scalar(s) => s.size(),
+            Ty::Vector(n, s) => {
+                let n = if *n == 3 { 4 } else { *n as u32 };
+                n * s.size()
+            }
+            Ty::Array(e, _) => e.align(),
+        }
+    }
+
+    /// WGSL size in storage / workgroup memory (`bool` counts 4 bytes in workgroup memory).
+    pub fn size(&self) -> u32 {
+        match self {
+            Ty::Scalar(s) => s.size(),
+            Ty::Vector(n, s) => *n as u32 * s.size(),
+            Ty::Array(e, n) => e.stride() * n,
+        }
+    }
+
+    /// Distance between consecutive elements of an array of this type.
+    pub fn stride(&self) -> u32 {
+        let (size, align) = (self.size(), self.align());
+        size.div_ceil(align) * align
+    }
+}
+
+impl fmt::Display for Ty {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Ty::Scalar(s) => f.write_str(s.wgsl()),
+            Ty::Vector(n, s) => write!(f, "vec{n}<{}>", s.wgsl()),
+            Ty::Array(e, n) => write!(f, "array<{e}, {n}>"),
+        }
+    }
+}
+
+/// A Rust type that stands for a WGSL type.
+pub trait WgslType: 'static {
+    fn ty() -> Ty;
+}
+
+/// The marker for WGSL's `f16` (Rust's own `f16` is not stable). Literals are given as `f32`
+/// and must be exactly representable in f16.
+#[derive(Clone, Copy, Debug)]
+pub struct F16;
+
+/// Marker for `vec2<S>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Vec2<S>(PhantomData<S>);
+/// Marker for `vec3<S>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Vec3<S>(PhantomData<S>);
+/// Marker for `vec4<S>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Vec4<S>(PhantomData<S>);
+/// Marker for a fixed-size `array<T, N>`.
+#[derive(Clone, Copy, Debug)]
+pub struct Array<T, const N: u32>(PhantomData<T>);
+
+/// A scalar marker type.
+pub trait ScalarType: WgslType {
+    const SCALAR: Scalar;
+}
+/// A numeric scalar or vector (arithmetic is defined on it).
+pub trait Numeric: WgslType {
+    type Elem: ScalarType;
+}
+/// A floating-point scalar or vector (the float builtins are defined on it).
+pub trait FloatType: Numeric {}
+/// An integer scalar or vector (bit operators are defined on it).
+pub trait IntegerType: Numeric {}
+/// A type whose values can be stored in storage or workgroup memory.
+pub trait HostShareable: WgslType {}
+
+macro_rules! scalar_marker {
+    ($t:ty, $s:ident) => {
+        impl WgslType for $t {
+            fn ty() -> Ty {
+                Ty::Scalar(Scalar::$s)
+            }
+        }
+        impl ScalarType for $t {
+            const SCALAR: Scalar = Scalar::$s;
+        }
+    };
+}
+scalar_marker!(f32, F32);
+scalar_marker!(F16, F16);
+scalar_marker!(i32, I32);
+scalar_marker!(u32, U32);
+scalar_marker!(bool, Bool);
+
+macro_rules! vector_marker {
+    ($v:ident, $n:literal) => {
+        impl<S: ScalarType> WgslType for $v<S> {
+            fn ty() -> Ty {
+                Ty::Vector($n, S::SCALAR)
+            }
+        }
+    };
+}
+vector_marker!(Vec2, 2);
+vector_marker!(Vec3, 3);
+vector_marker!(Vec4, 4);
+
+impl<T: WgslType, const N: u32> WgslType for Array<T, N> {
+    fn ty() -> Ty {
+        Ty::Array(Box::new(T::ty()), N)
+    }
+}
+
+macro_rules! numeric {
+    ($($t:ty => $e:ty),*) => {$(
+        impl Numeric for $t { type Elem = $e; }
+        impl HostShareable for $t {}
+    )*};
+}
+numeric!(f32 => f32, F16 => F16, i32 => i32, u32 => u32,
+    Vec2<f32> => f32, Vec3<f32> => f32, Vec4<f32> => f32,
+    Vec2<F16> => F16, Vec3<F16> => F16, Vec4<F16> => F16,
+    Vec2<i32> => i32, Vec3<i32> => i32, Vec4<i32> => i32,
+    Vec2<u32> => u32, Vec3<u32> => u32, Vec4<u32> => u32);
+impl<T: HostShareable, const N: u32> HostShareable for Array<T, N> {}
+
+macro_rules! marker_impls {
+    ($tr:ident: $($t:ty),*) => {$( impl $tr for $t {} )*};
+}
+marker_impls!(FloatType: f32, F16, Vec2<f32>, Vec3<f32>, Vec4<f32>, Vec2<F16>, Vec3<F16>, Vec4<F16>);
+marker_impls!(IntegerType: i32, u32, Vec2<i32>, Vec3<i32>, Vec4<i32>, Vec2<u32>, Vec3<u32>, Vec4<u32>);
+
+/// How a kernel may use a storage buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    Read,
+    ReadWrite,
+}
+
+impl Access {
+    pub fn wgsl(self) -> &'static str {
+        match self {
+            Access::Read => "read",
+            Access::ReadWrite => "read_write",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layout_follows_wgsl() {
+        assert_eq!(<Vec3<f32>>::ty().align(), 16);
+        assert_eq!(<Vec3<f32>>::ty().size(), 12);
+        assert_eq!(<Vec3<f32>>::ty().stride(), 16);
+        assert_eq!(<Array<Vec3<f32>, 4>>::ty().size(), 64);
+        assert_eq!(<Array<F16, 3>>::ty().size(), 6);
+        assert_eq!(<Vec2<F16>>::ty().to_string(), "vec2<f16>");
+        assert_eq!(<Array<Vec4<u32>, 8>>::ty().to_string(), "array<vec4<u32>, 8>");
+    }
+}
