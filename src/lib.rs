@@ -1,1 +1,10 @@
+//! # hesper
+//!
+//! Write, test and run the backward-pass GPU kernels of LoRA fine-tuning from Rust. Kernels are
+//! written in a typed DSL ([`dsl`]) that emits validated, deterministic WGSL; the executor
+//! ([`exec`]) runs them through wgpu on Vulkan, Metal, DX12 or Mesa's lavapipe; [`kernels`] is
+//! the kernel library.
 
+pub use hesper_dsl as dsl;
+pub use hesper_exec as exec;
+pub use hesper_kernels as kernels;
