@@ -7,7 +7,9 @@ use hesper::dsl::prelude::*;
 use hesper::exec::{Args, ExecError, Grid};
 
 fn relu_sqr_mul_backward(features: Features) -> Kernel {
-    let key = KernelKey::new("relu_sqr_mul_backward").workgroup_size(256).features(features);
+    let key = KernelKey::new("relu_sqr_mul_backward")
+        .workgroup_size(256)
+        .features(features);
     Kernel::build(&key, |k| {
         let gate = k.storage::<f32>("gate");
         let up = k.storage::<f32>("up");
@@ -39,11 +41,17 @@ fn elementwise_backward_matches_reference() {
         let mut rng = Rng::new(seed);
         let (gate, up, dh) = (rng.vec(n), rng.vec(n), rng.vec(n));
         let r = |i: usize| (gate[i] as f64).max(0.0);
-        let want_gate: Vec<f64> = (0..n).map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i)).collect();
+        let want_gate: Vec<f64> = (0..n)
+            .map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i))
+            .collect();
         let want_up: Vec<f64> = (0..n).map(|i| dh[i] as f64 * r(i) * r(i)).collect();
         for &mode in &modes {
             let kernel = relu_sqr_mul_backward(mode);
-            let bufs = [g.upload(&gate).unwrap(), g.upload(&up).unwrap(), g.upload(&dh).unwrap()];
+            let bufs = [
+                g.upload(&gate).unwrap(),
+                g.upload(&up).unwrap(),
+                g.upload(&dh).unwrap(),
+            ];
             let d_gate = g.filled(n, f32::NAN).unwrap();
             let d_up = g.filled(n, f32::NAN).unwrap();
             let args = Args::new()
@@ -56,7 +64,10 @@ fn elementwise_backward_matches_reference() {
             g.run(&kernel, &args, Grid::Threads(n as u64)).unwrap();
             let e1 = max_rel_err(&d_gate.read(g).unwrap(), &want_gate);
             let e2 = max_rel_err(&d_up.read(g).unwrap(), &want_up);
-            assert!(e1 < 1e-6 && e2 < 1e-6, "n={n} {mode:?}: errors {e1:e} {e2:e}");
+            assert!(
+                e1 < 1e-6 && e2 < 1e-6,
+                "n={n} {mode:?}: errors {e1:e} {e2:e}"
+            );
         }
     }
 }
@@ -73,8 +84,14 @@ fn workgroup_reduce_matches_reference() {
     let (rows, cols) = (7usize, 1000usize);
     let mut rng = Rng::new(11);
     let x = rng.vec(rows * cols);
-    let want_sum: Vec<f64> = x.chunks(cols).map(|r| r.iter().map(|v| *v as f64).sum()).collect();
-    let want_max: Vec<f64> = x.chunks(cols).map(|r| r.iter().fold(f64::MIN, |m, v| m.max(*v as f64))).collect();
+    let want_sum: Vec<f64> = x
+        .chunks(cols)
+        .map(|r| r.iter().map(|v| *v as f64).sum())
+        .collect();
+    let want_max: Vec<f64> = x
+        .chunks(cols)
+        .map(|r| r.iter().fold(f64::MIN, |m, v| m.max(*v as f64)))
+        .collect();
     for features in feature_sets {
         for wg in [64u32, 96, 256] {
             let key = KernelKey::new("row_sum_max")
@@ -106,11 +123,18 @@ fn workgroup_reduce_matches_reference() {
             let xb = g.upload(&x).unwrap();
             let sums = g.filled(rows, f32::NAN).unwrap();
             let maxes = g.filled(rows, f32::NAN).unwrap();
-            let args = Args::new().buffer("x", &xb).buffer("sums", &sums).buffer("maxes", &maxes);
-            g.run(&kernel, &args, Grid::Workgroups([rows as u32, 1, 1])).unwrap();
+            let args = Args::new()
+                .buffer("x", &xb)
+                .buffer("sums", &sums)
+                .buffer("maxes", &maxes);
+            g.run(&kernel, &args, Grid::Workgroups([rows as u32, 1, 1]))
+                .unwrap();
             let es = max_rel_err(&sums.read(g).unwrap(), &want_sum);
             let em = max_rel_err(&maxes.read(g).unwrap(), &want_max);
-            assert!(es < 1e-5 && em == 0.0, "wg={wg} {features:?}: sum err {es:e}, max err {em:e}");
+            assert!(
+                es < 1e-5 && em == 0.0,
+                "wg={wg} {features:?}: sum err {es:e}, max err {em:e}"
+            );
         }
     }
 }
@@ -129,11 +153,23 @@ fn global_index_is_right_past_65535_workgroups() {
         k.if_(i.lt(out.len()), |k| k.store(&out, &i, &i ^ 0x5A5A_5A5Au32));
     })
     .unwrap();
-    assert_eq!(g.workgroups(&kernel, Grid::Threads(n as u64)).unwrap(), [65535, 2, 1]);
+    assert_eq!(
+        g.workgroups(&kernel, Grid::Threads(n as u64)).unwrap(),
+        [65535, 2, 1]
+    );
     let out = g.filled(n, u32::MAX).unwrap();
-    g.run(&kernel, &Args::new().buffer("out", &out), Grid::Threads(n as u64)).unwrap();
+    g.run(
+        &kernel,
+        &Args::new().buffer("out", &out),
+        Grid::Threads(n as u64),
+    )
+    .unwrap();
     let got = out.read(g).unwrap();
-    let wrong = got.iter().enumerate().filter(|(i, v)| **v != *i as u32 ^ 0x5A5A_5A5A).count();
+    let wrong = got
+        .iter()
+        .enumerate()
+        .filter(|(i, v)| **v != *i as u32 ^ 0x5A5A_5A5A)
+        .count();
     assert_eq!(wrong, 0, "{wrong} of {n} elements wrong");
 }
 
@@ -144,7 +180,16 @@ fn bf16_pack_matches_host_rounding() {
     let mut rng = Rng::new(5);
     let mut x: Vec<f32> = (0..4096).map(|_| rng.next_f32() * 1e3).collect();
     // exact ties, both parities, and specials
-    x.extend([1.0 + 2f32.powi(-8), 1.0 + 3.0 * 2f32.powi(-8), -2.5, 0.0, -0.0, f32::NAN, f32::INFINITY, 3.4e38]);
+    x.extend([
+        1.0 + 2f32.powi(-8),
+        1.0 + 3.0 * 2f32.powi(-8),
+        -2.5,
+        0.0,
+        -0.0,
+        f32::NAN,
+        f32::INFINITY,
+        3.4e38,
+    ]);
     if x.len() % 2 == 1 {
         x.push(1.0);
     }
@@ -165,17 +210,28 @@ fn bf16_pack_matches_host_rounding() {
     let xb = g.upload(&x).unwrap();
     let packed = g.filled(x.len() / 2, 0xDEAD_BEEFu32).unwrap();
     let back = g.filled(x.len(), f32::NAN).unwrap();
-    let args = Args::new().buffer("x", &xb).buffer("packed", &packed).buffer("back", &back);
-    g.run(&kernel, &args, Grid::Threads((x.len() / 2) as u64)).unwrap();
+    let args = Args::new()
+        .buffer("x", &xb)
+        .buffer("packed", &packed)
+        .buffer("back", &back);
+    g.run(&kernel, &args, Grid::Threads((x.len() / 2) as u64))
+        .unwrap();
     let (packed, back) = (packed.read(g).unwrap(), back.read(g).unwrap());
     for (i, v) in x.iter().enumerate() {
         let want = bf16::round_host(*v);
         let got = (packed[i / 2] >> (16 * (i % 2))) as u16;
         if v.is_nan() {
-            assert!(bf16::to_f32_host(got).is_nan() && back[i].is_nan(), "NaN at {i}");
+            assert!(
+                bf16::to_f32_host(got).is_nan() && back[i].is_nan(),
+                "NaN at {i}"
+            );
         } else {
             assert_eq!(got, want, "x[{i}] = {v:e}");
-            assert_eq!(back[i].to_bits(), bf16::to_f32_host(want).to_bits(), "back[{i}]");
+            assert_eq!(
+                back[i].to_bits(),
+                bf16::to_f32_host(want).to_bits(),
+                "back[{i}]"
+            );
         }
     }
 }
@@ -203,10 +259,20 @@ fn f16_kernel_runs() {
         });
     })
     .unwrap();
-    assert!(kernel.uses_f16() && kernel.wgsl().starts_with("// f16_square wg=64x1x1\nenable f16;"));
+    assert!(
+        kernel.uses_f16()
+            && kernel
+                .wgsl()
+                .starts_with("// f16_square wg=64x1x1\nenable f16;")
+    );
     let xb = g.upload(&x).unwrap();
     let out = g.filled(n, f32::NAN).unwrap();
-    g.run(&kernel, &Args::new().buffer("x", &xb).buffer("out", &out), Grid::Threads(n as u64)).unwrap();
+    g.run(
+        &kernel,
+        &Args::new().buffer("x", &xb).buffer("out", &out),
+        Grid::Threads(n as u64),
+    )
+    .unwrap();
     let want: Vec<f64> = x.iter().map(|v| (*v as f64).powi(2) + 0.5).collect();
     let e = max_rel_err(&out.read(g).unwrap(), &want);
     assert!(e < 3e-3, "f16 error {e:e}");
@@ -226,7 +292,11 @@ fn binding_errors_name_kernel_and_binding() {
             .buffer("d_h", &f)
             .buffer("d_gate", &f)
     };
-    let run = |args: Args| g.run(&kernel, &args, Grid::Threads(8)).unwrap_err().to_string();
+    let run = |args: Args| {
+        g.run(&kernel, &args, Grid::Threads(8))
+            .unwrap_err()
+            .to_string()
+    };
     assert_eq!(
         run(full().param("n", 8u32)),
         "kernel `relu_sqr_mul_backward`, binding `d_up`: expected a buffer of f32, given none"
@@ -235,14 +305,27 @@ fn binding_errors_name_kernel_and_binding() {
         run(full().buffer("d_up", &u).param("n", 8u32)),
         "kernel `relu_sqr_mul_backward`, binding `d_up`: expected elements of f32, given elements of u32"
     );
-    assert!(run(full().buffer("d_up", &f).buffer("extra", &f).param("n", 8u32)).contains("binding `extra`"));
+    assert!(
+        run(full()
+            .buffer("d_up", &f)
+            .buffer("extra", &f)
+            .param("n", 8u32))
+        .contains("binding `extra`")
+    );
     assert_eq!(
         run(full().buffer("d_up", &f)),
         "kernel `relu_sqr_mul_backward`, runtime scalar `n`: expected u32, given no value"
     );
-    assert!(run(full().buffer("d_up", &f).param("n", 8.0f32)).contains("runtime scalar `n`: expected u32"));
+    assert!(
+        run(full().buffer("d_up", &f).param("n", 8.0f32))
+            .contains("runtime scalar `n`: expected u32")
+    );
     let err = g
-        .run(&kernel, &full().buffer("d_up", &f).param("n", 8u32), Grid::Workgroups([70_000, 1, 1]))
+        .run(
+            &kernel,
+            &full().buffer("d_up", &f).param("n", 8u32),
+            Grid::Workgroups([70_000, 1, 1]),
+        )
         .unwrap_err();
     assert!(matches!(err, ExecError::Dispatch { .. }), "{err}");
 }

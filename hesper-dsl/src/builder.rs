@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::error::{DslError, ErrorKind};
 use crate::expr::{AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Node, VarId, node};
-use crate::kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
+use crate::kernel::{
+    Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
+};
 use crate::ty::{Access, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType};
 use crate::{check, names, wgsl};
 
@@ -412,6 +414,8 @@ impl KernelBuilder {
                 ty: l.ty.clone(),
             })
             .collect();
+        // Limits first: naga rejects some (a zero workgroup size) with a less helpful message.
+        kernel.check_limits(limits)?;
         kernel.wgsl = wgsl::emit(&kernel);
         crate::validate::validate(&kernel).map_err(|message| {
             DslError::new(
@@ -422,7 +426,6 @@ impl KernelBuilder {
                 },
             )
         })?;
-        kernel.check_limits(limits)?;
         Ok(kernel)
     }
 
@@ -572,7 +575,11 @@ impl KernelBuilder {
                 found: "0".into(),
             });
         }
-        let id = self.new_var(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Workgroup);
+        let id = self.new_var(
+            hint,
+            Ty::Array(Box::new(T::ty()), len.max(1)),
+            VarKind::Workgroup,
+        );
         WorkgroupArray {
             id,
             len,
@@ -656,7 +663,11 @@ impl KernelBuilder {
         self.subgroup_op(Func::SubgroupMin, vec![e.into_expr().node])
     }
     /// `subgroupShuffleXor(e, mask)`: the value of the invocation whose id is `own id ^ mask`.
-    pub fn subgroup_shuffle_xor<T: Numeric>(&mut self, e: impl IntoExpr<T>, mask: impl IntoExpr<u32>) -> Expr<T> {
+    pub fn subgroup_shuffle_xor<T: Numeric>(
+        &mut self,
+        e: impl IntoExpr<T>,
+        mask: impl IntoExpr<u32>,
+    ) -> Expr<T> {
         let args = vec![e.into_expr().node, mask.into_expr().node];
         self.subgroup_op(Func::SubgroupShuffleXor, args)
     }
@@ -750,7 +761,12 @@ impl KernelBuilder {
     }
 
     /// `target[index] = value;`
-    pub fn store<T: WgslType>(&mut self, target: &impl Writable<T>, index: impl IntoExpr<u32>, value: impl IntoExpr<T>) {
+    pub fn store<T: WgslType>(
+        &mut self,
+        target: &impl Writable<T>,
+        index: impl IntoExpr<u32>,
+        value: impl IntoExpr<T>,
+    ) {
         self.push(Stmt::Assign {
             target: target.at(index).node,
             op: None,
@@ -766,7 +782,11 @@ impl KernelBuilder {
         op: BinaryOp,
         value: impl IntoExpr<T>,
     ) {
-        self.assign_op_any(&target.at(index).erase(), Some(op), &value.into_expr().erase());
+        self.assign_op_any(
+            &target.at(index).erase(),
+            Some(op),
+            &value.into_expr().erase(),
+        );
     }
 
     /// `name[index] = value;` through the untyped path: unknown names, read-only buffers and type
@@ -841,7 +861,12 @@ impl KernelBuilder {
     }
 
     /// `if` through the untyped path (`cond` must be `bool`).
-    pub fn if_any(&mut self, cond: &AnyExpr, then: impl FnOnce(&mut Self), otherwise: impl FnOnce(&mut Self)) {
+    pub fn if_any(
+        &mut self,
+        cond: &AnyExpr,
+        then: impl FnOnce(&mut Self),
+        otherwise: impl FnOnce(&mut Self),
+    ) {
         if *cond.ty() != Ty::BOOL {
             self.error(ErrorKind::TypeMismatch {
                 item: "if condition".into(),
@@ -912,7 +937,11 @@ impl KernelBuilder {
 
     /// A compile-time unrolled loop: `body` runs once per value, in Rust, and each run records
     /// its own statements (comptime is plain Rust; this only reads better).
-    pub fn unroll(&mut self, range: impl IntoIterator<Item = u32>, mut body: impl FnMut(&mut Self, u32)) {
+    pub fn unroll(
+        &mut self,
+        range: impl IntoIterator<Item = u32>,
+        mut body: impl FnMut(&mut Self, u32),
+    ) {
         for i in range {
             body(self, i);
         }
@@ -1005,7 +1034,11 @@ pub(crate) struct Found {
 }
 
 impl Found {
-    pub(crate) fn new(builtins: BTreeSet<Builtin>, helpers: BTreeSet<Func>, uses_f16: bool) -> Self {
+    pub(crate) fn new(
+        builtins: BTreeSet<Builtin>,
+        helpers: BTreeSet<Func>,
+        uses_f16: bool,
+    ) -> Self {
         Found {
             builtins: builtins.into_iter().collect(),
             helpers: helpers.into_iter().collect(),

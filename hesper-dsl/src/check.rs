@@ -2,9 +2,11 @@
 //! kernels, assignability, error nodes, features, and what the module needs (builtins, helpers,
 //! `enable f16`).
 
-use std::collections::BTreeSet;
+use std::cell::RefCell;
+use std::collections::{BTreeSet, HashMap};
 
 use crate::builder::{Block, Found, KernelBuilder, Stmt, VarKind};
+use crate::consteval;
 use crate::error::ErrorKind;
 use crate::expr::{Builtin, ExprKind, Func, Literal, Node, VarId};
 use crate::kernel::Features;
@@ -16,6 +18,9 @@ struct Checker<'a> {
     builtins: BTreeSet<Builtin>,
     helpers: BTreeSet<Func>,
     uses_f16: bool,
+    /// Every `let` seen so far and its value, for constant evaluation.
+    lets: HashMap<VarId, Node>,
+    memo: RefCell<HashMap<VarId, Option<consteval::Eval>>>,
 }
 
 pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind> {
@@ -25,6 +30,8 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind>
         builtins: BTreeSet::new(),
         helpers: BTreeSet::new(),
         uses_f16: false,
+        lets: HashMap::new(),
+        memo: RefCell::new(HashMap::new()),
     };
     c.uses_f16 = k.bindings.iter().any(|b| b.elem.contains_f16())
         || k.locals.iter().any(|l| l.ty.contains_f16());
@@ -64,11 +71,16 @@ impl Checker<'_> {
                     });
                 }
                 self.declare(*id);
+                self.lets.insert(*id, value.clone());
             }
             Stmt::Var { id, init } => {
                 if let Some(init) = init {
                     self.expr(init)?;
-                    self.same_type(&format!("var `{}`", self.hint(*id)), &self.local_ty(*id), &init.ty)?;
+                    self.same_type(
+                        &format!("var `{}`", self.hint(*id)),
+                        &self.local_ty(*id),
+                        &init.ty,
+                    )?;
                 }
                 self.declare(*id);
             }
@@ -163,6 +175,23 @@ impl Checker<'_> {
     }
 
     fn expr(&mut self, n: &Node) -> Result<(), ErrorKind> {
+        self.expr_parts(n)?;
+        // Children first, so the smallest failing constant subexpression is the one reported.
+        let scope = consteval::Scope {
+            key: self.k.key(),
+            lets: &self.lets,
+            memo: &self.memo,
+        };
+        let constant = match consteval::check(n, &scope) {
+            Some(Err(why)) => Err(why),
+            _ => consteval::check_operands(n, &scope),
+        };
+        constant.map_err(|why| ErrorKind::InvalidExpression {
+            message: format!("a constant subexpression fails WGSL's shader-creation checks: {why}"),
+        })
+    }
+
+    fn expr_parts(&mut self, n: &Node) -> Result<(), ErrorKind> {
         if n.ty.contains_f16() {
             self.uses_f16 = true;
         }
@@ -200,14 +229,22 @@ impl Checker<'_> {
                     return Err(ErrorKind::OutOfScope { name: name.clone() });
                 };
                 if let ExprKind::Global(_) = n.kind {
-                    self.same_type(&format!("binding `{name}`"), &Ty::Array(Box::new(b.elem.clone()), 0), &n.ty)?;
+                    self.same_type(
+                        &format!("binding `{name}`"),
+                        &Ty::Array(Box::new(b.elem.clone()), 0),
+                        &n.ty,
+                    )?;
                 }
             }
             ExprKind::Param(name) => {
                 let Some(p) = self.k.params.iter().find(|p| &p.name == name) else {
                     return Err(ErrorKind::OutOfScope { name: name.clone() });
                 };
-                self.same_type(&format!("runtime scalar `{name}`"), &Ty::Scalar(p.ty), &n.ty)?;
+                self.same_type(
+                    &format!("runtime scalar `{name}`"),
+                    &Ty::Scalar(p.ty),
+                    &n.ty,
+                )?;
             }
             ExprKind::Const(name) => {
                 let Some(v) = self.k.key().get(name) else {
@@ -226,7 +263,9 @@ impl Checker<'_> {
                 }
                 self.builtins.insert(*b);
             }
-            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => self.expr(a)?,
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => {
+                self.expr(a)?
+            }
             ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => {
                 self.expr(a)?;
                 self.expr(b)?;

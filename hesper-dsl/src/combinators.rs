@@ -55,7 +55,15 @@ macro_rules! reducible_vector {
         }
     )*};
 }
-reducible_vector!(Vec2<f32>, Vec3<f32>, Vec4<f32>, Vec2<u32>, Vec4<u32>, Vec2<i32>, Vec4<i32>);
+reducible_vector!(
+    Vec2<f32>,
+    Vec3<f32>,
+    Vec4<f32>,
+    Vec2<u32>,
+    Vec4<u32>,
+    Vec2<i32>,
+    Vec4<i32>
+);
 
 fn combine<T: Reducible>(op: Reduce, a: Expr<T>, b: Expr<T>) -> Expr<T> {
     match op {
@@ -104,15 +112,21 @@ impl KernelBuilder {
     /// all invocations of the workgroup arrive (it has barriers). Uses subgroup operations when
     /// the key asks for `Features::SUBGROUPS`, else a shared-memory tree. Each call has its own
     /// workgroup scratch and ends with a barrier, so calls in loops do not race.
-    pub fn workgroup_reduce<T: Reducible>(&mut self, value: impl IntoExpr<T>, op: Reduce) -> Expr<T> {
+    pub fn workgroup_reduce<T: Reducible>(
+        &mut self,
+        value: impl IntoExpr<T>,
+        op: Reduce,
+    ) -> Expr<T> {
         let value = value.into_expr();
         let wg = self.invocations();
-        let what = match op {
-            Reduce::Sum => "sum",
-            Reduce::Max => "max",
+        let (what, result_hint) = match op {
+            Reduce::Sum => ("sum", "sum"),
+            Reduce::Max => ("max", "maximum"),
         };
         if self.has_feature(Features::SUBGROUPS) {
-            self.comment(&format!("workgroup_reduce({what}): subgroups, then one partial per subgroup"));
+            self.comment(&format!(
+                "workgroup_reduce({what}): subgroups, then one partial per subgroup"
+            ));
             let partial = match op {
                 Reduce::Sum => self.subgroup_add(value),
                 Reduce::Max => self.subgroup_max(value),
@@ -133,7 +147,7 @@ impl KernelBuilder {
                 k.assign(&acc, combine(op, acc.get(), scratch.at(s)));
             });
             self.workgroup_barrier();
-            return self.let_(what, acc.get());
+            return self.let_(result_hint, acc.get());
         }
         self.comment(&format!("workgroup_reduce({what}): shared-memory tree"));
         let scratch = self.workgroup_array::<T>("scratch", wg);
@@ -151,15 +165,23 @@ impl KernelBuilder {
                 1u32,
                 |k, s| {
                     let partner = &lid + &s;
-                    let active = if pow2 { lid.lt(&s) } else { lid.lt(&s).and(partner.lt(wg)) };
+                    let active = if pow2 {
+                        lid.lt(&s)
+                    } else {
+                        lid.lt(&s).and(partner.lt(wg))
+                    };
                     k.if_(active, |k| {
-                        k.store(&scratch, &lid, combine(op, scratch.at(&lid), scratch.at(partner)));
+                        k.store(
+                            &scratch,
+                            &lid,
+                            combine(op, scratch.at(&lid), scratch.at(partner)),
+                        );
                     });
                     k.workgroup_barrier();
                 },
             );
         }
-        let result = self.let_(what, scratch.at(0u32));
+        let result = self.let_(result_hint, scratch.at(0u32));
         self.workgroup_barrier();
         result
     }

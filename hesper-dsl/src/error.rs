@@ -100,7 +100,10 @@ impl fmt::Display for DslError {
                 "runtime scalars take {used} bytes of immediates, over the limit of {limit} bytes"
             ),
             ErrorKind::Naga { message, wgsl } => {
-                write!(f, "naga rejected the emitted WGSL (a hesper bug):\n{message}\n--- WGSL ---\n{wgsl}")
+                write!(
+                    f,
+                    "naga rejected the emitted WGSL (a hesper bug):\n{message}\n--- WGSL ---\n{wgsl}"
+                )
             }
         }
     }

@@ -12,9 +12,7 @@ use std::marker::PhantomData;
 use std::ops;
 use std::sync::Arc;
 
-use crate::ty::{
-    F16, FloatType, Numeric, Scalar, ScalarType, Ty, Vec2, Vec3, Vec4, WgslType,
-};
+use crate::ty::{F16, FloatType, Numeric, Scalar, ScalarType, Ty, Vec2, Vec3, Vec4, WgslType};
 
 pub(crate) type Node = Arc<ExprNode>;
 
@@ -326,7 +324,10 @@ pub(crate) fn binary_type(op: BinaryOp, a: &Ty, b: &Ty) -> Result<Ty, String> {
             if sa.is_integer() && sb == Scalar::U32 && a.width() == b.width() {
                 Ok(a.clone())
             } else {
-                Err(format!("`{}` needs an integer on the left and u32 of the same width on the right, got {a} and {b}", op.wgsl()))
+                Err(format!(
+                    "`{}` needs an integer on the left and u32 of the same width on the right, got {a} and {b}",
+                    op.wgsl()
+                ))
             }
         }
         _ if sa != sb => Err(bad()),
@@ -503,10 +504,7 @@ impl AnyExpr {
     pub fn binary(op: BinaryOp, a: &AnyExpr, b: &AnyExpr) -> Result<AnyExpr, String> {
         let ty = binary_type(op, a.ty(), b.ty())?;
         Ok(AnyExpr {
-            node: node(
-                ExprKind::Binary(op, a.node.clone(), b.node.clone()),
-                ty,
-            ),
+            node: node(ExprKind::Binary(op, a.node.clone(), b.node.clone()), ty),
         })
     }
 
@@ -555,10 +553,7 @@ impl AnyExpr {
             return Err(format!("an index must be u32 or i32, found {}", index.ty()));
         }
         Ok(AnyExpr {
-            node: node(
-                ExprKind::Index(base.node.clone(), index.node.clone()),
-                elem,
-            ),
+            node: node(ExprKind::Index(base.node.clone(), index.node.clone()), elem),
         })
     }
 
@@ -757,7 +752,20 @@ macro_rules! neg_op {
         }
     )*};
 }
-neg_op!(f32, F16, i32, Vec2<f32>, Vec3<f32>, Vec4<f32>, Vec2<F16>, Vec3<F16>, Vec4<F16>, Vec2<i32>, Vec3<i32>, Vec4<i32>);
+neg_op!(
+    f32,
+    F16,
+    i32,
+    Vec2<f32>,
+    Vec3<f32>,
+    Vec4<f32>,
+    Vec2<F16>,
+    Vec3<F16>,
+    Vec4<F16>,
+    Vec2<i32>,
+    Vec3<i32>,
+    Vec4<i32>
+);
 
 impl ops::Not for Expr<bool> {
     type Output = Expr<bool>;
@@ -877,7 +885,11 @@ impl Expr<bool> {
         Expr::<bool>::binary(BinaryOp::Or, self.node.clone(), rhs.into_expr().node)
     }
     /// `select(if_false, if_true, self)`: both sides are evaluated.
-    pub fn select<T: WgslType>(&self, if_true: impl IntoExpr<T>, if_false: impl IntoExpr<T>) -> Expr<T> {
+    pub fn select<T: WgslType>(
+        &self,
+        if_true: impl IntoExpr<T>,
+        if_false: impl IntoExpr<T>,
+    ) -> Expr<T> {
         Expr::typed(ExprKind::Select(
             if_false.into_expr().node,
             if_true.into_expr().node,
@@ -995,15 +1007,23 @@ impl<V: VectorType> Expr<V> {
     fn swizzle_to<U: WgslType>(&self, pattern: &str) -> Expr<U> {
         let valid = !pattern.is_empty()
             && pattern.len() <= 4
-            && (pattern.chars().all(|c| "xyzw"[..V::WIDTH as usize].contains(c))
-                || pattern.chars().all(|c| "rgba"[..V::WIDTH as usize].contains(c)));
+            && (pattern
+                .chars()
+                .all(|c| "xyzw"[..V::WIDTH as usize].contains(c))
+                || pattern
+                    .chars()
+                    .all(|c| "rgba"[..V::WIDTH as usize].contains(c)));
         let want = if pattern.len() == 1 {
             Ty::Scalar(V::ty().scalar())
         } else {
             Ty::Vector(pattern.len() as u8, V::ty().scalar())
         };
         if !valid || want != U::ty() {
-            let msg = format!("swizzle `.{pattern}` does not fit {} → {}", V::ty(), U::ty());
+            let msg = format!(
+                "swizzle `.{pattern}` does not fit {} → {}",
+                V::ty(),
+                U::ty()
+            );
             return Expr::wrap(error_node(msg, U::ty()));
         }
         Expr::wrap(node(
@@ -1050,10 +1070,17 @@ impl<V: VectorType> Expr<V> {
 
 /// `vec2<S>(a, b)`
 pub fn vec2<S: ScalarType>(a: impl IntoExpr<S>, b: impl IntoExpr<S>) -> Expr<Vec2<S>> {
-    Expr::typed(ExprKind::Construct(vec![a.into_expr().node, b.into_expr().node]))
+    Expr::typed(ExprKind::Construct(vec![
+        a.into_expr().node,
+        b.into_expr().node,
+    ]))
 }
 /// `vec3<S>(a, b, c)`
-pub fn vec3<S: ScalarType>(a: impl IntoExpr<S>, b: impl IntoExpr<S>, c: impl IntoExpr<S>) -> Expr<Vec3<S>> {
+pub fn vec3<S: ScalarType>(
+    a: impl IntoExpr<S>,
+    b: impl IntoExpr<S>,
+    c: impl IntoExpr<S>,
+) -> Expr<Vec3<S>> {
     let args = vec![a.into_expr().node, b.into_expr().node, c.into_expr().node];
     Expr::typed(ExprKind::Construct(args))
 }
@@ -1074,7 +1101,11 @@ pub fn vec4<S: ScalarType>(
 }
 
 /// `select(if_false, if_true, cond)`
-pub fn select<T: WgslType>(cond: impl IntoExpr<bool>, if_true: impl IntoExpr<T>, if_false: impl IntoExpr<T>) -> Expr<T> {
+pub fn select<T: WgslType>(
+    cond: impl IntoExpr<bool>,
+    if_true: impl IntoExpr<T>,
+    if_false: impl IntoExpr<T>,
+) -> Expr<T> {
     cond.into_expr().select(if_true, if_false)
 }
 
@@ -1093,7 +1124,10 @@ pub mod bf16 {
     /// `lo` and `hi` rounded to bf16 (nearest, ties to even; NaN stays NaN) in one `u32`, `lo` in
     /// the low half.
     pub fn pack(lo: impl IntoExpr<f32>, hi: impl IntoExpr<f32>) -> Expr<u32> {
-        Expr::call(Func::Bf16Pack, vec![lo.into_expr().node, hi.into_expr().node])
+        Expr::call(
+            Func::Bf16Pack,
+            vec![lo.into_expr().node, hi.into_expr().node],
+        )
     }
     /// `x` rounded to bf16 (nearest, ties to even), as bits in the low 16 bits of a `u32`.
     pub fn round(x: impl IntoExpr<f32>) -> Expr<u32> {

@@ -54,6 +54,7 @@
 mod builder;
 mod check;
 mod combinators;
+mod consteval;
 mod error;
 pub mod expr;
 mod kernel;
@@ -68,7 +69,9 @@ pub use builder::{
 };
 pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind};
-pub use expr::{VarId, AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, bf16, lit, select, vec2, vec3, vec4};
+pub use expr::{
+    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
+};
 pub use kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
 pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
 
@@ -76,7 +79,7 @@ pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
 pub mod prelude {
     pub use crate::{
         Access, Array, BinaryOp, Expr, F16, Features, Indexable, IntoExpr, Kernel, KernelBuilder,
-        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, lit, select,
-        vec2, vec3, vec4,
+        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, lit, select, vec2,
+        vec3, vec4,
     };
 }

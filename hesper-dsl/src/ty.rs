@@ -255,6 +255,9 @@ mod tests {
         assert_eq!(<Array<Vec3<f32>, 4>>::ty().size(), 64);
         assert_eq!(<Array<F16, 3>>::ty().size(), 6);
         assert_eq!(<Vec2<F16>>::ty().to_string(), "vec2<f16>");
-        assert_eq!(<Array<Vec4<u32>, 8>>::ty().to_string(), "array<vec4<u32>, 8>");
+        assert_eq!(
+            <Array<Vec4<u32>, 8>>::ty().to_string(),
+            "array<vec4<u32>, 8>"
+        );
     }
 }

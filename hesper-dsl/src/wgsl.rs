@@ -157,7 +157,9 @@ impl Writer<'_> {
                 self.line("var<immediate> params: Params;");
             } else {
                 let b = k.bindings.len();
-                self.line(&format!("@group(0) @binding({b}) var<uniform> params: Params;"));
+                self.line(&format!(
+                    "@group(0) @binding({b}) var<uniform> params: Params;"
+                ));
             }
         }
         let workgroup: Vec<_> = k
@@ -291,11 +293,13 @@ impl Writer<'_> {
         self.block(then);
         match otherwise.as_slice() {
             [] => self.line("}"),
-            [Stmt::If {
-                cond,
-                then,
-                otherwise,
-            }] => {
+            [
+                Stmt::If {
+                    cond,
+                    then,
+                    otherwise,
+                },
+            ] => {
                 let text = format!("}} else if {} {{", self.expr(cond));
                 self.line(&text);
                 self.else_chain(then, otherwise);
@@ -322,6 +326,21 @@ impl Writer<'_> {
         }
     }
 
+    /// A call's arguments. A comparison before the last argument is parenthesised: in
+    /// `f(a < b, c > d)` WGSL would read `a<b, c>` as a template list.
+    fn args(&self, args: &[Node]) -> String {
+        let last = args.len().saturating_sub(1);
+        let texts: Vec<String> = args
+            .iter()
+            .enumerate()
+            .map(|(i, a)| match self.classed(a) {
+                (text, Class::Relational) if i < last => format!("({text})"),
+                (text, _) => text,
+            })
+            .collect();
+        texts.join(", ")
+    }
+
     fn classed(&self, n: &Node) -> (String, Class) {
         let k = self.kernel;
         match &n.kind {
@@ -344,40 +363,54 @@ impl Writer<'_> {
                     Class::Unary => *op == UnaryOp::Neg && text.starts_with('-'),
                     _ => true,
                 };
-                let text = if needs_parens { format!("({text})") } else { text };
+                let text = if needs_parens {
+                    format!("({text})")
+                } else {
+                    text
+                };
                 (format!("{sym}{text}"), Class::Unary)
             }
             ExprKind::Binary(op, a, b) => {
                 let class = class_of(*op);
-                let text = format!(
-                    "{} {} {}",
-                    self.operand(a, class, true),
-                    op.wgsl(),
-                    self.operand(b, class, false)
-                );
+                let mut right = self.operand(b, class, false);
+                // WGSL reads `name < x >> y` as the template `name<x>`: keep `>` out of the
+                // right side of `<` (see WGSL's template-list discovery).
+                if matches!(op, BinaryOp::Lt | BinaryOp::Le)
+                    && right.contains('>')
+                    && !right.starts_with('(')
+                {
+                    right = format!("({right})");
+                }
+                let text = format!("{} {} {right}", self.operand(a, class, true), op.wgsl());
                 (text, class)
             }
             ExprKind::Call(f, args) => {
-                let args: Vec<String> = args.iter().map(|a| self.expr(a)).collect();
-                (format!("{}({})", f.wgsl(), args.join(", ")), Class::Primary)
+                (format!("{}({})", f.wgsl(), self.args(args)), Class::Primary)
             }
             ExprKind::Index(base, i) => (
-                format!("{}[{}]", self.operand(base, Class::Primary, true), self.expr(i)),
+                format!(
+                    "{}[{}]",
+                    self.operand(base, Class::Primary, true),
+                    self.expr(i)
+                ),
                 Class::Primary,
             ),
             ExprKind::Swizzle(base, pattern) => (
                 format!("{}.{pattern}", self.operand(base, Class::Primary, true)),
                 Class::Primary,
             ),
-            ExprKind::Construct(args) => {
-                let args: Vec<String> = args.iter().map(|a| self.expr(a)).collect();
-                (format!("{}({})", ty(&n.ty), args.join(", ")), Class::Primary)
-            }
-            ExprKind::Bitcast(a) => (format!("bitcast<{}>({})", ty(&n.ty), self.expr(a)), Class::Primary),
-            ExprKind::Select(f, t, c) => (
-                format!("select({}, {}, {})", self.expr(f), self.expr(t), self.expr(c)),
+            ExprKind::Construct(args) => (
+                format!("{}({})", ty(&n.ty), self.args(args)),
                 Class::Primary,
             ),
+            ExprKind::Bitcast(a) => (
+                format!("bitcast<{}>({})", ty(&n.ty), self.expr(a)),
+                Class::Primary,
+            ),
+            ExprKind::Select(f, t, c) => {
+                let args = [f.clone(), t.clone(), c.clone()];
+                (format!("select({})", self.args(&args)), Class::Primary)
+            }
             ExprKind::Error(m) => {
                 // `finish` reports error nodes before emitting; reaching here is a hesper bug.
                 debug_assert!(false, "error node reached the emitter in {}: {m}", k.name());
@@ -394,8 +427,8 @@ fn helper_source(f: Func) -> &'static str {
             "// f32 -> bf16 bits (round to nearest, ties to even; NaN stays NaN), in the low 16 bits.
 fn bf16_round(x: f32) -> u32 {
     let bits = bitcast<u32>(x);
-    let rounded = (bits + 32767u + ((bits >> 16u) & 1u)) >> 16u;
-    return select(rounded, 32704u, (bits & 2147483647u) > 2139095040u);
+    let rounded = (bits + 0x7fffu + ((bits >> 16u) & 1u)) >> 16u;
+    return select(rounded, 0x7fc0u, (bits & 0x7fffffffu) > 0x7f800000u);
 }
 "
         }
@@ -414,7 +447,7 @@ fn bf16_pack(lo: f32, hi: f32) -> u32 {
         }
         Func::Bf16High => {
             "fn bf16_high(packed: u32) -> f32 {
-    return bitcast<f32>(packed & 4294901760u);
+    return bitcast<f32>(packed & 0xffff0000u);
 }
 "
         }
@@ -456,4 +489,3 @@ mod tests {
         assert!(!fits(Class::Multiplicative, Class::Multiplicative, false));
     }
 }
-

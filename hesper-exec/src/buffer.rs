@@ -60,11 +60,16 @@ impl<T: Element> GpuBuffer<T> {
         if data.len() != self.len {
             return Err(ExecError::Buffer {
                 buffer: self.label(),
-                message: format!("write of {} elements into a buffer of {}", data.len(), self.len),
+                message: format!(
+                    "write of {} elements into a buffer of {}",
+                    data.len(),
+                    self.len
+                ),
             });
         }
         if !data.is_empty() {
-            gpu.queue.write_buffer(&self.raw, 0, bytemuck::cast_slice(data));
+            gpu.queue
+                .write_buffer(&self.raw, 0, bytemuck::cast_slice(data));
         }
         Ok(())
     }
@@ -89,18 +94,18 @@ impl<T: Element> GpuBuffer<T> {
             let _ = tx.send(r);
         });
         gpu.wait()?;
-        let mapped = rx
-            .recv()
+        rx.recv()
             .map_err(|e| ExecError::Device(e.to_string()))?
             .map_err(|e| ExecError::Buffer {
                 buffer: self.label(),
                 message: format!("map for reading failed: {e}"),
             })?;
-        let _ = mapped;
-        let view = staging.get_mapped_range(..).map_err(|e| ExecError::Buffer {
-            buffer: self.label(),
-            message: format!("mapped range: {e}"),
-        })?;
+        let view = staging
+            .get_mapped_range(..)
+            .map_err(|e| ExecError::Buffer {
+                buffer: self.label(),
+                message: format!("mapped range: {e}"),
+            })?;
         let out = bytemuck::cast_slice(&view).to_vec();
         drop(view);
         staging.unmap();
@@ -113,20 +118,28 @@ impl<T: Element> GpuBuffer<T> {
 }
 
 impl Gpu {
-    fn create_storage<T: Element>(&self, len: usize, label: &str) -> Result<GpuBuffer<T>, ExecError> {
+    fn create_storage<T: Element>(
+        &self,
+        len: usize,
+        label: &str,
+    ) -> Result<GpuBuffer<T>, ExecError> {
         let bytes = (len * size_of::<T>()) as u64;
-        let max = self.wgpu_limits().max_storage_buffer_binding_size as u64;
+        let max = self.wgpu_limits().max_storage_buffer_binding_size;
         if bytes > max {
             return Err(ExecError::Buffer {
                 buffer: label.into(),
-                message: format!("{bytes} bytes is over the device's storage binding limit of {max}"),
+                message: format!(
+                    "{bytes} bytes is over the device's storage binding limit of {max}"
+                ),
             });
         }
         // wgpu cannot bind an empty buffer: keep at least one element of backing store.
         let raw = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some(label),
             size: bytes.max(size_of::<T>() as u64),
-            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC | wgpu::BufferUsages::COPY_DST,
+            usage: wgpu::BufferUsages::STORAGE
+                | wgpu::BufferUsages::COPY_SRC
+                | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
         Ok(GpuBuffer {

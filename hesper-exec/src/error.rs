@@ -12,7 +12,9 @@ pub enum ExecError {
     NoAdapter { backends: String },
     #[error("could not create the device on `{adapter}`: {message}")]
     RequestDevice { adapter: String, message: String },
-    #[error("kernel `{kernel}` needs the device feature {feature}, which `{adapter}` does not have")]
+    #[error(
+        "kernel `{kernel}` needs the device feature {feature}, which `{adapter}` does not have"
+    )]
     MissingFeature {
         kernel: String,
         feature: &'static str,

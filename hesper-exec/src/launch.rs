@@ -100,7 +100,12 @@ pub struct Pipeline {
     pub(crate) layout: wgpu::BindGroupLayout,
 }
 
-fn err_binding(k: &Kernel, binding: &str, expected: impl Into<String>, given: impl Into<String>) -> ExecError {
+fn err_binding(
+    k: &Kernel,
+    binding: &str,
+    expected: impl Into<String>,
+    given: impl Into<String>,
+) -> ExecError {
     ExecError::Binding {
         kernel: k.name().into(),
         binding: binding.into(),
@@ -124,7 +129,10 @@ impl Gpu {
         if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
             return Err(missing("SHADER_F16"));
         }
-        if kernel.params_as_immediates() && !kernel.params().is_empty() && !has(wgpu::Features::IMMEDIATES) {
+        if kernel.params_as_immediates()
+            && !kernel.params().is_empty()
+            && !has(wgpu::Features::IMMEDIATES)
+        {
             return Err(missing("IMMEDIATES"));
         }
         kernel.check_limits(&self.kernel_limits())?;
@@ -157,28 +165,40 @@ impl Gpu {
             });
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let layout = self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-            label: Some(kernel.name()),
-            entries: &entries,
-        });
-        let immediate_size = if kernel.params_as_immediates() { kernel.params_size() } else { 0 };
-        let pipeline_layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-            label: Some(kernel.name()),
-            bind_group_layouts: &[Some(&layout)],
-            immediate_size,
-        });
-        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
-            label: Some(kernel.name()),
-            source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
-        });
-        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-            label: Some(kernel.name()),
-            layout: Some(&pipeline_layout),
-            module: &module,
-            entry_point: Some("main"),
-            compilation_options: Default::default(),
-            cache: None,
-        });
+        let layout = self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(kernel.name()),
+                entries: &entries,
+            });
+        let immediate_size = if kernel.params_as_immediates() {
+            kernel.params_size()
+        } else {
+            0
+        };
+        let pipeline_layout = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(kernel.name()),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size,
+            });
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(kernel.name()),
+                source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(kernel.name()),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: None,
+            });
         if let Some(e) = pollster::block_on(scope.pop()) {
             return Err(ExecError::Pipeline {
                 kernel: kernel.name().into(),
@@ -196,18 +216,24 @@ impl Gpu {
     }
 
     /// Submit one launch of an already compiled kernel.
-    pub fn launch(&self, kernel: &Kernel, pipeline: &Pipeline, args: &Args<'_>, grid: Grid) -> Result<(), ExecError> {
+    pub fn launch(
+        &self,
+        kernel: &Kernel,
+        pipeline: &Pipeline,
+        args: &Args<'_>,
+        grid: Grid,
+    ) -> Result<(), ExecError> {
         let entries = bind_entries(kernel, args)?;
         let params = param_bytes(kernel, args)?;
         let groups = self.workgroups(kernel, grid)?;
-        let uniform = match kernel.params_binding() {
-            Some(_) => Some(self.device.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                label: Some("hesper params"),
-                contents: &params,
-                usage: wgpu::BufferUsages::UNIFORM,
-            })),
-            None => None,
-        };
+        let uniform = kernel.params_binding().map(|_| {
+            self.device
+                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
+                    label: Some("hesper params"),
+                    contents: &params,
+                    usage: wgpu::BufferUsages::UNIFORM,
+                })
+        });
         let mut entries: Vec<wgpu::BindGroupEntry> = entries
             .into_iter()
             .map(|(binding, raw)| wgpu::BindGroupEntry {
@@ -274,11 +300,19 @@ impl Gpu {
 
 /// Match `args` to the kernel's bindings: every binding given once, nothing extra, element
 /// types equal, no empty buffer.
-fn bind_entries<'a>(kernel: &Kernel, args: &Args<'a>) -> Result<Vec<(u32, &'a wgpu::Buffer)>, ExecError> {
+fn bind_entries<'a>(
+    kernel: &Kernel,
+    args: &Args<'a>,
+) -> Result<Vec<(u32, &'a wgpu::Buffer)>, ExecError> {
     for (i, a) in args.buffers.iter().enumerate() {
         if kernel.binding(a.name).is_none() {
             let declared: Vec<&str> = kernel.bindings().iter().map(|b| b.name.as_str()).collect();
-            return Err(err_binding(kernel, a.name, format!("one of {declared:?}"), "a buffer for a binding the kernel does not declare"));
+            return Err(err_binding(
+                kernel,
+                a.name,
+                format!("one of {declared:?}"),
+                "a buffer for a binding the kernel does not declare",
+            ));
         }
         if args.buffers[..i].iter().any(|b| b.name == a.name) {
             return Err(err_binding(kernel, a.name, "one buffer", "two"));
@@ -289,13 +323,28 @@ fn bind_entries<'a>(kernel: &Kernel, args: &Args<'a>) -> Result<Vec<(u32, &'a wg
         .iter()
         .map(|b| {
             let Some(a) = args.buffers.iter().find(|a| a.name == b.name) else {
-                return Err(err_binding(kernel, &b.name, format!("a buffer of {}", b.elem), "none"));
+                return Err(err_binding(
+                    kernel,
+                    &b.name,
+                    format!("a buffer of {}", b.elem),
+                    "none",
+                ));
             };
             if a.ty != b.elem {
-                return Err(err_binding(kernel, &b.name, format!("elements of {}", b.elem), format!("elements of {}", a.ty)));
+                return Err(err_binding(
+                    kernel,
+                    &b.name,
+                    format!("elements of {}", b.elem),
+                    format!("elements of {}", a.ty),
+                ));
             }
             if a.len == 0 {
-                return Err(err_binding(kernel, &b.name, "at least one element", "an empty buffer"));
+                return Err(err_binding(
+                    kernel,
+                    &b.name,
+                    "at least one element",
+                    "an empty buffer",
+                ));
             }
             Ok((b.binding, a.raw))
         })
@@ -312,7 +361,11 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
     };
     for (name, _) in &args.params {
         if !kernel.params().iter().any(|p| p.name == *name) {
-            return Err(err(name, "a runtime scalar the kernel declares".into(), "a value for an undeclared one".into()));
+            return Err(err(
+                name,
+                "a runtime scalar the kernel declares".into(),
+                "a value for an undeclared one".into(),
+            ));
         }
     }
     let mut bytes = vec![0u8; kernel.params_size() as usize];
@@ -325,7 +378,13 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
                 bytes[at..at + 4].copy_from_slice(&v.bytes());
             }
             [(_, v)] => return Err(err(&p.name, p.ty.wgsl().into(), format!("{v:?}"))),
-            _ => return Err(err(&p.name, "one value".into(), format!("{} values", given.len()))),
+            _ => {
+                return Err(err(
+                    &p.name,
+                    "one value".into(),
+                    format!("{} values", given.len()),
+                ));
+            }
         }
     }
     Ok(bytes)

@@ -1,0 +1,261 @@
+//! Builder misuse is an error that names the kernel and the item, caught before naga sees any
+//! WGSL (a naga rejection would be `ErrorKind::Naga`, which none of these may be).
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{AnyExpr, ErrorKind, Literal, Scalar};
+
+fn build_err(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> hesper_dsl::DslError {
+    let err = Kernel::build(key, f).expect_err("the kernel must not build");
+    assert!(
+        !matches!(err.kind, ErrorKind::Naga { .. }),
+        "reached naga: {err}"
+    );
+    assert_eq!(err.kernel, key.name());
+    err
+}
+
+fn key() -> KernelKey {
+    KernelKey::new("misuse").workgroup_size(64)
+}
+
+#[test]
+fn store_into_read_only_buffer_through_untyped_path() {
+    let err = build_err(&key(), |k| {
+        k.storage::<f32>("x");
+        let i = AnyExpr::literal(Literal::U32(0));
+        let v = AnyExpr::literal(Literal::F32(1.0));
+        k.store_any("x", &i, &v);
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: store into `x`, which is declared read-only"
+    );
+}
+
+#[test]
+fn type_mismatch_through_untyped_path() {
+    let err = build_err(&key(), |k| {
+        k.storage_rw::<f32>("y");
+        let i = AnyExpr::literal(Literal::U32(0));
+        let v = AnyExpr::literal(Literal::U32(1));
+        k.store_any("y", &i, &v);
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: assignment: expected f32, found u32"
+    );
+    let err = build_err(&key(), |k| {
+        let c = k.param_any("n", Scalar::U32);
+        k.if_any(&c, |_| {}, |_| {});
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: if condition: expected bool, found u32"
+    );
+}
+
+#[test]
+fn typed_misuse_inside_expressions_is_reported() {
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        let v = vec2(1.0f32, 2.0f32);
+        k.store(&out, 0u32, v.z());
+    });
+    assert!(
+        err.to_string()
+            .contains("swizzle `.z` does not fit vec2<f32>"),
+        "{err}"
+    );
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        k.store(&out, 0u32, lit(f32::INFINITY));
+    });
+    assert!(err.to_string().contains("no literal for inf"), "{err}");
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        k.store(&out, 0u32, Expr::<F16>::lit(0.1).cast::<f32>());
+    });
+    assert!(
+        err.to_string()
+            .contains("0.1 is not exactly representable as f16"),
+        "{err}"
+    );
+}
+
+#[test]
+fn workgroup_memory_over_the_limit() {
+    let err = build_err(&key(), |k| {
+        let big = k.workgroup_array::<f32>("big", 9000);
+        let out = k.storage_rw::<f32>("out");
+        k.store(&big, 0u32, 1.0f32);
+        k.store(&out, 0u32, big.at(0u32));
+    });
+    assert_eq!(
+        err.kind,
+        ErrorKind::WorkgroupMemory {
+            used: 36000,
+            limit: 32768
+        }
+    );
+    // The same kernel fits a device with 48 KiB (the H200).
+    let limits = Limits {
+        max_workgroup_storage_bytes: 48 * 1024,
+        ..Limits::default()
+    };
+    Kernel::build_with_limits(&key(), &limits, |k| {
+        let big = k.workgroup_array::<f32>("big", 9000);
+        k.store(&big, 0u32, 1.0f32);
+    })
+    .unwrap();
+}
+
+#[test]
+fn workgroup_size_and_immediates_over_limits() {
+    let err = build_err(&KernelKey::new("wide").workgroup_size(2048), |_| {});
+    assert!(
+        err.to_string()
+            .contains("workgroup size 2048x1x1 is over the limit: 1024 invocations"),
+        "{err}"
+    );
+    let err = build_err(&KernelKey::new("many").workgroup_size(0), |_| {});
+    assert!(matches!(err.kind, ErrorKind::WorkgroupSize { .. }), "{err}");
+    let err = build_err(&KernelKey::new("imm").features(Features::IMMEDIATES), |k| {
+        let out = k.storage_rw::<f32>("out");
+        for i in 0..40 {
+            let p = k.param::<f32>(&format!("p{i}"));
+            k.store(&out, i as u32, p);
+        }
+    });
+    assert_eq!(
+        err.kind,
+        ErrorKind::ImmediateSize {
+            used: 160,
+            limit: 128
+        }
+    );
+}
+
+#[test]
+fn two_bindings_with_one_name() {
+    let err = build_err(&key(), |k| {
+        k.storage::<f32>("x");
+        k.storage_rw::<u32>("x");
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: the name `x` is declared twice"
+    );
+    let err = build_err(&KernelKey::new("clash").shape("n", 4u32), |k| {
+        k.param::<u32>("n");
+    });
+    assert_eq!(err.kind, ErrorKind::DuplicateName { name: "n".into() });
+}
+
+#[test]
+fn invalid_names() {
+    for bad in ["loop", "max", "a b", "__x", "params", "local_index"] {
+        let err = build_err(&key(), |k| {
+            k.storage::<f32>(bad);
+        });
+        assert!(
+            matches!(&err.kind, ErrorKind::InvalidName { name, .. } if name == bad),
+            "{bad}: {err}"
+        );
+    }
+    let err = build_err(&KernelKey::new("shape_name").shape("var", 1u32), |_| {});
+    assert!(matches!(err.kind, ErrorKind::InvalidName { .. }), "{err}");
+}
+
+#[test]
+fn subgroup_ops_need_the_feature() {
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        let s = k.subgroup_add(1.0f32);
+        k.store(&out, 0u32, s);
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: `subgroupAdd` needs subgroups, but the kernel key does not ask for Features::SUBGROUPS"
+    );
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<u32>("out");
+        k.store(&out, 0u32, k.subgroup_size());
+    });
+    assert!(
+        matches!(err.kind, ErrorKind::SubgroupsNotRequested { ref op } if op == "subgroup_size"),
+        "{err}"
+    );
+    // The subgroup path of a reduction is only taken with the feature, so this builds.
+    Kernel::build(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        let s = k.workgroup_reduce(1.0f32, Reduce::Sum);
+        k.store(&out, 0u32, s);
+    })
+    .unwrap();
+}
+
+#[test]
+fn locals_out_of_scope_and_from_other_kernels() {
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        let mut inner = None;
+        k.if_(lit(true), |k| inner = Some(k.let_("t", 2.0f32)));
+        k.store(&out, 0u32, inner.unwrap());
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `misuse`: `t` is used outside the scope that declares it (or comes from another kernel)"
+    );
+    let mut stolen = None;
+    Kernel::build(&KernelKey::new("donor"), |k| {
+        stolen = Some(k.let_("x", 1.0f32))
+    })
+    .unwrap();
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        k.store(&out, 0u32, stolen.clone().unwrap());
+    });
+    assert!(matches!(err.kind, ErrorKind::OutOfScope { .. }), "{err}");
+    let mut other_buffer = None;
+    Kernel::build(&KernelKey::new("donor2"), |k| {
+        other_buffer = Some(k.storage::<f32>("w"))
+    })
+    .unwrap();
+    let err = build_err(&key(), |k| {
+        let out = k.storage_rw::<f32>("out");
+        k.store(&out, 0u32, other_buffer.as_ref().unwrap().at(0u32));
+    });
+    assert_eq!(err.kind, ErrorKind::OutOfScope { name: "w".into() });
+}
+
+#[test]
+fn control_flow_misuse() {
+    let err = build_err(&key(), |k| k.break_());
+    assert_eq!(err.to_string(), "kernel `misuse`: `break` outside a loop");
+    let err = build_err(&key(), |k| {
+        let t = k.let_("t", 1u32);
+        k.assign_op_any(&t.erase(), None, &AnyExpr::literal(Literal::U32(2)));
+    });
+    assert!(matches!(err.kind, ErrorKind::NotAssignable { .. }), "{err}");
+    let err = build_err(&key(), |k| {
+        k.for_range("i", 0u32, 4u32, |k, i| {
+            k.assign_op_any(&i.erase(), None, &AnyExpr::literal(Literal::U32(2)));
+        });
+    });
+    assert!(err.to_string().contains("loop counter i"), "{err}");
+}
+
+#[test]
+fn missing_shape_parameter() {
+    let err = build_err(&KernelKey::new("shapes").shape("rows", 3u32), |k| {
+        let _ = k.shape::<u32>("cols");
+    });
+    assert_eq!(
+        err.to_string(),
+        "kernel `shapes`: shape parameter `cols` (u32) is not in the kernel key"
+    );
+    let err = build_err(&KernelKey::new("shapes").shape("eps", 1e-6f32), |k| {
+        let _ = k.shape::<u32>("eps");
+    });
+    assert!(matches!(err.kind, ErrorKind::MissingShape { .. }), "{err}");
+}
