@@ -1189,7 +1189,7 @@ mod tests {
         assert!(e.contains("f32") && e.contains("u32"), "{e}");
         assert!(a.typed::<u32>().is_err());
         assert!(a.typed::<f32>().is_ok());
-        assert!(AnyExpr::call(Func::Sqrt, &[b.clone()]).is_err());
+        assert!(AnyExpr::call(Func::Sqrt, std::slice::from_ref(&b)).is_err());
         assert!(AnyExpr::index(&a, &b).is_err());
     }
 

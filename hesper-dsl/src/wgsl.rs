@@ -466,7 +466,7 @@ mod tests {
         assert_eq!(literal(&Literal::F32(-0.5)).0, "-0.5f");
         assert_eq!(literal(&Literal::F32(0.1)).0, "0.1f");
         assert_eq!(literal(&Literal::F32(3.4028235e38)).0, "3.4028235e38f");
-        for v in [1e-7f32, 0.1, 1.0 / 3.0, 6.0221409e23, 1.1754944e-38] {
+        for v in [1e-7f32, 0.1, 1.0 / 3.0, 6.022_141e23, 1.175_494_4e-38] {
             let text = literal(&Literal::F32(v)).0;
             let back: f32 = text.trim_end_matches('f').parse().unwrap();
             assert_eq!(back.to_bits(), v.to_bits(), "{text}");
