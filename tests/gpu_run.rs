@@ -329,3 +329,85 @@ fn binding_errors_name_kernel_and_binding() {
         .unwrap_err();
     assert!(matches!(err, ExecError::Dispatch { .. }), "{err}");
 }
+
+/// Subgroup shuffle-xor, broadcast, add and max against what each lane must see (where the
+/// device has subgroups; lavapipe's are 8 wide, the H200's 32).
+#[test]
+fn subgroup_operations() {
+    let g = gpu();
+    if !g.kernel_features().contains(Features::SUBGROUPS) {
+        eprintln!("skipped: {} has no SUBGROUP", g.describe());
+        return;
+    }
+    let wg = 128u32;
+    let groups = 3u32;
+    let key = KernelKey::new("subgroup_ops")
+        .workgroup_size(wg)
+        .features(Features::SUBGROUPS);
+    let kernel = Kernel::build(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let out = k.storage_rw::<Vec4<f32>>("out");
+        let ids = k.storage_rw::<Vec2<u32>>("ids");
+        let i = k.global_index();
+        let v = k.let_("v", x.at(&i));
+        let flipped = k.subgroup_shuffle_xor(&v, 1u32);
+        let first = k.subgroup_broadcast(&v, 0);
+        let sum = k.subgroup_add(&v);
+        let best = k.subgroup_max(&v);
+        k.store(&out, &i, vec4(flipped, first, sum, best));
+        k.store(
+            &ids,
+            &i,
+            vec2(
+                k.subgroup_id() + k.workgroup_id().x() * 1000u32,
+                k.subgroup_invocation_id(),
+            ),
+        );
+    })
+    .unwrap();
+    let n = (wg * groups) as usize;
+    let mut rng = Rng::new(21);
+    let x = rng.vec(n);
+    let xb = g.upload(&x).unwrap();
+    let out = g.filled(n, [f32::NAN; 4]).unwrap();
+    let ids = g.filled(n, [u32::MAX; 2]).unwrap();
+    let args = Args::new()
+        .buffer("x", &xb)
+        .buffer("out", &out)
+        .buffer("ids", &ids);
+    g.run(&kernel, &args, Grid::Threads(n as u64)).unwrap();
+    let (out, ids) = (out.read(g).unwrap(), ids.read(g).unwrap());
+    // Group invocations by subgroup, then check each lane against its subgroup's values.
+    let mut subgroups: std::collections::BTreeMap<u32, Vec<(u32, usize)>> = Default::default();
+    for (i, [sg, lane]) in ids.iter().enumerate() {
+        subgroups.entry(*sg).or_default().push((*lane, i));
+    }
+    for (sg, lanes) in &subgroups {
+        let value_of = |lane: u32| lanes.iter().find(|(l, _)| *l == lane).map(|(_, i)| x[*i]);
+        let sum: f64 = lanes.iter().map(|(_, i)| x[*i] as f64).sum();
+        let max = lanes.iter().map(|(_, i)| x[*i]).fold(f32::MIN, f32::max);
+        for (lane, i) in lanes {
+            let [flipped, first, s, m] = out[*i];
+            assert_eq!(
+                Some(flipped),
+                value_of(lane ^ 1),
+                "subgroup {sg} lane {lane}: shuffle_xor"
+            );
+            assert_eq!(
+                Some(first),
+                value_of(0),
+                "subgroup {sg} lane {lane}: broadcast"
+            );
+            assert!(
+                ((s as f64) - sum).abs() < 1e-5,
+                "subgroup {sg} lane {lane}: add {s} vs {sum}"
+            );
+            assert_eq!(m, max, "subgroup {sg} lane {lane}: max");
+        }
+    }
+    assert!(
+        subgroups.len() >= groups as usize,
+        "{} subgroups",
+        subgroups.len()
+    );
+}

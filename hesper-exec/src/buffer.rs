@@ -8,7 +8,8 @@ use hesper_dsl::{Scalar, Ty};
 use crate::error::ExecError;
 use crate::gpu::Gpu;
 
-/// Host types that match a WGSL element type byte for byte.
+/// Host types that match a WGSL element type byte for byte, stride included (so no `[f32; 3]`:
+/// `array<vec3<f32>>` has a 16-byte stride).
 pub trait Element: Pod {
     fn ty() -> Ty;
 }
