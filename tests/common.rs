@@ -1,4 +1,6 @@
 //! Helpers shared by the integration tests: one GPU for the whole test binary, random data.
+// Each test binary includes this module and uses a different part of it.
+#![allow(dead_code)]
 
 use std::sync::OnceLock;
 

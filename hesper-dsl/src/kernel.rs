@@ -31,6 +31,13 @@ impl std::ops::BitOr for Features {
     }
 }
 
+impl std::ops::BitAnd for Features {
+    type Output = Features;
+    fn bitand(self, rhs: Features) -> Features {
+        Features(self.0 & rhs.0)
+    }
+}
+
 impl fmt::Display for Features {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut names = vec![];

@@ -44,6 +44,13 @@ pub enum ExecError {
     Buffer { buffer: String, message: String },
     #[error("kernel `{kernel}`: wgpu rejected the pipeline: {message}")]
     Pipeline { kernel: String, message: String },
+    #[error(
+        "kernel `{kernel}`: the key `{key}` emitted different WGSL on a cache hit; the kernel's \
+         builder reads a compile-time value that is not in its key"
+    )]
+    KeyMismatch { kernel: String, key: String },
+    #[error("{path}: {message}")]
+    Io { path: String, message: String },
     #[error("the device was lost or a wait failed: {0}")]
     Device(String),
     #[error(transparent)]

@@ -1,7 +1,12 @@
-//! `Gpu`: instance, adapter, device and queue, with the features kernels can use.
+//! `Gpu`: instance, adapter, device and queue; the features and limits kernels can use; the
+//! pipeline cache and its optional persistence.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
 
 use hesper_dsl::{Features, Limits};
 
+use crate::cache::PipelineCache;
 use crate::error::ExecError;
 
 /// The device features hesper asks for when the adapter has them.
@@ -10,27 +15,83 @@ const WANTED: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::TIMESTAMP_QUERY)
     .union(wgpu::Features::TIMESTAMP_QUERY_INSIDE_PASSES)
     .union(wgpu::Features::TIMESTAMP_QUERY_INSIDE_ENCODERS)
-    .union(wgpu::Features::IMMEDIATES);
+    .union(wgpu::Features::IMMEDIATES)
+    .union(wgpu::Features::PIPELINE_CACHE);
 
-/// One GPU (or lavapipe): the device, its queue and what it can do.
+/// How to open a [`Gpu`].
+#[derive(Clone, Debug)]
+pub struct GpuOptions {
+    /// Backends to try; `None` reads `WGPU_BACKEND` (e.g. `vulkan`), else tries all.
+    pub backends: Option<wgpu::Backends>,
+    /// Ask for `EXPERIMENTAL_COOPERATIVE_MATRIX` (tensor cores from WGSL) when the adapter has
+    /// it. Experimental in wgpu: off unless asked for.
+    pub cooperative_matrix: bool,
+    /// Keep the driver's pipeline cache in this file (where the device has `PIPELINE_CACHE`):
+    /// loaded when the `Gpu` opens if it was written for the same adapter, driver and wgpu
+    /// version (else ignored with a warning), written by [`Gpu::save_pipeline_cache`].
+    pub pipeline_cache_file: Option<PathBuf>,
+    /// Rebuild the kernel on every pipeline-cache hit and check that its WGSL is unchanged, so a
+    /// kernel whose text depends on something outside its key is caught. On in debug builds.
+    pub verify_cache_hits: bool,
+}
+
+impl Default for GpuOptions {
+    fn default() -> Self {
+        GpuOptions {
+            backends: None,
+            cooperative_matrix: false,
+            pipeline_cache_file: None,
+            verify_cache_hits: cfg!(debug_assertions),
+        }
+    }
+}
+
+/// What happened to the pipeline cache file when the `Gpu` opened.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DriverCacheStatus {
+    /// No file was asked for, or the device has no `PIPELINE_CACHE`.
+    Off,
+    /// No file yet: an empty cache, written on save.
+    Empty,
+    /// The file was loaded.
+    Loaded { bytes: usize },
+    /// The file was not trusted and an empty cache is used instead; why.
+    Ignored(String),
+}
+
+/// One GPU (or lavapipe): the device, its queue, what it can do, and its compiled kernels.
 pub struct Gpu {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
     features: wgpu::Features,
     limits: wgpu::Limits,
+    pub(crate) options: GpuOptions,
+    pub(crate) cache: PipelineCache,
+    pub(crate) driver_cache: Option<wgpu::PipelineCache>,
+    driver_cache_status: DriverCacheStatus,
+    /// Mappable buffers kept for reuse by readbacks.
+    pub(crate) staging: Mutex<Vec<wgpu::Buffer>>,
+    timestamp_period_ns: f32,
 }
 
 impl Gpu {
-    /// Open the first high-performance adapter. The backend follows `WGPU_BACKEND` (e.g.
-    /// `vulkan`), else every backend wgpu knows; the device gets the adapter's full limits and
-    /// the features of [`WANTED`] it has.
+    /// Open the first high-performance adapter with default [`GpuOptions`].
     pub fn new() -> Result<Gpu, ExecError> {
-        pollster::block_on(Gpu::new_async())
+        Gpu::with_options(GpuOptions::default())
     }
 
-    async fn new_async() -> Result<Gpu, ExecError> {
-        let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+    /// Open the first high-performance adapter. The device gets the adapter's full limits (wgpu's
+    /// defaults are WebGPU's, far below a real GPU's) and the features hesper uses that it has.
+    pub fn with_options(options: GpuOptions) -> Result<Gpu, ExecError> {
+        pollster::block_on(Gpu::open(options))
+    }
+
+    async fn open(options: GpuOptions) -> Result<Gpu, ExecError> {
+        let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        if let Some(b) = options.backends {
+            desc.backends = b;
+        }
         let backends = format!("{:?}", desc.backends);
         let instance = wgpu::Instance::new(desc);
         let adapter = instance
@@ -41,13 +102,26 @@ impl Gpu {
             .await
             .map_err(|_| ExecError::NoAdapter { backends })?;
         let info = adapter.get_info();
-        let features = adapter.features() & WANTED;
+        let mut wanted = WANTED;
+        if options.cooperative_matrix {
+            wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        let features = adapter.features() & wanted;
         let limits = adapter.limits();
+        let experimental_features =
+            if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+                // SAFETY: asked for explicitly through `GpuOptions::cooperative_matrix`; wgpu
+                // requires this acknowledgement for experimental features.
+                unsafe { wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                wgpu::ExperimentalFeatures::default()
+            };
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("hesper"),
                 required_features: features,
                 required_limits: limits.clone(),
+                experimental_features,
                 ..Default::default()
             })
             .await
@@ -55,13 +129,22 @@ impl Gpu {
                 adapter: info.name.clone(),
                 message: e.to_string(),
             })?;
-        Ok(Gpu {
+        let timestamp_period_ns = queue.get_timestamp_period();
+        let mut gpu = Gpu {
             device,
             queue,
             info,
             features,
             limits,
-        })
+            options,
+            cache: PipelineCache::default(),
+            driver_cache: None,
+            driver_cache_status: DriverCacheStatus::Off,
+            staging: Mutex::new(vec![]),
+            timestamp_period_ns,
+        };
+        gpu.open_driver_cache();
+        Ok(gpu)
     }
 
     /// The adapter's name, backend and driver.
@@ -86,6 +169,11 @@ impl Gpu {
         &self.limits
     }
 
+    /// The raw wgpu device and queue, for work hesper does not wrap.
+    pub fn device(&self) -> (&wgpu::Device, &wgpu::Queue) {
+        (&self.device, &self.queue)
+    }
+
     /// The kernel features this device can run (for choosing a kernel's path).
     pub fn kernel_features(&self) -> Features {
         let mut f = Features::NONE;
@@ -100,6 +188,20 @@ impl Gpu {
 
     pub fn supports_f16(&self) -> bool {
         self.features.contains(wgpu::Features::SHADER_F16)
+    }
+
+    pub fn supports_timestamps(&self) -> bool {
+        self.features.contains(wgpu::Features::TIMESTAMP_QUERY)
+    }
+
+    pub fn supports_cooperative_matrix(&self) -> bool {
+        self.features
+            .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+    }
+
+    /// Nanoseconds per timestamp tick.
+    pub fn timestamp_period_ns(&self) -> f32 {
+        self.timestamp_period_ns
     }
 
     /// The device limits a kernel is checked against before it is compiled.
@@ -123,5 +225,151 @@ impl Gpu {
             .poll(wgpu::PollType::wait_indefinitely())
             .map(|_| ())
             .map_err(|e| ExecError::Device(e.to_string()))
+    }
+
+    /// What happened to [`GpuOptions::pipeline_cache_file`] when the device opened.
+    pub fn driver_cache_status(&self) -> &DriverCacheStatus {
+        &self.driver_cache_status
+    }
+
+    /// The header that ties a cache file to this adapter, driver and wgpu version.
+    fn driver_cache_header(&self) -> Option<String> {
+        let key = wgpu::util::pipeline_cache_key(&self.info)?;
+        Some(format!(
+            "hesper pipeline cache v1\n{key}\n{}\n{}\n{}\n{:?}\nwgpu {}\n",
+            self.info.name,
+            self.info.driver,
+            self.info.driver_info,
+            self.info.backend,
+            WGPU_VERSION
+        ))
+    }
+
+    fn open_driver_cache(&mut self) {
+        let Some(path) = self.options.pipeline_cache_file.clone() else {
+            return;
+        };
+        let header = match self.driver_cache_header() {
+            Some(h) if self.features.contains(wgpu::Features::PIPELINE_CACHE) => h,
+            _ => return,
+        };
+        let (data, status) = match std::fs::read(&path) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (None, DriverCacheStatus::Empty),
+            Err(e) => (
+                None,
+                DriverCacheStatus::Ignored(format!("cannot read {}: {e}", path.display())),
+            ),
+            Ok(bytes) => match parse_cache_file(&bytes, &header) {
+                Ok(data) => (
+                    Some(data.to_vec()),
+                    DriverCacheStatus::Loaded { bytes: data.len() },
+                ),
+                Err(why) => (
+                    None,
+                    DriverCacheStatus::Ignored(format!("{}: {why}", path.display())),
+                ),
+            },
+        };
+        if let DriverCacheStatus::Ignored(why) = &status {
+            log::warn!("pipeline cache file ignored: {why}");
+        }
+        // SAFETY: `data` is only ever bytes that `PipelineCache::get_data` produced on an
+        // adapter with the same name, driver, driver version, backend and wgpu version (checked
+        // by the header) and that are intact (checked by the checksum); `fallback` makes wgpu
+        // start empty if the driver still refuses them.
+        let cache = unsafe {
+            self.device
+                .create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
+                    label: Some("hesper"),
+                    data: data.as_deref(),
+                    fallback: true,
+                })
+        };
+        self.driver_cache = Some(cache);
+        self.driver_cache_status = status;
+    }
+
+    /// Write the driver's pipeline cache to [`GpuOptions::pipeline_cache_file`] (atomically: a
+    /// crash mid-write leaves the old file). Does nothing when no file was asked for.
+    pub fn save_pipeline_cache(&self) -> Result<(), ExecError> {
+        let (Some(path), Some(cache), Some(header)) = (
+            self.options.pipeline_cache_file.as_ref(),
+            self.driver_cache.as_ref(),
+            self.driver_cache_header(),
+        ) else {
+            return Ok(());
+        };
+        let Some(data) = cache.get_data() else {
+            return Ok(());
+        };
+        let mut file = header.into_bytes();
+        file.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        file.extend_from_slice(&fnv1a(&data).to_le_bytes());
+        file.extend_from_slice(&data);
+        let tmp = path.with_extension("tmp");
+        let io = |e: std::io::Error| ExecError::Io {
+            path: path.display().to_string(),
+            message: e.to_string(),
+        };
+        std::fs::write(&tmp, &file).map_err(io)?;
+        std::fs::rename(&tmp, path).map_err(io)
+    }
+}
+
+const WGPU_VERSION: &str = "30";
+
+/// The cache data in a file, if its header matches and its checksum holds.
+fn parse_cache_file<'a>(bytes: &'a [u8], header: &str) -> Result<&'a [u8], String> {
+    let rest = bytes
+        .strip_prefix(header.as_bytes())
+        .ok_or("written for another adapter, driver or wgpu version")?;
+    if rest.len() < 16 {
+        return Err("truncated".into());
+    }
+    let len = u64::from_le_bytes(rest[..8].try_into().expect("8 bytes")) as usize;
+    let sum = u64::from_le_bytes(rest[8..16].try_into().expect("8 bytes"));
+    let data = &rest[16..];
+    if data.len() != len {
+        return Err(format!("truncated: {} of {len} bytes", data.len()));
+    }
+    if fnv1a(data) != sum {
+        return Err("checksum mismatch (corrupt)".into());
+    }
+    Ok(data)
+}
+
+/// FNV-1a, 64-bit: enough to notice a corrupt file (not an adversary).
+fn fnv1a(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ *b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_file_checks() {
+        let header = "hesper pipeline cache v1\nx\n";
+        let data = b"driver bytes";
+        let mut file = header.as_bytes().to_vec();
+        file.extend_from_slice(&(data.len() as u64).to_le_bytes());
+        file.extend_from_slice(&fnv1a(data).to_le_bytes());
+        file.extend_from_slice(data);
+        assert_eq!(parse_cache_file(&file, header), Ok(&data[..]));
+        assert!(parse_cache_file(&file, "hesper pipeline cache v1\ny\n").is_err());
+        let mut corrupt = file.clone();
+        *corrupt.last_mut().unwrap() ^= 1;
+        assert!(
+            parse_cache_file(&corrupt, header)
+                .unwrap_err()
+                .contains("checksum")
+        );
+        assert!(
+            parse_cache_file(&file[..file.len() - 1], header)
+                .unwrap_err()
+                .contains("truncated")
+        );
     }
 }

@@ -1,10 +1,13 @@
-//! Launching a kernel: compile, bind buffers by the kernel's declared names (checked before
-//! anything is dispatched), pass runtime scalars, size the dispatch (2-D past 65535 groups).
+//! Launching kernels: buffers bound by the kernel's declared names and checked before anything
+//! is dispatched, runtime scalars, dispatch sizes (2-D past 65535 groups), and a [`Recorder`]
+//! that takes many launches into one compute pass and submits them at once.
+
+use std::num::NonZeroU64;
 
 use hesper_dsl::{Kernel, Scalar, Ty};
-use wgpu::util::DeviceExt;
 
 use crate::buffer::{Element, GpuBuffer};
+use crate::cache::CompiledKernel;
 use crate::error::ExecError;
 use crate::gpu::Gpu;
 
@@ -54,6 +57,8 @@ struct BoundBuffer<'a> {
     raw: &'a wgpu::Buffer,
     ty: Ty,
     len: usize,
+    /// The fewest elements the launch reads or writes through this binding.
+    min_len: usize,
 }
 
 /// The buffers and runtime scalars of one launch, by the names the kernel declared.
@@ -68,12 +73,35 @@ impl<'a> Args<'a> {
         Args::default()
     }
     /// Bind `buffer` to the kernel's storage binding `name`.
-    pub fn buffer<T: Element>(mut self, name: &'a str, buffer: &'a GpuBuffer<T>) -> Self {
+    pub fn buffer<T: Element>(self, name: &'a str, buffer: &'a GpuBuffer<T>) -> Self {
+        self.buffer_at_least(name, buffer, 1)
+    }
+    /// Bind `buffer` to `name`, and check that it holds at least `min_len` elements (what the
+    /// launch will touch): a shorter one is an error before dispatch, not a clamped read.
+    pub fn buffer_at_least<T: Element>(
+        mut self,
+        name: &'a str,
+        buffer: &'a GpuBuffer<T>,
+        min_len: usize,
+    ) -> Self {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
             ty: T::ty(),
             len: buffer.len(),
+            min_len: min_len.max(1),
+        });
+        self
+    }
+    /// Bind a buffer under another element type (the executor's own fill and copy kernels
+    /// view any buffer as `vec4<u32>`).
+    pub(crate) fn raw(mut self, name: &'a str, raw: &'a wgpu::Buffer, ty: Ty, len: usize) -> Self {
+        self.buffers.push(BoundBuffer {
+            name,
+            raw,
+            ty,
+            len,
+            min_len: len.max(1),
         });
         self
     }
@@ -94,12 +122,6 @@ pub enum Grid {
     Workgroups([u32; 3]),
 }
 
-/// A compiled kernel: its pipeline and bind group layout.
-pub struct Pipeline {
-    pub(crate) pipeline: wgpu::ComputePipeline,
-    pub(crate) layout: wgpu::BindGroupLayout,
-}
-
 fn err_binding(
     k: &Kernel,
     binding: &str,
@@ -114,166 +136,83 @@ fn err_binding(
     }
 }
 
+/// Uniform bytes of one recorder, in 64 KiB chunks; written to the GPU at submit.
+struct UniformChunk {
+    buffer: wgpu::Buffer,
+    bytes: Vec<u8>,
+}
+
+const UNIFORM_CHUNK: u64 = 64 * 1024;
+
+/// Per-launch GPU time from timestamp queries.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LaunchTiming {
+    pub kernel: String,
+    pub gpu_ns: f64,
+}
+
+struct Timing {
+    queries: wgpu::QuerySet,
+    capacity: u32,
+    names: Vec<String>,
+}
+
+/// Records launches into one compute pass (wgpu orders dependent dispatches inside a pass) and
+/// submits them in one command buffer. One recorder per training step, one submit.
+///
+/// A timing recorder ([`Gpu::timed_recorder`]) gives each launch its own pass with timestamp
+/// queries instead, and [`Recorder::submit_timed`] returns each launch's GPU time.
+pub struct Recorder<'g> {
+    gpu: &'g Gpu,
+    // Field order matters: the pass must drop before the encoder it records into.
+    pass: Option<wgpu::ComputePass<'static>>,
+    encoder: Option<wgpu::CommandEncoder>,
+    uniforms: Vec<UniformChunk>,
+    launches: usize,
+    timing: Option<Timing>,
+}
+
 impl Gpu {
-    /// Check the kernel against this device and compile it.
-    pub fn compile(&self, kernel: &Kernel) -> Result<Pipeline, ExecError> {
-        let missing = |feature| ExecError::MissingFeature {
-            kernel: kernel.name().into(),
-            feature,
-            adapter: self.adapter_info().name.clone(),
-        };
-        let has = |f| self.wgpu_features().contains(f);
-        if kernel.uses_subgroups() && !has(wgpu::Features::SUBGROUP) {
-            return Err(missing("SUBGROUP"));
+    /// A recorder for many launches and one submit.
+    pub fn recorder(&self) -> Recorder<'_> {
+        Recorder {
+            gpu: self,
+            pass: None,
+            encoder: None,
+            uniforms: vec![],
+            launches: 0,
+            timing: None,
         }
-        if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
-            return Err(missing("SHADER_F16"));
-        }
-        if kernel.params_as_immediates()
-            && !kernel.params().is_empty()
-            && !has(wgpu::Features::IMMEDIATES)
-        {
-            return Err(missing("IMMEDIATES"));
-        }
-        kernel.check_limits(&self.kernel_limits())?;
-
-        let storage = |binding, read_only| wgpu::BindGroupLayoutEntry {
-            binding,
-            visibility: wgpu::ShaderStages::COMPUTE,
-            ty: wgpu::BindingType::Buffer {
-                ty: wgpu::BufferBindingType::Storage { read_only },
-                has_dynamic_offset: false,
-                min_binding_size: None,
-            },
-            count: None,
-        };
-        let mut entries: Vec<_> = kernel
-            .bindings()
-            .iter()
-            .map(|b| storage(b.binding, b.access == hesper_dsl::Access::Read))
-            .collect();
-        if let Some(binding) = kernel.params_binding() {
-            entries.push(wgpu::BindGroupLayoutEntry {
-                binding,
-                visibility: wgpu::ShaderStages::COMPUTE,
-                ty: wgpu::BindingType::Buffer {
-                    ty: wgpu::BufferBindingType::Uniform,
-                    has_dynamic_offset: false,
-                    min_binding_size: None,
-                },
-                count: None,
-            });
-        }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let layout = self
-            .device
-            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                label: Some(kernel.name()),
-                entries: &entries,
-            });
-        let immediate_size = if kernel.params_as_immediates() {
-            kernel.params_size()
-        } else {
-            0
-        };
-        let pipeline_layout = self
-            .device
-            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
-                label: Some(kernel.name()),
-                bind_group_layouts: &[Some(&layout)],
-                immediate_size,
-            });
-        let module = self
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(kernel.name()),
-                source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
-            });
-        let pipeline = self
-            .device
-            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-                label: Some(kernel.name()),
-                layout: Some(&pipeline_layout),
-                module: &module,
-                entry_point: Some("main"),
-                compilation_options: Default::default(),
-                cache: None,
-            });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(ExecError::Pipeline {
-                kernel: kernel.name().into(),
-                message: e.to_string(),
-            });
-        }
-        Ok(Pipeline { pipeline, layout })
     }
 
-    /// Compile `kernel`, check `args` against its declarations, and submit one launch of `grid`.
-    /// Does not wait; reading a buffer back does.
+    /// A recorder that times each of up to `capacity` launches with timestamp queries.
+    pub fn timed_recorder(&self, capacity: u32) -> Result<Recorder<'_>, ExecError> {
+        if !self.supports_timestamps() {
+            return Err(ExecError::Device(format!(
+                "{} has no TIMESTAMP_QUERY: launches cannot be timed",
+                self.describe()
+            )));
+        }
+        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
+            label: Some("hesper timestamps"),
+            ty: wgpu::QueryType::Timestamp,
+            count: 2 * capacity.max(1),
+        });
+        let mut rec = self.recorder();
+        rec.timing = Some(Timing {
+            queries,
+            capacity,
+            names: vec![],
+        });
+        Ok(rec)
+    }
+
+    /// Compile (through the cache) and submit one launch. Does not wait; reading a buffer does.
     pub fn run(&self, kernel: &Kernel, args: &Args<'_>, grid: Grid) -> Result<(), ExecError> {
-        let pipeline = self.compile(kernel)?;
-        self.launch(kernel, &pipeline, args, grid)
-    }
-
-    /// Submit one launch of an already compiled kernel.
-    pub fn launch(
-        &self,
-        kernel: &Kernel,
-        pipeline: &Pipeline,
-        args: &Args<'_>,
-        grid: Grid,
-    ) -> Result<(), ExecError> {
-        let entries = bind_entries(kernel, args)?;
-        let params = param_bytes(kernel, args)?;
-        let groups = self.workgroups(kernel, grid)?;
-        let uniform = kernel.params_binding().map(|_| {
-            self.device
-                .create_buffer_init(&wgpu::util::BufferInitDescriptor {
-                    label: Some("hesper params"),
-                    contents: &params,
-                    usage: wgpu::BufferUsages::UNIFORM,
-                })
-        });
-        let mut entries: Vec<wgpu::BindGroupEntry> = entries
-            .into_iter()
-            .map(|(binding, raw)| wgpu::BindGroupEntry {
-                binding,
-                resource: raw.as_entire_binding(),
-            })
-            .collect();
-        if let (Some(binding), Some(u)) = (kernel.params_binding(), &uniform) {
-            entries.push(wgpu::BindGroupEntry {
-                binding,
-                resource: u.as_entire_binding(),
-            });
-        }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
-        let bind_group = self.device.create_bind_group(&wgpu::BindGroupDescriptor {
-            label: Some(kernel.name()),
-            layout: &pipeline.layout,
-            entries: &entries,
-        });
-        let mut enc = self.device.create_command_encoder(&Default::default());
-        {
-            let mut pass = enc.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                label: Some(kernel.name()),
-                timestamp_writes: None,
-            });
-            pass.set_pipeline(&pipeline.pipeline);
-            pass.set_bind_group(0, &bind_group, &[]);
-            if kernel.params_as_immediates() && !params.is_empty() {
-                pass.set_immediates(0, &params);
-            }
-            pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-        }
-        self.queue.submit([enc.finish()]);
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(ExecError::Pipeline {
-                kernel: kernel.name().into(),
-                message: e.to_string(),
-            });
-        }
-        Ok(())
+        let compiled = self.compile(kernel)?;
+        let mut rec = self.recorder();
+        rec.launch(&compiled, args, grid)?;
+        rec.submit()
     }
 
     /// Workgroup counts for `grid`, checked against the device's per-dimension limit.
@@ -287,23 +226,219 @@ impl Gpu {
                 [x as u32, total.div_ceil(x).min(u32::MAX as u64) as u32, 1]
             }
         };
-        if groups.iter().any(|g| *g > max) {
+        if groups.iter().any(|g| *g > max) || groups.contains(&0) {
             return Err(ExecError::Dispatch {
                 kernel: kernel.name().into(),
                 what: format!("{grid:?} = {groups:?} workgroups"),
-                why: format!("the device allows {max} per dimension"),
+                why: format!("each dimension must be 1..={max}"),
             });
         }
         Ok(groups)
     }
 }
 
+impl<'g> Recorder<'g> {
+    /// The device this recorder records for.
+    pub fn gpu(&self) -> &'g Gpu {
+        self.gpu
+    }
+
+    /// Launches recorded so far.
+    pub fn len(&self) -> usize {
+        self.launches
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.launches == 0
+    }
+
+    /// Check `args` against the kernel's declarations and record one launch of `grid`. Nothing
+    /// is recorded when the check fails.
+    pub fn launch(
+        &mut self,
+        compiled: &CompiledKernel,
+        args: &Args<'_>,
+        grid: Grid,
+    ) -> Result<(), ExecError> {
+        let kernel = compiled.kernel();
+        let groups = self.gpu.workgroups(kernel, grid)?;
+        check_buffers(kernel, args)?;
+        let params = param_bytes(kernel, args)?;
+        if let Some(t) = &self.timing
+            && t.names.len() as u32 >= t.capacity
+        {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.name().into(),
+                what: format!("launch {} in a timed recorder", t.names.len() + 1),
+                why: format!("it was made for {} launches", t.capacity),
+            });
+        }
+        let uniform = kernel
+            .params_binding()
+            .map(|binding| (binding, self.push_uniform(&params)));
+
+        let mut entries: Vec<wgpu::BindGroupEntry> =
+            Vec::with_capacity(kernel.bindings().len() + 1);
+        for b in kernel.bindings() {
+            let a = args
+                .buffers
+                .iter()
+                .find(|a| a.name == b.name)
+                .expect("checked above");
+            entries.push(wgpu::BindGroupEntry {
+                binding: b.binding,
+                resource: a.raw.as_entire_binding(),
+            });
+        }
+        if let Some((binding, (chunk, offset))) = uniform {
+            entries.push(wgpu::BindGroupEntry {
+                binding,
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: &self.uniforms[chunk].buffer,
+                    offset,
+                    size: NonZeroU64::new(kernel.params_size() as u64),
+                }),
+            });
+        }
+        let bind_group = self
+            .gpu
+            .device
+            .create_bind_group(&wgpu::BindGroupDescriptor {
+                label: None,
+                layout: &compiled.layout,
+                entries: &entries,
+            });
+
+        if let Some(t) = &mut self.timing {
+            // A pass per launch, so each one's time is its own.
+            let i = t.names.len() as u32;
+            t.names.push(kernel.name().to_string());
+            let timestamp_writes = wgpu::ComputePassTimestampWrites {
+                query_set: &t.queries,
+                beginning_of_pass_write_index: Some(2 * i),
+                end_of_pass_write_index: Some(2 * i + 1),
+            };
+            self.pass = None;
+            let encoder = self
+                .encoder
+                .get_or_insert_with(|| self.gpu.device.create_command_encoder(&Default::default()));
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some(kernel.name()),
+                timestamp_writes: Some(timestamp_writes),
+            });
+            self.pass = Some(pass.forget_lifetime());
+        }
+        let pass = self.pass();
+        pass.set_pipeline(&compiled.pipeline);
+        pass.set_bind_group(0, &bind_group, &[]);
+        if kernel.params_as_immediates() && !params.is_empty() {
+            pass.set_immediates(0, &params);
+        }
+        pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        self.launches += 1;
+        Ok(())
+    }
+
+    fn pass(&mut self) -> &mut wgpu::ComputePass<'static> {
+        if self.pass.is_none() {
+            let encoder = self
+                .encoder
+                .get_or_insert_with(|| self.gpu.device.create_command_encoder(&Default::default()));
+            let pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
+                label: Some("hesper"),
+                timestamp_writes: None,
+            });
+            self.pass = Some(pass.forget_lifetime());
+        }
+        self.pass.as_mut().expect("set just above")
+    }
+
+    /// Place a launch's params block in a uniform chunk: (chunk index, byte offset).
+    fn push_uniform(&mut self, params: &[u8]) -> (usize, u64) {
+        let align = self.gpu.wgpu_limits().min_uniform_buffer_offset_alignment as usize;
+        let fits = |c: &UniformChunk| {
+            c.bytes.len().next_multiple_of(align) + params.len() <= UNIFORM_CHUNK as usize
+        };
+        if !self.uniforms.last().is_some_and(fits) {
+            let buffer = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("hesper params"),
+                size: UNIFORM_CHUNK,
+                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            self.uniforms.push(UniformChunk {
+                buffer,
+                bytes: vec![],
+            });
+        }
+        let chunk = self.uniforms.len() - 1;
+        let c = &mut self.uniforms[chunk];
+        let offset = c.bytes.len().next_multiple_of(align);
+        c.bytes.resize(offset, 0);
+        c.bytes.extend_from_slice(params);
+        (chunk, offset as u64)
+    }
+
+    /// End the pass and stage the uniform bytes (queue writes land before the next submit).
+    fn finish(&mut self) -> Option<wgpu::CommandEncoder> {
+        self.pass = None;
+        for c in &self.uniforms {
+            if !c.bytes.is_empty() {
+                self.gpu.queue.write_buffer(&c.buffer, 0, &c.bytes);
+            }
+        }
+        self.encoder.take()
+    }
+
+    /// Submit everything recorded, in one command buffer. Does not wait.
+    pub fn submit(mut self) -> Result<(), ExecError> {
+        if let Some(encoder) = self.finish() {
+            self.gpu.queue.submit([encoder.finish()]);
+        }
+        Ok(())
+    }
+
+    /// Submit, wait, and return each launch's GPU time (a timing recorder only).
+    pub fn submit_timed(mut self) -> Result<Vec<LaunchTiming>, ExecError> {
+        let Some(timing) = self.timing.take() else {
+            return Err(ExecError::Device(
+                "submit_timed needs a recorder from Gpu::timed_recorder".into(),
+            ));
+        };
+        let n = timing.names.len() as u32;
+        let mut encoder = self
+            .finish()
+            .unwrap_or_else(|| self.gpu.device.create_command_encoder(&Default::default()));
+        if n == 0 {
+            self.gpu.queue.submit([encoder.finish()]);
+            return Ok(vec![]);
+        }
+        let bytes = 16 * n as u64;
+        let resolve = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("hesper timestamps"),
+            size: bytes,
+            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        encoder.resolve_query_set(&timing.queries, 0..2 * n, &resolve, 0);
+        self.gpu.queue.submit([encoder.finish()]);
+        let raw: Vec<u64> = bytemuck::cast_slice(&self.gpu.read_raw(&resolve, bytes)?).to_vec();
+        let period = self.gpu.timestamp_period_ns() as f64;
+        Ok(timing
+            .names
+            .into_iter()
+            .enumerate()
+            .map(|(i, kernel)| LaunchTiming {
+                kernel,
+                gpu_ns: raw[2 * i + 1].wrapping_sub(raw[2 * i]) as f64 * period,
+            })
+            .collect())
+    }
+}
+
 /// Match `args` to the kernel's bindings: every binding given once, nothing extra, element
-/// types equal, no empty buffer.
-fn bind_entries<'a>(
-    kernel: &Kernel,
-    args: &Args<'a>,
-) -> Result<Vec<(u32, &'a wgpu::Buffer)>, ExecError> {
+/// types equal, long enough.
+fn check_buffers(kernel: &Kernel, args: &Args<'_>) -> Result<(), ExecError> {
     for (i, a) in args.buffers.iter().enumerate() {
         if kernel.binding(a.name).is_none() {
             let declared: Vec<&str> = kernel.bindings().iter().map(|b| b.name.as_str()).collect();
@@ -318,37 +453,33 @@ fn bind_entries<'a>(
             return Err(err_binding(kernel, a.name, "one buffer", "two"));
         }
     }
-    kernel
-        .bindings()
-        .iter()
-        .map(|b| {
-            let Some(a) = args.buffers.iter().find(|a| a.name == b.name) else {
-                return Err(err_binding(
-                    kernel,
-                    &b.name,
-                    format!("a buffer of {}", b.elem),
-                    "none",
-                ));
-            };
-            if a.ty != b.elem {
-                return Err(err_binding(
-                    kernel,
-                    &b.name,
-                    format!("elements of {}", b.elem),
-                    format!("elements of {}", a.ty),
-                ));
-            }
-            if a.len == 0 {
-                return Err(err_binding(
-                    kernel,
-                    &b.name,
-                    "at least one element",
-                    "an empty buffer",
-                ));
-            }
-            Ok((b.binding, a.raw))
-        })
-        .collect()
+    for b in kernel.bindings() {
+        let Some(a) = args.buffers.iter().find(|a| a.name == b.name) else {
+            return Err(err_binding(
+                kernel,
+                &b.name,
+                format!("a buffer of {}", b.elem),
+                "none",
+            ));
+        };
+        if a.ty != b.elem {
+            return Err(err_binding(
+                kernel,
+                &b.name,
+                format!("elements of {}", b.elem),
+                format!("elements of {}", a.ty),
+            ));
+        }
+        if a.len < a.min_len {
+            return Err(err_binding(
+                kernel,
+                &b.name,
+                format!("at least {} elements", a.min_len),
+                format!("{} elements", a.len),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The params block: each runtime scalar at its offset, padded to 16 bytes.

@@ -1,15 +1,19 @@
 //! # hesper-exec
 //!
-//! The runtime of hesper, and the only crate that touches wgpu: a [`Gpu`] (device and queue),
-//! typed buffers ([`GpuBuffer`]), and launching DSL kernels with buffers bound by name
-//! ([`Gpu::run`]).
+//! The runtime of hesper, and the only crate that touches wgpu: a [`Gpu`] (device, queue,
+//! features, limits), typed buffers ([`GpuBuffer`]), a pipeline cache keyed by
+//! `KernelKey` ([`Gpu::kernel`]), launches checked by binding name and recorded many to a
+//! submit ([`Recorder`]), and GPU timing with timestamp queries ([`profile`]).
 
 mod buffer;
+mod cache;
 mod error;
 mod gpu;
 mod launch;
+pub mod profile;
 
 pub use buffer::{Element, GpuBuffer};
+pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
-pub use gpu::Gpu;
-pub use launch::{Args, Grid, ParamValue, Pipeline};
+pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
+pub use launch::{Args, Grid, LaunchTiming, ParamValue, Recorder};

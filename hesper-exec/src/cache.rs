@@ -1,0 +1,243 @@
+//! `PipelineCache`: every kernel is built, validated and compiled once per `KernelKey`.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hesper_dsl::{Kernel, KernelBuilder, KernelKey};
+
+use crate::error::ExecError;
+use crate::gpu::Gpu;
+
+/// A kernel compiled for one device: its IR and WGSL, the pipeline, and its bind group layout.
+pub struct CompiledKernel {
+    kernel: Kernel,
+    pub(crate) pipeline: wgpu::ComputePipeline,
+    pub(crate) layout: wgpu::BindGroupLayout,
+    compile_time: Duration,
+}
+
+impl CompiledKernel {
+    pub fn kernel(&self) -> &Kernel {
+        &self.kernel
+    }
+    pub fn name(&self) -> &str {
+        self.kernel.name()
+    }
+    /// Time to build the IR, emit and validate WGSL, and create the pipeline.
+    pub fn compile_time(&self) -> Duration {
+        self.compile_time
+    }
+}
+
+/// What the cache has done so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    pub hits: u64,
+    pub misses: u64,
+    /// Total time spent building and compiling on misses.
+    pub compile_time: Duration,
+}
+
+/// Compiled kernels by key. Lookups take a lock for a hash-map probe; compiles happen outside it.
+#[derive(Default)]
+pub struct PipelineCache {
+    map: Mutex<HashMap<KernelKey, Arc<CompiledKernel>>>,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    compile_nanos: AtomicU64,
+}
+
+impl PipelineCache {
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            hits: self.hits.load(Ordering::Relaxed),
+            misses: self.misses.load(Ordering::Relaxed),
+            compile_time: Duration::from_nanos(self.compile_nanos.load(Ordering::Relaxed)),
+        }
+    }
+
+    /// How many kernels are compiled.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<KernelKey, Arc<CompiledKernel>>> {
+        // A panic while holding the lock cannot leave the map half-updated (inserts are single
+        // calls), so a poisoned lock is still sound to use.
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl Gpu {
+    /// The compiled kernel for `key`: from the cache, or built with `build` and compiled once.
+    ///
+    /// `build` must read every compile-time value from the key (`KernelBuilder::shape`), so that
+    /// one key always means one WGSL text. When [`GpuOptions::verify_cache_hits`] is on (the
+    /// default in debug builds), every hit rebuilds the kernel and checks that, and a key that
+    /// emits two texts is an error instead of a silently reused wrong pipeline.
+    ///
+    /// [`GpuOptions::verify_cache_hits`]: crate::GpuOptions::verify_cache_hits
+    pub fn kernel(
+        &self,
+        key: &KernelKey,
+        build: impl FnOnce(&mut KernelBuilder),
+    ) -> Result<Arc<CompiledKernel>, ExecError> {
+        let cache = &self.cache;
+        let cached = cache.lock().get(key).cloned();
+        if let Some(compiled) = cached {
+            cache.hits.fetch_add(1, Ordering::Relaxed);
+            if self.options.verify_cache_hits {
+                let again = Kernel::build_with_limits(key, &self.kernel_limits(), build)?;
+                if again.wgsl() != compiled.kernel.wgsl() {
+                    return Err(ExecError::KeyMismatch {
+                        kernel: key.name().into(),
+                        key: key.to_string(),
+                    });
+                }
+            }
+            return Ok(compiled);
+        }
+        let start = Instant::now();
+        let kernel = Kernel::build_with_limits(key, &self.kernel_limits(), build)?;
+        self.compile_and_insert(kernel, start)
+    }
+
+    /// Compile an already built kernel (through the cache, keyed by its key).
+    pub fn compile(&self, kernel: &Kernel) -> Result<Arc<CompiledKernel>, ExecError> {
+        if let Some(c) = self.cache.lock().get(kernel.key()).cloned() {
+            if c.kernel.wgsl() != kernel.wgsl() {
+                return Err(ExecError::KeyMismatch {
+                    kernel: kernel.name().into(),
+                    key: kernel.key().to_string(),
+                });
+            }
+            self.cache.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(c);
+        }
+        let start = Instant::now();
+        kernel.check_limits(&self.kernel_limits())?;
+        self.compile_and_insert(kernel.clone(), start)
+    }
+
+    fn compile_and_insert(
+        &self,
+        kernel: Kernel,
+        start: Instant,
+    ) -> Result<Arc<CompiledKernel>, ExecError> {
+        let (pipeline, layout) = self.create_pipeline(&kernel)?;
+        let compile_time = start.elapsed();
+        let cache = &self.cache;
+        cache.misses.fetch_add(1, Ordering::Relaxed);
+        cache
+            .compile_nanos
+            .fetch_add(compile_time.as_nanos() as u64, Ordering::Relaxed);
+        let key = kernel.key().clone();
+        let compiled = Arc::new(CompiledKernel {
+            kernel,
+            pipeline,
+            layout,
+            compile_time,
+        });
+        // Another thread may have compiled the same key meanwhile: keep the first.
+        Ok(cache.lock().entry(key).or_insert(compiled).clone())
+    }
+
+    /// Hits, misses and compile time of this device's pipeline cache.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.cache.stats()
+    }
+
+    /// Check the kernel's needs against the device and create its pipeline.
+    fn create_pipeline(
+        &self,
+        kernel: &Kernel,
+    ) -> Result<(wgpu::ComputePipeline, wgpu::BindGroupLayout), ExecError> {
+        let missing = |feature| ExecError::MissingFeature {
+            kernel: kernel.name().into(),
+            feature,
+            adapter: self.adapter_info().name.clone(),
+        };
+        let has = |f| self.wgpu_features().contains(f);
+        if kernel.uses_subgroups() && !has(wgpu::Features::SUBGROUP) {
+            return Err(missing("SUBGROUP"));
+        }
+        if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
+            return Err(missing("SHADER_F16"));
+        }
+        if kernel.params_as_immediates()
+            && !kernel.params().is_empty()
+            && !has(wgpu::Features::IMMEDIATES)
+        {
+            return Err(missing("IMMEDIATES"));
+        }
+        let buffer_entry = |binding, ty| wgpu::BindGroupLayoutEntry {
+            binding,
+            visibility: wgpu::ShaderStages::COMPUTE,
+            ty: wgpu::BindingType::Buffer {
+                ty,
+                has_dynamic_offset: false,
+                min_binding_size: None,
+            },
+            count: None,
+        };
+        let mut entries: Vec<_> = kernel
+            .bindings()
+            .iter()
+            .map(|b| {
+                let read_only = b.access == hesper_dsl::Access::Read;
+                buffer_entry(b.binding, wgpu::BufferBindingType::Storage { read_only })
+            })
+            .collect();
+        if let Some(binding) = kernel.params_binding() {
+            entries.push(buffer_entry(binding, wgpu::BufferBindingType::Uniform));
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let layout = self
+            .device
+            .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                label: Some(kernel.name()),
+                entries: &entries,
+            });
+        let immediate_size = if kernel.params_as_immediates() {
+            kernel.params_size()
+        } else {
+            0
+        };
+        let pipeline_layout = self
+            .device
+            .create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+                label: Some(kernel.name()),
+                bind_group_layouts: &[Some(&layout)],
+                immediate_size,
+            });
+        let module = self
+            .device
+            .create_shader_module(wgpu::ShaderModuleDescriptor {
+                label: Some(kernel.name()),
+                source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
+            });
+        let pipeline = self
+            .device
+            .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+                label: Some(kernel.name()),
+                layout: Some(&pipeline_layout),
+                module: &module,
+                entry_point: Some("main"),
+                compilation_options: Default::default(),
+                cache: self.driver_cache.as_ref(),
+            });
+        if let Some(e) = pollster::block_on(scope.pop()) {
+            return Err(ExecError::Pipeline {
+                kernel: kernel.name().into(),
+                message: e.to_string(),
+            });
+        }
+        Ok((pipeline, layout))
+    }
+}

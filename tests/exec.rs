@@ -1,0 +1,279 @@
+//! The executor on lavapipe: the pipeline cache, many launches to one submit, fill, copy and
+//! readback of every element, timing, and the driver-cache file.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{Rng, gpu};
+use hesper::dsl::prelude::*;
+use hesper::exec::{Args, DriverCacheStatus, ExecError, Gpu, GpuOptions, Grid};
+
+/// `x[i] = x[i] * 3 + step` over u32 (exact, so 1000 chained launches can be checked exactly).
+fn mul_add_key(features: Features, wg: u32) -> KernelKey {
+    KernelKey::new("mul_add_step")
+        .workgroup_size(wg)
+        .features(features)
+}
+
+fn mul_add(k: &mut KernelBuilder) {
+    let x = k.storage_rw::<u32>("x");
+    let step = k.param::<u32>("step");
+    let n = k.param::<u32>("n");
+    let i = k.global_index();
+    k.if_(i.lt(&n), |k| k.store(&x, &i, x.at(&i) * 3u32 + &step));
+}
+
+#[test]
+fn one_compile_per_key_and_a_new_one_per_shape() {
+    let g = Gpu::new().unwrap();
+    let before = g.cache_stats();
+    let a = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    let b = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    assert!(Arc::ptr_eq(&a, &b), "a hit returns the compiled kernel");
+    let s = g.cache_stats();
+    assert_eq!((s.misses - before.misses, s.hits - before.hits), (1, 1));
+    assert!(s.compile_time > std::time::Duration::ZERO);
+    // Another shape (workgroup size) is another pipeline.
+    let c = g
+        .kernel(&mul_add_key(Features::NONE, 128), mul_add)
+        .unwrap();
+    assert!(!Arc::ptr_eq(&a, &c));
+    assert_eq!(g.cache_stats().misses - before.misses, 2);
+    // Compiling a built kernel goes through the same cache.
+    let built = Kernel::build(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    assert!(Arc::ptr_eq(&a, &g.compile(&built).unwrap()));
+    assert_eq!(g.cache_stats().misses - before.misses, 2);
+}
+
+#[test]
+fn runtime_scalars_do_not_make_pipelines_and_1000_launches_are_right() {
+    let g = gpu();
+    let mut modes = vec![Features::NONE];
+    if g.kernel_features().contains(Features::IMMEDIATES) {
+        modes.push(Features::IMMEDIATES);
+    }
+    for mode in modes {
+        let n = 1000usize;
+        let mut rng = Rng::new(3);
+        let start: Vec<u32> = (0..n).map(|_| rng.next_u32()).collect();
+        let x = g.upload(&start).unwrap();
+        let kernel = g.kernel(&mul_add_key(mode, 64), mul_add).unwrap();
+        let misses = g.cache_stats().misses;
+        let mut rec = g.recorder();
+        for step in 0..1000u32 {
+            let args = Args::new()
+                .buffer("x", &x)
+                .param("step", step)
+                .param("n", n as u32);
+            rec.launch(&kernel, &args, Grid::Threads(n as u64)).unwrap();
+        }
+        assert_eq!(rec.len(), 1000);
+        rec.submit().unwrap();
+        assert_eq!(
+            g.cache_stats().misses,
+            misses,
+            "a runtime scalar made a pipeline"
+        );
+        let want: Vec<u32> = start
+            .iter()
+            .map(|&v| (0..1000u32).fold(v, |acc, s| acc.wrapping_mul(3).wrapping_add(s)))
+            .collect();
+        let got = x.read(g).unwrap();
+        let wrong = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(
+            wrong, 0,
+            "{mode:?}: {wrong} of {n} elements differ after 1000 launches"
+        );
+    }
+}
+
+#[test]
+fn a_key_that_emits_two_texts_is_caught() {
+    let g = Gpu::with_options(GpuOptions {
+        verify_cache_hits: true,
+        ..GpuOptions::default()
+    })
+    .unwrap();
+    let key = KernelKey::new("leaky").workgroup_size(64);
+    let build = |scale: f32| {
+        move |k: &mut KernelBuilder| {
+            let x = k.storage_rw::<f32>("x");
+            // `scale` changes the text but is not in the key: the bug this check exists for.
+            k.store(&x, 0u32, x.at(0u32) * scale);
+        }
+    };
+    g.kernel(&key, build(2.0)).unwrap();
+    g.kernel(&key, build(2.0)).unwrap();
+    let err = g.kernel(&key, build(3.0)).err().expect("a key mismatch");
+    assert!(matches!(err, ExecError::KeyMismatch { .. }), "{err}");
+    assert!(err.to_string().contains("kernel `leaky`"), "{err}");
+}
+
+#[test]
+fn fill_copy_and_readback_of_every_element() {
+    let g = gpu();
+    for len in [1usize, 3, 5, 1000, 65_537] {
+        let a = g.filled(len, -1.5f32).unwrap();
+        assert!(
+            a.read(g).unwrap().iter().all(|v| *v == -1.5),
+            "fill f32 len {len}"
+        );
+        let v4 = g.filled(len, [1.0f32, 2.0, 3.0, 4.0]).unwrap();
+        assert!(
+            v4.read(g)
+                .unwrap()
+                .iter()
+                .all(|v| *v == [1.0, 2.0, 3.0, 4.0]),
+            "fill vec4 len {len}"
+        );
+        let v2 = g.filled(len, [7u32, 9]).unwrap();
+        assert!(
+            v2.read(g).unwrap().iter().all(|v| *v == [7, 9]),
+            "fill vec2 len {len}"
+        );
+
+        let mut rng = Rng::new(len as u64);
+        let data: Vec<u32> = (0..len).map(|_| rng.next_u32()).collect();
+        let src = g.upload(&data).unwrap();
+        let dst = g.filled(len, 0xFFFF_FFFFu32).unwrap();
+        g.copy(&src, &dst).unwrap();
+        assert_eq!(dst.read(g).unwrap(), data, "copy len {len}");
+    }
+    let (a, b) = (g.zeros::<f32>(3).unwrap(), g.zeros::<f32>(4).unwrap());
+    let err = g.copy(&a, &b).unwrap_err().to_string();
+    assert_eq!(
+        err,
+        "kernel `hesper_copy`, binding `dst`: expected 3 elements, as src has, given 4 elements"
+    );
+}
+
+#[test]
+fn readbacks_reuse_staging_buffers() {
+    let g = Gpu::new().unwrap();
+    let buf = g.filled(10_000, 1u32).unwrap();
+    for _ in 0..10 {
+        assert_eq!(buf.read(&g).unwrap().len(), 10_000);
+    }
+    assert_eq!(g.staging_buffers(), 1);
+    let small = g.filled(10, 2u32).unwrap();
+    assert_eq!(small.read(&g).unwrap(), vec![2; 10]);
+    assert_eq!(
+        g.staging_buffers(),
+        1,
+        "a smaller read reuses the larger staging buffer"
+    );
+}
+
+#[test]
+fn too_short_buffers_are_refused_before_dispatch() {
+    let g = gpu();
+    let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    let x = g.filled(10, 5u32).unwrap();
+    let mut rec = g.recorder();
+    let args = Args::new()
+        .buffer_at_least("x", &x, 11)
+        .param("step", 1u32)
+        .param("n", 11u32);
+    let err = rec.launch(&kernel, &args, Grid::Threads(11)).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `mul_add_step`, binding `x`: expected at least 11 elements, given 10 elements"
+    );
+    assert!(rec.is_empty(), "nothing was recorded");
+    rec.submit().unwrap();
+    assert_eq!(x.read(g).unwrap(), vec![5; 10]);
+}
+
+#[test]
+fn timed_launches_report_each_kernel() {
+    let g = gpu();
+    if !g.supports_timestamps() {
+        eprintln!("skipped: {} has no TIMESTAMP_QUERY", g.describe());
+        return;
+    }
+    let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    let x = g.filled(4096, 1u32).unwrap();
+    let mut rec = g.timed_recorder(3).unwrap();
+    for step in 0..3u32 {
+        let args = Args::new()
+            .buffer("x", &x)
+            .param("step", step)
+            .param("n", 4096u32);
+        rec.launch(&kernel, &args, Grid::Threads(4096)).unwrap();
+    }
+    let args = Args::new()
+        .buffer("x", &x)
+        .param("step", 9u32)
+        .param("n", 4096u32);
+    assert!(
+        rec.launch(&kernel, &args, Grid::Threads(4096)).is_err(),
+        "over capacity"
+    );
+    let times = rec.submit_timed().unwrap();
+    assert_eq!(times.len(), 3);
+    for t in &times {
+        assert_eq!(t.kernel, "mul_add_step");
+        assert!(t.gpu_ns.is_finite() && t.gpu_ns > 0.0, "{t:?}");
+    }
+    // The three launches really ran: 1 → 3·1+0 → 3·3+1 → 3·10+2.
+    assert!(x.read(g).unwrap().iter().all(|v| *v == 32));
+}
+
+#[test]
+fn driver_pipeline_cache_file_is_checked_before_it_is_trusted() {
+    let dir = std::env::temp_dir().join(format!("hesper-cache-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("pipelines.bin");
+    let open = || {
+        Gpu::with_options(GpuOptions {
+            pipeline_cache_file: Some(path.clone()),
+            ..GpuOptions::default()
+        })
+        .unwrap()
+    };
+    let g = open();
+    if *g.driver_cache_status() == DriverCacheStatus::Off {
+        eprintln!("skipped: {} has no PIPELINE_CACHE", g.describe());
+        return;
+    }
+    assert_eq!(*g.driver_cache_status(), DriverCacheStatus::Empty);
+    g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    g.save_pipeline_cache().unwrap();
+    drop(g);
+    assert!(matches!(
+        open().driver_cache_status(),
+        DriverCacheStatus::Loaded { .. }
+    ));
+
+    // A flipped byte: ignored, with the reason.
+    let mut bytes = std::fs::read(&path).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x55;
+    std::fs::write(&path, &bytes).unwrap();
+    let g = open();
+    assert!(
+        matches!(g.driver_cache_status(), DriverCacheStatus::Ignored(why) if why.contains("checksum")),
+        "{:?}",
+        g.driver_cache_status()
+    );
+    // Still works, and saving replaces the bad file.
+    g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    g.save_pipeline_cache().unwrap();
+    drop(g);
+    assert!(matches!(
+        open().driver_cache_status(),
+        DriverCacheStatus::Loaded { .. }
+    ));
+
+    // Written for another driver: ignored.
+    let text = String::from_utf8_lossy(&std::fs::read(&path).unwrap()).replacen(
+        "hesper pipeline cache v1\n",
+        "hesper pipeline cache v1\nother",
+        1,
+    );
+    std::fs::write(&path, text.as_bytes()).unwrap();
+    assert!(
+        matches!(open().driver_cache_status(), DriverCacheStatus::Ignored(why) if why.contains("another adapter"))
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
