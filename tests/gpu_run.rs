@@ -155,7 +155,7 @@ fn global_index_is_right_past_65535_workgroups() {
     .unwrap();
     assert_eq!(
         g.workgroups(&kernel, Grid::Threads(n as u64)).unwrap(),
-        [65535, 2, 1]
+        [32769, 2, 1]
     );
     let out = g.filled(n, u32::MAX).unwrap();
     g.run(

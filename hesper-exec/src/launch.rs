@@ -221,9 +221,12 @@ impl Gpu {
         let groups = match grid {
             Grid::Workgroups(g) => g,
             Grid::Threads(n) => {
+                // As few rows as fit, each as full as it can be: the spare workgroups (which
+                // only run their bounds check) are fewer than the rows.
                 let total = n.div_ceil(kernel.key().invocations() as u64).max(1);
-                let x = total.min(max as u64);
-                [x as u32, total.div_ceil(x).min(u32::MAX as u64) as u32, 1]
+                let rows = total.div_ceil(max as u64);
+                let x = total.div_ceil(rows);
+                [x as u32, rows.min(u32::MAX as u64) as u32, 1]
             }
         };
         if groups.iter().any(|g| *g > max) || groups.contains(&0) {
