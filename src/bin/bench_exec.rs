@@ -53,7 +53,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let m = bench(&gpu, "copy", config, |rec| rec.copy(&src, &dst))?;
         let gbs = m.gb_per_s(2.0 * 4.0 * n as f64);
         rows.push(Row(
-            format!("compute copy, {} MiB f32", n * 4 >> 20),
+            format!("compute copy, {} MiB f32", (n * 4) >> 20),
             format!("{:.1} µs", m.median_ns() / 1e3),
             format!("{gbs:.0} GB/s"),
             format!(
@@ -65,7 +65,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let m = bench(&gpu, "fill", config, |rec| rec.fill(&dst, 2.0f32))?;
         let gbs = m.gb_per_s(4.0 * n as f64);
         rows.push(Row(
-            format!("fill, {} MiB f32", n * 4 >> 20),
+            format!("fill, {} MiB f32", (n * 4) >> 20),
             format!("{:.1} µs", m.median_ns() / 1e3),
             format!("{gbs:.0} GB/s"),
             format!("{:.3} of the probe's copy", gbs / PROBE_COPY_GBS),
