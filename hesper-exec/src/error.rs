@@ -6,8 +6,10 @@ use hesper_dsl::DslError;
 pub enum ExecError {
     #[error(
         "no GPU adapter found (backends: {backends}). On headless Linux install Mesa's lavapipe \
-         (`apt-get install mesa-vulkan-drivers libvulkan1`) and set WGPU_BACKEND=vulkan; \
-         WGPU_BACKEND selects the backend (vulkan, metal, dx12, gl)"
+         (`apt-get install mesa-vulkan-drivers libvulkan1`, or run through scripts/with-gpu) and \
+         set WGPU_BACKEND=vulkan. With an NVIDIA driver, the Vulkan loader also needs the glvnd \
+         libraries (libglvnd0, libglx0, libegl1); VK_LOADER_DEBUG=error shows why a driver was \
+         not loaded"
     )]
     NoAdapter { backends: String },
     #[error("could not create the device on `{adapter}`: {message}")]
