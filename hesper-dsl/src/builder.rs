@@ -26,6 +26,19 @@ pub(crate) enum VarKind {
     /// A `for` loop's counter: a `var` the body may read but not assign.
     LoopCounter,
     Workgroup,
+    /// A parameter of a WGSL function.
+    Param,
+}
+
+/// A WGSL function the kernel declared: its parameters (locals of kind `Param`), body and
+/// returned value.
+#[derive(Clone, Debug)]
+pub(crate) struct FunctionDef {
+    pub hint: String,
+    pub params: Vec<VarId>,
+    pub ret: Ty,
+    pub body: Block,
+    pub value: Node,
 }
 
 #[derive(Clone, Debug)]
@@ -90,6 +103,9 @@ pub struct KernelBuilder {
     pub(crate) locals: Vec<LocalInfo>,
     scopes: Vec<Block>,
     loop_depth: u32,
+    /// Inside a function body being built (where builtins and bare `return` are not allowed).
+    in_function: bool,
+    pub(crate) functions: Vec<FunctionDef>,
     errors: Vec<ErrorKind>,
 }
 
@@ -345,6 +361,8 @@ impl KernelBuilder {
             locals: vec![],
             scopes: vec![vec![]],
             loop_depth: 0,
+            in_function: false,
+            functions: vec![],
             errors: vec![],
         };
         for (name, _) in key.shape_params() {
@@ -397,13 +415,15 @@ impl KernelBuilder {
             workgroup_vars: vec![],
             locals: self.locals,
             var_names: vec![],
+            functions: self.functions,
+            fn_names: vec![],
             builtins: found.builtins,
             helpers: found.helpers,
             body,
             uses_f16: found.uses_f16,
             wgsl: String::new(),
         };
-        kernel.var_names = names::assign(&kernel);
+        (kernel.var_names, kernel.fn_names) = names::assign(&kernel);
         kernel.workgroup_vars = kernel
             .locals
             .iter()
@@ -552,7 +572,7 @@ impl KernelBuilder {
         }
     }
 
-    fn new_var(&mut self, hint: &str, ty: Ty, kind: VarKind) -> VarId {
+    pub(crate) fn new_local(&mut self, hint: &str, ty: Ty, kind: VarKind) -> VarId {
         let id = VarId {
             kernel: self.tag,
             index: self.locals.len() as u32,
@@ -575,7 +595,7 @@ impl KernelBuilder {
                 found: "0".into(),
             });
         }
-        let id = self.new_var(
+        let id = self.new_local(
             hint,
             Ty::Array(Box::new(T::ty()), len.max(1)),
             VarKind::Workgroup,
@@ -686,6 +706,18 @@ impl KernelBuilder {
             .push(s);
     }
 
+    /// Record a function body in a scope of its own, outside any loop.
+    pub(crate) fn function_body(&mut self, f: impl FnOnce(&mut Self) -> Node) -> (Block, Node) {
+        let depth = std::mem::replace(&mut self.loop_depth, 0);
+        let inside = std::mem::replace(&mut self.in_function, true);
+        self.scopes.push(vec![]);
+        let value = f(self);
+        let body = self.scopes.pop().expect("pushed just above");
+        self.loop_depth = depth;
+        self.in_function = inside;
+        (body, value)
+    }
+
     fn scoped(&mut self, f: impl FnOnce(&mut Self)) -> Block {
         self.scopes.push(vec![]);
         f(self);
@@ -700,7 +732,7 @@ impl KernelBuilder {
     /// `let` through the untyped path.
     pub fn let_any(&mut self, hint: &str, value: &AnyExpr) -> AnyExpr {
         let ty = value.ty().clone();
-        let id = self.new_var(hint, ty.clone(), VarKind::Let);
+        let id = self.new_local(hint, ty.clone(), VarKind::Let);
         self.push(Stmt::Let {
             id,
             value: value.node.clone(),
@@ -712,7 +744,7 @@ impl KernelBuilder {
 
     /// `var <fresh name>: T = init;`
     pub fn var<T: WgslType>(&mut self, hint: &str, init: impl IntoExpr<T>) -> Var<T> {
-        let id = self.new_var(hint, T::ty(), VarKind::Var);
+        let id = self.new_local(hint, T::ty(), VarKind::Var);
         self.push(Stmt::Var {
             id,
             init: Some(init.into_expr().node),
@@ -725,7 +757,7 @@ impl KernelBuilder {
 
     /// `var <fresh name>: array<T, len>;` (zero-initialised, as WGSL does).
     pub fn var_array<T: WgslType>(&mut self, hint: &str, len: u32) -> LocalArray<T> {
-        let id = self.new_var(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Var);
+        let id = self.new_local(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Var);
         if len == 0 {
             self.error(ErrorKind::TypeMismatch {
                 item: format!("local array `{hint}`"),
@@ -893,7 +925,7 @@ impl KernelBuilder {
         step: impl IntoExpr<T>,
         body: impl FnOnce(&mut Self, Expr<T>),
     ) {
-        let counter = self.new_var(hint, T::ty(), VarKind::LoopCounter);
+        let counter = self.new_local(hint, T::ty(), VarKind::LoopCounter);
         let c = Expr::<T>::wrap(node(ExprKind::Local(counter), T::ty()));
         let init = init.into_expr().node;
         let cond = cond(&c).node;
@@ -1001,6 +1033,13 @@ impl KernelBuilder {
     /// `return;` — leave the kernel for this invocation. Every later barrier must still be
     /// reached by all invocations of the workgroup, so return only where no barrier follows.
     pub fn return_(&mut self) {
+        if self.in_function {
+            self.error(ErrorKind::InvalidExpression {
+                message: "`return;` inside a WGSL function: a function returns its body's value"
+                    .into(),
+            });
+            return;
+        }
         self.push(Stmt::Return);
     }
 

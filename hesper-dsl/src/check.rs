@@ -15,6 +15,8 @@ use crate::ty::{Access, Ty};
 struct Checker<'a> {
     k: &'a KernelBuilder,
     visible: Vec<Vec<VarId>>,
+    /// Walking a function body: builtins are not available there.
+    in_function: bool,
     builtins: BTreeSet<Builtin>,
     helpers: BTreeSet<Func>,
     uses_f16: bool,
@@ -27,6 +29,7 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind>
     let mut c = Checker {
         k,
         visible: vec![vec![]],
+        in_function: false,
         builtins: BTreeSet::new(),
         helpers: BTreeSet::new(),
         uses_f16: false,
@@ -35,6 +38,24 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind>
     };
     c.uses_f16 = k.bindings.iter().any(|b| b.elem.contains_f16())
         || k.locals.iter().any(|l| l.ty.contains_f16());
+    for f in &k.functions {
+        c.visible = vec![f.params.clone()];
+        c.in_function = true;
+        // The returned value sees the body's locals: check it inside the body's scope.
+        for st in &f.body {
+            c.stmt(st)?;
+        }
+        c.expr(&f.value)?;
+        if f.value.ty != f.ret {
+            return Err(ErrorKind::TypeMismatch {
+                item: format!("value of function `{}`", f.hint),
+                expected: f.ret.to_string(),
+                found: f.value.ty.to_string(),
+            });
+        }
+    }
+    c.visible = vec![vec![]];
+    c.in_function = false;
     c.block(body)?;
     if c.helpers.contains(&Func::Bf16Pack) {
         c.helpers.insert(Func::Bf16Round);
@@ -160,6 +181,7 @@ impl Checker<'_> {
                 VarKind::Var | VarKind::Workgroup => Ok(()),
                 VarKind::Let => not(format!("let {}", self.hint(*id))),
                 VarKind::LoopCounter => not(format!("loop counter {}", self.hint(*id))),
+                VarKind::Param => not(format!("parameter {}", self.hint(*id))),
             },
             ExprKind::Global(name) => match self.k.bindings.iter().find(|b| &b.name == name) {
                 Some(b) if b.access == Access::ReadWrite => Ok(()),
@@ -255,6 +277,14 @@ impl Checker<'_> {
                 };
                 self.same_type(&format!("shape parameter `{name}`"), &v.ty(), &n.ty)?;
             }
+            ExprKind::Builtin(b) if self.in_function => {
+                return Err(ErrorKind::InvalidExpression {
+                    message: format!(
+                        "the builtin `{}` is used inside a WGSL function; pass it in as an argument",
+                        b.info().0
+                    ),
+                });
+            }
             ExprKind::Builtin(b) => {
                 if b.needs_subgroups() && !self.k.has_feature(Features::SUBGROUPS) {
                     return Err(ErrorKind::SubgroupsNotRequested {
@@ -291,6 +321,29 @@ impl Checker<'_> {
             ExprKind::Construct(args) => {
                 for a in args {
                     self.expr(a)?;
+                }
+            }
+            ExprKind::CallFunction(id, args) => {
+                let f = (id.kernel == self.k.tag())
+                    .then(|| self.k.functions.get(id.index as usize))
+                    .flatten()
+                    .ok_or_else(|| ErrorKind::OutOfScope {
+                        name: format!("function #{} of another kernel", id.index),
+                    })?;
+                if args.len() != f.params.len() {
+                    return Err(ErrorKind::TypeMismatch {
+                        item: format!("call of `{}`", f.hint),
+                        expected: format!("{} arguments", f.params.len()),
+                        found: args.len().to_string(),
+                    });
+                }
+                for (a, p) in args.iter().zip(&f.params) {
+                    self.expr(a)?;
+                    self.same_type(
+                        &format!("argument of `{}`", f.hint),
+                        &self.local_ty(*p),
+                        &a.ty,
+                    )?;
                 }
             }
         }

@@ -300,6 +300,9 @@ pub enum ExprKind {
     Select(Node, Node, Node),
     /// `arrayLength(&name)`
     ArrayLength(String),
+    /// A call of a WGSL function the kernel declared ([`crate::KernelBuilder::function`]),
+    /// by its index in the kernel.
+    CallFunction(VarId, Vec<Node>),
     /// Misuse found while building the expression; reported by the builder.
     Error(String),
 }

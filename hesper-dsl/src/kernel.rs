@@ -3,7 +3,7 @@
 
 use std::fmt;
 
-use crate::builder::{Block, LocalInfo};
+use crate::builder::{Block, FunctionDef, LocalInfo};
 use crate::expr::{Builtin, Func};
 use crate::ty::{Access, Scalar, Ty};
 
@@ -243,6 +243,9 @@ pub struct Kernel {
     pub(crate) locals: Vec<LocalInfo>,
     /// The emitted name of each local and workgroup array, by index.
     pub(crate) var_names: Vec<String>,
+    pub(crate) functions: Vec<FunctionDef>,
+    /// The emitted name of each function, by index.
+    pub(crate) fn_names: Vec<String>,
     pub(crate) builtins: Vec<Builtin>,
     pub(crate) helpers: Vec<Func>,
     pub(crate) body: Block,

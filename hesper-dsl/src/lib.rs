@@ -57,7 +57,10 @@ mod combinators;
 mod consteval;
 mod error;
 pub mod expr;
+mod function;
 mod kernel;
+#[doc(hidden)]
+pub mod macro_support;
 mod names;
 pub mod ty;
 pub mod validate;
@@ -72,6 +75,7 @@ pub use error::{DslError, ErrorKind};
 pub use expr::{
     AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
 };
+pub use function::{FnArgs, Function};
 pub use kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
 pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
 

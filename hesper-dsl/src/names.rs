@@ -273,28 +273,28 @@ pub(crate) fn check_user_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Names for every local and workgroup array of `kernel`, by index: the hint when it is free,
-/// else `hint_1`, `hint_2`, … Deterministic: depends only on declaration order.
-pub(crate) fn assign(kernel: &Kernel) -> Vec<String> {
+/// Names for every local and workgroup array, and every function, of `kernel`, by index: the
+/// hint when it is free, else `hint_1`, `hint_2`, … Deterministic: depends only on declaration
+/// order. Functions are named first (they are module-scope).
+pub(crate) fn assign(kernel: &Kernel) -> (Vec<String>, Vec<String>) {
     let mut taken: HashSet<String> = HashSet::new();
     taken.extend(kernel.bindings.iter().map(|b| b.name.clone()));
     taken.extend(kernel.params.iter().map(|p| p.name.clone()));
     taken.extend(kernel.key.shape_params().iter().map(|(n, _)| n.clone()));
-    kernel
-        .locals
-        .iter()
-        .map(|l| {
-            let base = sanitize(&l.hint);
-            let mut name = base.clone();
-            let mut n = 0;
-            while taken.contains(&name) || is_taken_by_language(&name) {
-                n += 1;
-                name = format!("{base}_{n}");
-            }
-            taken.insert(name.clone());
-            name
-        })
-        .collect()
+    let mut fresh = |hint: &str| {
+        let base = sanitize(hint);
+        let mut name = base.clone();
+        let mut n = 0;
+        while taken.contains(&name) || is_taken_by_language(&name) {
+            n += 1;
+            name = format!("{base}_{n}");
+        }
+        taken.insert(name.clone());
+        name
+    };
+    let fns = kernel.functions.iter().map(|f| fresh(&f.hint)).collect();
+    let vars = kernel.locals.iter().map(|l| fresh(&l.hint)).collect();
+    (vars, fns)
 }
 
 fn sanitize(hint: &str) -> String {

@@ -178,6 +178,25 @@ impl Writer<'_> {
             self.out.push('\n');
             self.out.push_str(helper_source(*f));
         }
+        for (f, name) in k.functions.iter().zip(&k.fn_names) {
+            let params: Vec<String> = f
+                .params
+                .iter()
+                .map(|p| format!("{}: {}", self.name(*p), ty(&k.locals[p.index as usize].ty)))
+                .collect();
+            self.out.push('\n');
+            self.line(&format!(
+                "fn {name}({}) -> {} {{",
+                params.join(", "),
+                ty(&f.ret)
+            ));
+            self.block(&f.body);
+            self.indent += 1;
+            let value = format!("return {};", self.expr(&f.value));
+            self.line(&value);
+            self.indent -= 1;
+            self.line("}");
+        }
         self.out.push('\n');
         let [x, y, z] = k.key.wg_size();
         let size = match (y, z) {
@@ -387,6 +406,10 @@ impl Writer<'_> {
             ExprKind::Call(f, args) => {
                 (format!("{}({})", f.wgsl(), self.args(args)), Class::Primary)
             }
+            ExprKind::CallFunction(id, args) => (
+                format!("{}({})", k.fn_names[id.index as usize], self.args(args)),
+                Class::Primary,
+            ),
             ExprKind::Index(base, i) => (
                 format!(
                     "{}[{}]",

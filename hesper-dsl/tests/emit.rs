@@ -215,3 +215,58 @@ fn loops_and_control_flow() {
         assert!(w.contains(text), "missing `{text}` in\n{w}");
     }
 }
+
+#[test]
+fn wgsl_functions_are_declared_once_and_called() {
+    let key = KernelKey::new("fns").workgroup_size(64);
+    let k = Kernel::build(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let out = k.storage_rw::<f32>("out");
+        let i = k.global_index();
+        let silu = |k: &mut KernelBuilder, v: Expr<f32>| {
+            let f = k.function::<(f32,), f32>("silu", &["x"], |k, (x,)| {
+                let s = k.let_("s", 1.0f32 / (1.0f32 + (-&x).exp()));
+                x * s
+            });
+            f.call((v,))
+        };
+        let a = silu(k, x.at(&i));
+        let b = silu(k, x.at(&i) * 2.0f32);
+        k.store(&out, &i, a + b);
+    })
+    .unwrap();
+    let w = k.wgsl();
+    assert_eq!(w.matches("fn silu(").count(), 1, "{w}");
+    assert!(w.contains("fn silu(x_1: f32) -> f32 {\n    let s = 1.0f / (1.0f + exp(-x_1));\n    return x_1 * s;\n}"), "{w}");
+    assert!(
+        w.contains("out[index] = silu(x[index]) + silu(x[index] * 2.0f);"),
+        "{w}"
+    );
+}
+
+#[test]
+fn functions_cannot_see_the_entry_points_locals_or_builtins() {
+    let key = KernelKey::new("fn_scope").workgroup_size(64);
+    let err = Kernel::build(&key, |k| {
+        let out = k.storage_rw::<u32>("out");
+        let f = k.function::<(u32,), u32>("plus_lane", &["v"], |k, (v,)| v + k.local_index());
+        k.store(&out, 0u32, f.call((lit(1u32),)));
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("`local_invocation_index` is used inside a WGSL function"),
+        "{err}"
+    );
+    let err = Kernel::build(&key, |k| {
+        let out = k.storage_rw::<u32>("out");
+        let outer = k.let_("outer", 3u32);
+        let f = k.function::<(u32,), u32>("plus_outer", &["v"], |_, (v,)| v + &outer);
+        k.store(&out, 0u32, f.call((lit(1u32),)));
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err.kind, hesper_dsl::ErrorKind::OutOfScope { .. }),
+        "{err}"
+    );
+}
