@@ -1,4 +1,931 @@
 //! # hesper-dsl-macros
 //!
-//! `#[kernel]`: a Rust function turned into hesper-dsl builder calls. The macro is being built
-//! (its own issue); until then kernels are written with `hesper_dsl::KernelBuilder` directly.
+//! `#[kernel]` turns a Rust function into hesper-dsl builder calls, and `#[kernel_fn]` a helper
+//! into a WGSL function. Thin sugar: the expansion is ordinary Rust calling the builder, which
+//! stays the only semantics (as CubeCL's `#[cube]` does). See `hesper_dsl::kernel` for the
+//! user-facing documentation; this crate is re-exported there.
+
+use proc_macro::TokenStream;
+use proc_macro_crate::{FoundCrate, crate_name};
+use proc_macro2::{Span, TokenStream as Tokens};
+use quote::{format_ident, quote, quote_spanned};
+use syn::parse::Parser;
+use syn::punctuated::Punctuated;
+use syn::spanned::Spanned;
+use syn::{
+    BinOp, Block, Expr, ExprLit, FnArg, Ident, ItemFn, Lit, Meta, Pat, ReturnType, Stmt, Token,
+    Type, UnOp,
+};
+
+/// Write a kernel as a Rust function. See `hesper_dsl::kernel` for the full documentation.
+#[proc_macro_attribute]
+pub fn kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand_kernel(attr.into(), item.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
+/// Write a helper as a WGSL function, callable from `#[kernel]` bodies.
+#[proc_macro_attribute]
+pub fn kernel_fn(attr: TokenStream, item: TokenStream) -> TokenStream {
+    expand_kernel_fn(attr.into(), item.into())
+        .unwrap_or_else(syn::Error::into_compile_error)
+        .into()
+}
+
+/// Where hesper-dsl and hesper-exec are, seen from the crate being compiled: as direct
+/// dependencies, or through the `hesper` crate's re-exports. No exec crate: no launcher.
+struct Paths {
+    dsl: Tokens,
+    exec: Option<Tokens>,
+}
+
+fn paths() -> Paths {
+    let direct = |name: &str| match crate_name(name) {
+        Ok(FoundCrate::Itself) => {
+            let ident = Ident::new(&name.replace('-', "_"), Span::call_site());
+            Some(quote!(::#ident))
+        }
+        Ok(FoundCrate::Name(n)) => {
+            let ident = Ident::new(&n, Span::call_site());
+            Some(quote!(::#ident))
+        }
+        Err(_) => None,
+    };
+    let umbrella = direct("hesper");
+    let dsl = direct("hesper-dsl")
+        .or_else(|| umbrella.as_ref().map(|h| quote!(#h::dsl)))
+        .unwrap_or_else(|| quote!(::hesper_dsl));
+    let exec = direct("hesper-exec").or_else(|| umbrella.as_ref().map(|h| quote!(#h::exec)));
+    Paths { dsl, exec }
+}
+
+fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
+    Err(syn::Error::new(span, msg))
+}
+
+// ------------------------------------------------------------------ #[kernel]
+
+struct Options {
+    workgroup_size: Option<Expr>,
+    name: Option<String>,
+    subgroups: bool,
+    immediates: bool,
+}
+
+fn parse_options(attr: Tokens) -> syn::Result<Options> {
+    let mut o = Options {
+        workgroup_size: None,
+        name: None,
+        subgroups: false,
+        immediates: false,
+    };
+    let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
+    for m in metas {
+        match &m {
+            Meta::Path(p) if p.is_ident("subgroups") => o.subgroups = true,
+            Meta::Path(p) if p.is_ident("immediates") => o.immediates = true,
+            Meta::NameValue(nv) if nv.path.is_ident("workgroup_size") => {
+                o.workgroup_size = Some(nv.value.clone())
+            }
+            Meta::NameValue(nv) if nv.path.is_ident("name") => match &nv.value {
+                Expr::Lit(ExprLit {
+                    lit: Lit::Str(s), ..
+                }) => o.name = Some(s.value()),
+                v => return err(v.span(), "`name` takes a string"),
+            },
+            _ => {
+                return err(
+                    m.span(),
+                    "expected `workgroup_size = N`, `name = \"…\"`, `subgroups` or `immediates`",
+                );
+            }
+        }
+    }
+    Ok(o)
+}
+
+/// What a kernel parameter is.
+enum Param {
+    /// `&[T]`: a read-only storage buffer.
+    Read(Type),
+    /// `&mut [T]`: a read-write storage buffer.
+    Write(Type),
+    /// `#[shape] n: u32`: a compile-time value that keys the pipeline.
+    Shape(Type),
+    /// `#[runtime] lr: f32`: a per-launch value (uniform or immediates).
+    Runtime(Type),
+    /// `#[workgroup] tile: &mut [T; N]`: a workgroup array.
+    Workgroup(Type, Expr),
+}
+
+fn classify(arg: &syn::PatType) -> syn::Result<Param> {
+    let marker = |name: &str| arg.attrs.iter().any(|a| a.path().is_ident(name));
+    if let Some(a) = arg.attrs.iter().find(|a| {
+        !["shape", "runtime", "workgroup"]
+            .iter()
+            .any(|n| a.path().is_ident(n))
+    }) {
+        return err(
+            a.span(),
+            "kernel parameters take `#[shape]`, `#[runtime]` or `#[workgroup]`",
+        );
+    }
+    let ty = &*arg.ty;
+    if marker("shape") {
+        return Ok(Param::Shape(ty.clone()));
+    }
+    if marker("runtime") {
+        return Ok(Param::Runtime(ty.clone()));
+    }
+    if let Type::Reference(r) = ty {
+        match (&*r.elem, r.mutability.is_some(), marker("workgroup")) {
+            (Type::Slice(s), false, false) => return Ok(Param::Read((*s.elem).clone())),
+            (Type::Slice(s), true, false) => return Ok(Param::Write((*s.elem).clone())),
+            (Type::Array(a), true, true) => {
+                return Ok(Param::Workgroup((*a.elem).clone(), a.len.clone()));
+            }
+            _ => {}
+        }
+    }
+    err(
+        ty.span(),
+        "a kernel parameter is `&[T]` (read-only buffer), `&mut [T]` (read-write buffer), \
+         `#[shape] n: u32` (compile-time), `#[runtime] x: f32` (per launch) or \
+         `#[workgroup] tile: &mut [T; N]`",
+    )
+}
+
+fn param_ident(arg: &syn::PatType) -> syn::Result<Ident> {
+    match &*arg.pat {
+        Pat::Ident(p) if p.by_ref.is_none() && p.subpat.is_none() => Ok(p.ident.clone()),
+        p => err(p.span(), "a kernel parameter is a plain name"),
+    }
+}
+
+fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
+    let options = parse_options(attr)?;
+    let f: ItemFn = syn::parse2(item)?;
+    let Paths { dsl, exec } = paths();
+    if let ReturnType::Type(_, t) = &f.sig.output {
+        return err(
+            t.span(),
+            "a kernel returns nothing: it writes its `&mut` buffers",
+        );
+    }
+    if !f.sig.generics.params.is_empty() {
+        return err(
+            f.sig.generics.span(),
+            "a kernel is not generic: make shapes `#[shape]` parameters",
+        );
+    }
+    let name = &f.sig.ident;
+    let vis = &f.vis;
+    let kernel_name = options.name.clone().unwrap_or_else(|| name.to_string());
+
+    let mut params = vec![];
+    for input in &f.sig.inputs {
+        let FnArg::Typed(arg) = input else {
+            return err(input.span(), "a kernel takes no `self`");
+        };
+        params.push((param_ident(arg)?, classify(arg)?));
+    }
+
+    let mut tr = Translator::new(dsl.clone());
+    let mut decls = vec![];
+    let (mut shape_args, mut shape_names, mut key_shapes) = (vec![], vec![], vec![]);
+    let (mut launch_args, mut bind_buffers, mut bind_params) = (vec![], vec![], vec![]);
+    // Shapes first: workgroup lengths and the workgroup size may use them.
+    for (ident, p) in &params {
+        if let Param::Shape(ty) = p {
+            let s = ident.to_string();
+            decls.push(quote!(let #ident: #ty = __k.shape::<#ty>(#s);));
+            shape_args.push(quote!(#ident: #ty));
+            shape_names.push(quote!(#ident));
+            key_shapes.push(quote!(.shape(#s, #ident)));
+            tr.declare(ident, Kind::Value);
+        }
+    }
+    for (ident, p) in &params {
+        let s = ident.to_string();
+        match p {
+            Param::Shape(_) => {}
+            Param::Read(elem) => {
+                decls.push(quote_spanned!(elem.span()=> let #ident = __k.storage::<#elem>(#s);));
+                tr.declare(ident, Kind::Buffer { writable: false });
+                if let Some(exec) = &exec {
+                    launch_args.push(quote_spanned!(elem.span()=> #ident: &#exec::GpuBuffer<<#elem as #exec::HostElement>::Host>));
+                    bind_buffers.push(quote!(.buffer(#s, #ident)));
+                }
+            }
+            Param::Write(elem) => {
+                decls.push(quote_spanned!(elem.span()=> let #ident = __k.storage_rw::<#elem>(#s);));
+                tr.declare(ident, Kind::Buffer { writable: true });
+                if let Some(exec) = &exec {
+                    launch_args.push(quote_spanned!(elem.span()=> #ident: &#exec::GpuBuffer<<#elem as #exec::HostElement>::Host>));
+                    bind_buffers.push(quote!(.buffer(#s, #ident)));
+                }
+            }
+            Param::Runtime(ty) => {
+                decls.push(quote_spanned!(ty.span()=> let #ident = __k.param::<#ty>(#s);));
+                tr.declare(ident, Kind::Value);
+                launch_args.push(quote!(#ident: #ty));
+                bind_params.push(quote!(.param(#s, #ident)));
+            }
+            Param::Workgroup(elem, len) => {
+                decls.push(quote_spanned!(elem.span()=> let #ident = __k.workgroup_array::<#elem>(#s, (#len) as u32);));
+                tr.declare(ident, Kind::Buffer { writable: true });
+            }
+        }
+    }
+    let body = tr.block_stmts(&f.block)?;
+
+    let wg = options
+        .workgroup_size
+        .as_ref()
+        .map(|e| quote!(.workgroup_size(#e)))
+        .unwrap_or_default();
+    let mut features = quote!(#dsl::Features::NONE);
+    if options.subgroups {
+        features = quote!(#features | #dsl::Features::SUBGROUPS);
+    }
+    if options.immediates {
+        features = quote!(#features | #dsl::Features::IMMEDIATES);
+    }
+    let doc = format!(
+        "The kernel `{kernel_name}` (written with `#[kernel]`): `key`, `body` and `build` make it; \
+         `launch` records a typed launch."
+    );
+    let launcher = exec.map(|exec| {
+        quote! {
+            /// Record one launch: the kernel comes from the device's pipeline cache (compiled
+            /// once per shape); buffers bind by parameter name and must have the parameters'
+            /// element types.
+            #[allow(clippy::too_many_arguments)]
+            pub fn launch(
+                __rec: &mut #exec::Recorder<'_>,
+                #(#shape_args,)*
+                #(#launch_args,)*
+                __grid: #exec::Grid,
+            ) -> ::core::result::Result<(), #exec::ExecError> {
+                let __compiled = __rec.gpu().kernel(&Self::key(#(#shape_names),*), Self::body)?;
+                let __args = #exec::Args::new() #(#bind_buffers)* #(#bind_params)*;
+                __rec.launch(&__compiled, &__args, __grid)
+            }
+        }
+    });
+    let user_attrs = &f.attrs;
+    Ok(quote! {
+        #[doc = #doc]
+        #(#user_attrs)*
+        #[allow(non_camel_case_types)]
+        #vis struct #name;
+
+        #[allow(unused_variables, unused_mut, clippy::all)]
+        impl #name {
+            /// The kernel's name.
+            pub const NAME: &'static str = #kernel_name;
+
+            /// The key: name, shape parameters, features and workgroup size.
+            pub fn key(#(#shape_args),*) -> #dsl::KernelKey {
+                #dsl::KernelKey::new(#kernel_name) #wg #(#key_shapes)* .features(#features)
+            }
+
+            /// Record the kernel into a builder (shape values are read from its key).
+            pub fn body(__k: &mut #dsl::KernelBuilder) {
+                #(#decls)*
+                #body
+            }
+
+            /// Build and validate the kernel for these shapes.
+            pub fn build(#(#shape_args),*) -> ::core::result::Result<#dsl::Kernel, #dsl::DslError> {
+                #dsl::Kernel::build(&Self::key(#(#shape_names),*), Self::body)
+            }
+
+            #launcher
+        }
+    })
+}
+
+// ------------------------------------------------------------------ #[kernel_fn]
+
+fn expand_kernel_fn(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
+    if !attr.is_empty() {
+        return err(attr.span(), "`#[kernel_fn]` takes no arguments");
+    }
+    let f: ItemFn = syn::parse2(item)?;
+    let Paths { dsl, .. } = paths();
+    let name = &f.sig.ident;
+    let vis = &f.vis;
+    let ReturnType::Type(_, ret) = &f.sig.output else {
+        return err(
+            f.sig.span(),
+            "a `#[kernel_fn]` returns a value (WGSL functions here do)",
+        );
+    };
+    let mut tr = Translator::new(dsl.clone());
+    let (mut idents, mut tys, mut names) = (vec![], vec![], vec![]);
+    for input in &f.sig.inputs {
+        let FnArg::Typed(arg) = input else {
+            return err(input.span(), "a `#[kernel_fn]` takes no `self`");
+        };
+        let ident = param_ident(arg)?;
+        tr.declare(&ident, Kind::Value);
+        names.push(ident.to_string());
+        tys.push((*arg.ty).clone());
+        idents.push(ident);
+    }
+    let Some((last, init)) = f.block.stmts.split_last() else {
+        return err(
+            f.block.span(),
+            "a `#[kernel_fn]` body ends with the value it returns",
+        );
+    };
+    let Stmt::Expr(value, None) = last else {
+        return err(
+            last.span(),
+            "a `#[kernel_fn]` body ends with the value it returns (no `;`)",
+        );
+    };
+    let mut stmts = Tokens::new();
+    for s in init {
+        stmts.extend(tr.stmt(s)?);
+    }
+    let value = tr.expr(value)?;
+    let fname = name.to_string();
+    Ok(quote! {
+        #vis fn #name(__k: &mut #dsl::KernelBuilder, #(#idents: impl #dsl::IntoExpr<#tys>),*) -> #dsl::Expr<#ret> {
+            let __f = __k.function::<(#(#tys,)*), #ret>(#fname, &[#(#names),*], |__k, (#(#idents,)*)| {
+                #stmts
+                #value
+            });
+            __f.call((#(#dsl::IntoExpr::<#tys>::into_expr(#idents),)*))
+        }
+    })
+}
+
+// ------------------------------------------------------------------ the body
+
+#[derive(Clone, Copy, PartialEq)]
+enum Kind {
+    /// A storage buffer or workgroup array: indexed, never used as a value.
+    Buffer { writable: bool },
+    /// A DSL `var` (`let mut`): read with `.get()`, assigned through the builder.
+    Var,
+    /// An expression or a Rust value: cloned where used.
+    Value,
+}
+
+struct Translator {
+    dsl: Tokens,
+    scopes: Vec<Vec<(String, Kind)>>,
+}
+
+/// Builder methods a body calls as functions; those in `BINDS` bind their result already.
+const BUILDER_CALLS: &[&str] = &[
+    "global_index",
+    "total_invocations",
+    "local_index",
+    "global_id",
+    "local_id",
+    "workgroup_id",
+    "num_workgroups",
+    "subgroup_size",
+    "subgroup_invocation_id",
+    "subgroup_id",
+    "num_subgroups",
+    "subgroup_add",
+    "subgroup_max",
+    "subgroup_min",
+    "subgroup_shuffle_xor",
+    "subgroup_broadcast",
+    "workgroup_reduce",
+    "workgroup_barrier",
+    "storage_barrier",
+    "invocations",
+];
+const BINDS: &[&str] = &[
+    "global_index",
+    "total_invocations",
+    "subgroup_add",
+    "subgroup_max",
+    "subgroup_min",
+    "subgroup_shuffle_xor",
+    "subgroup_broadcast",
+    "workgroup_reduce",
+];
+/// WGSL builtins written as free functions.
+const MATH_CALLS: &[&str] = &[
+    "max",
+    "min",
+    "clamp",
+    "abs",
+    "exp",
+    "exp2",
+    "log",
+    "log2",
+    "sqrt",
+    "inverse_sqrt",
+    "tanh",
+    "sin",
+    "cos",
+    "floor",
+    "ceil",
+    "pow",
+    "fma",
+    "select",
+];
+/// Constructors from the DSL's root.
+const ROOT_CALLS: &[&str] = &["vec2", "vec3", "vec4", "lit"];
+
+fn single_ident(e: &Expr) -> Option<&Ident> {
+    match e {
+        Expr::Path(p) if p.qself.is_none() => p.path.get_ident(),
+        _ => None,
+    }
+}
+
+fn call_name(e: &Expr) -> Option<String> {
+    match e {
+        Expr::Call(c) => single_ident(&c.func).map(|i| i.to_string()),
+        _ => None,
+    }
+}
+
+impl Translator {
+    fn new(dsl: Tokens) -> Self {
+        Translator {
+            dsl,
+            scopes: vec![vec![]],
+        }
+    }
+
+    fn declare(&mut self, ident: &Ident, kind: Kind) {
+        self.scopes
+            .last_mut()
+            .expect("a scope is always open")
+            .push((ident.to_string(), kind));
+    }
+
+    fn kind(&self, ident: &Ident) -> Kind {
+        let name = ident.to_string();
+        self.scopes
+            .iter()
+            .rev()
+            .flat_map(|s| s.iter().rev())
+            .find(|(n, _)| *n == name)
+            .map(|(_, k)| *k)
+            .unwrap_or(Kind::Value)
+    }
+
+    fn scoped<T>(&mut self, f: impl FnOnce(&mut Self) -> syn::Result<T>) -> syn::Result<T> {
+        self.scopes.push(vec![]);
+        let r = f(self);
+        self.scopes.pop();
+        r
+    }
+
+    /// A block's statements, in a scope of their own, as a `{ … }` body.
+    fn block_stmts(&mut self, b: &Block) -> syn::Result<Tokens> {
+        self.scoped(|t| {
+            let mut out = Tokens::new();
+            for s in &b.stmts {
+                out.extend(t.stmt(s)?);
+            }
+            Ok(out)
+        })
+    }
+
+    fn stmt(&mut self, s: &Stmt) -> syn::Result<Tokens> {
+        match s {
+            Stmt::Local(local) => self.local(local),
+            Stmt::Expr(e, _) => self.stmt_expr(e),
+            Stmt::Item(item) => Ok(quote!(#item)),
+            Stmt::Macro(m) => Ok(quote!(#m)),
+        }
+    }
+
+    fn local(&mut self, local: &syn::Local) -> syn::Result<Tokens> {
+        let (pat, ty) = match &local.pat {
+            Pat::Type(pt) => (&*pt.pat, Some(&*pt.ty)),
+            p => (p, None),
+        };
+        let Pat::Ident(pi) = pat else {
+            return err(pat.span(), "bind one name per `let` in a kernel body");
+        };
+        let ident = &pi.ident;
+        let hint = ident.to_string();
+        let Some(init) = &local.init else {
+            return err(
+                local.span(),
+                "give the variable its first value: `let mut x = 0.0;`",
+            );
+        };
+        if init.diverge.is_some() {
+            return err(
+                init.expr.span(),
+                "`let … else` is not supported in a kernel body",
+            );
+        }
+        let span = init.expr.span();
+        let value = (self.expr(&init.expr)?, span);
+        if pi.mutability.is_some() {
+            let turbofish = ty.map(|t| quote!(::<#t>));
+            self.declare(ident, Kind::Var);
+            let make = with_temps(vec![value], |a| {
+                let v = &a[0];
+                quote_spanned!(span=> __k.var #turbofish (#hint, #v))
+            });
+            return Ok(quote!(let #ident = #make;));
+        }
+        self.declare(ident, Kind::Value);
+        let dsl = &self.dsl;
+        let annotated = ty.map(|t| quote!(: #t));
+        if call_name(&init.expr).is_some_and(|n| BINDS.contains(&n.as_str())) {
+            let value = value.0;
+            return Ok(quote_spanned!(span=> let #ident #annotated = #value;));
+        }
+        let make = with_temps(vec![value], |a| {
+            let v = &a[0];
+            quote_spanned!(span=> #dsl::macro_support::Bind::bind(#v, __k, #hint))
+        });
+        Ok(quote!(let #ident #annotated = #make;))
+    }
+
+    /// An expression in statement position: assignments and control flow become builder calls.
+    fn stmt_expr(&mut self, e: &Expr) -> syn::Result<Tokens> {
+        let dsl = self.dsl.clone();
+        let span = e.span();
+        match e {
+            Expr::Assign(a) => self.assign(&a.left, None, &a.right),
+            Expr::Binary(b) if compound_op(&b.op).is_some() => {
+                self.assign(&b.left, compound_op(&b.op), &b.right)
+            }
+            Expr::If(i) => self.if_stmt(i),
+            Expr::ForLoop(f) => {
+                let Pat::Ident(pi) = &*f.pat else {
+                    return err(f.pat.span(), "a kernel `for` binds one name");
+                };
+                let ident = &pi.ident;
+                let hint = ident.to_string();
+                let (range, step) = match &*f.expr {
+                    Expr::MethodCall(m) if m.method == "step_by" && m.args.len() == 1 => {
+                        (strip_parens(&m.receiver), Some(&m.args[0]))
+                    }
+                    other => (other, None),
+                };
+                let Expr::Range(r) = range else {
+                    return err(
+                        f.expr.span(),
+                        "a kernel `for` runs over `a..b` or `(a..b).step_by(s)`",
+                    );
+                };
+                let (Some(start), Some(end), syn::RangeLimits::HalfOpen(_)) =
+                    (&r.start, &r.end, &r.limits)
+                else {
+                    return err(
+                        r.span(),
+                        "a kernel `for` range is `a..b` (both ends given, end excluded)",
+                    );
+                };
+                let (start, end) = (
+                    (self.bound(start)?, start.span()),
+                    (self.bound(end)?, end.span()),
+                );
+                let body = self.scoped(|t| {
+                    t.declare(ident, Kind::Value);
+                    t.block_stmts(&f.body)
+                })?;
+                match step {
+                    Some(s) => {
+                        let s = (self.bound(s)?, s.span());
+                        Ok(with_temps(vec![start, end, s], |a| {
+                            let (a0, a1, a2) = (&a[0], &a[1], &a[2]);
+                            quote_spanned!(span=>
+                                #dsl::macro_support::for_range_step(__k, #hint, (#a0, #a1), #a2, |__k, #ident| { #body });)
+                        }))
+                    }
+                    None => Ok(with_temps(vec![start, end], |a| {
+                        let (a0, a1) = (&a[0], &a[1]);
+                        quote_spanned!(span=>
+                            #dsl::macro_support::for_range(__k, #hint, (#a0, #a1), |__k, #ident| { #body });)
+                    })),
+                }
+            }
+            Expr::While(w) => {
+                let cond = (self.expr(&w.cond)?, w.cond.span());
+                let body = self.block_stmts(&w.body)?;
+                Ok(with_temps(vec![cond], |a| {
+                    let c = &a[0];
+                    quote_spanned!(span=> __k.while_(#c, |__k| { #body });)
+                }))
+            }
+            Expr::Loop(l) => {
+                let body = self.block_stmts(&l.body)?;
+                Ok(quote_spanned!(span=> __k.loop_(|__k| { #body });))
+            }
+            Expr::Break(b) if b.label.is_none() && b.expr.is_none() => {
+                Ok(quote_spanned!(span=> __k.break_();))
+            }
+            Expr::Continue(c) if c.label.is_none() => Ok(quote_spanned!(span=> __k.continue_();)),
+            Expr::Return(r) if r.expr.is_none() => Ok(quote_spanned!(span=> __k.return_();)),
+            Expr::Block(b) => {
+                let body = self.block_stmts(&b.block)?;
+                Ok(quote!({ #body }))
+            }
+            Expr::Macro(m) => Ok(quote!(#m;)),
+            _ => {
+                let value = self.expr(e)?;
+                Ok(quote_spanned!(span=> #value;))
+            }
+        }
+    }
+
+    fn if_stmt(&mut self, i: &syn::ExprIf) -> syn::Result<Tokens> {
+        let dsl = self.dsl.clone();
+        let cond = (self.expr(&i.cond)?, i.cond.span());
+        let then = self.block_stmts(&i.then_branch)?;
+        let otherwise = match &i.else_branch {
+            None => Tokens::new(),
+            Some((_, e)) => match &**e {
+                Expr::If(inner) => self.if_stmt(inner)?,
+                Expr::Block(b) => self.block_stmts(&b.block)?,
+                other => return err(other.span(), "an `else` takes a block or another `if`"),
+            },
+        };
+        Ok(with_temps(vec![cond], |a| {
+            let c = &a[0];
+            quote_spanned!(i.span()=> #dsl::macro_support::if_else(__k, #c, |__k| { #then }, |__k| { #otherwise });)
+        }))
+    }
+
+    /// `target = value` or `target op= value`.
+    fn assign(&mut self, target: &Expr, op: Option<Tokens>, value: &Expr) -> syn::Result<Tokens> {
+        let span = target.span();
+        let value = (self.expr(value)?, value.span());
+        let target = strip_parens(target);
+        if let Some(ident) = single_ident(target) {
+            return match (self.kind(ident), op) {
+                (Kind::Var, None) => Ok(with_temps(vec![value], |a| {
+                    let v = &a[0];
+                    quote_spanned!(span=> __k.assign(&#ident, #v);)
+                })),
+                (Kind::Var, Some(op)) => Ok(with_temps(vec![value], |a| {
+                    let v = &a[0];
+                    quote_spanned!(span=> __k.update(&#ident, #op, #v);)
+                })),
+                (Kind::Buffer { .. }, _) => err(
+                    target.span(),
+                    format!("assign to an element: `{ident}[i] = …`"),
+                ),
+                (Kind::Value, _) => err(
+                    target.span(),
+                    format!(
+                        "cannot assign to `{ident}`: declare it `let mut {ident} = …` to make it a variable"
+                    ),
+                ),
+            };
+        }
+        if let Expr::Index(ix) = target
+            && let Some(base) = single_ident(&ix.expr)
+            && let Kind::Buffer { writable } = self.kind(base)
+        {
+            if !writable {
+                return err(
+                    ix.expr.span(),
+                    format!(
+                        "cannot write to `{base}`: it is a read-only buffer (`&[T]`); declare it `&mut [T]`"
+                    ),
+                );
+            }
+            let index = (self.expr(&ix.index)?, ix.index.span());
+            return Ok(with_temps(vec![index, value], |a| {
+                let (i, v) = (&a[0], &a[1]);
+                match op {
+                    None => quote_spanned!(span=> __k.store(&#base, #i, #v);),
+                    Some(op) => quote_spanned!(span=> __k.store_op(&#base, #i, #op, #v);),
+                }
+            }));
+        }
+        err(
+            target.span(),
+            "assign to a `let mut` variable or to a `&mut` buffer element",
+        )
+    }
+
+    /// A `for` bound or step: unsuffixed integer literals are u32 (indices are).
+    fn bound(&mut self, e: &Expr) -> syn::Result<Tokens> {
+        if let Expr::Lit(ExprLit {
+            lit: Lit::Int(i), ..
+        }) = e
+            && i.suffix().is_empty()
+        {
+            let v = syn::LitInt::new(&format!("{}u32", i.base10_digits()), i.span());
+            return Ok(quote!(#v));
+        }
+        self.expr(e)
+    }
+
+    /// An expression in value position.
+    fn expr(&mut self, e: &Expr) -> syn::Result<Tokens> {
+        let dsl = self.dsl.clone();
+        let ms = quote!(#dsl::macro_support);
+        let span = e.span();
+        Ok(match e {
+            Expr::Lit(ExprLit {
+                lit: Lit::Float(f), ..
+            }) if f.suffix().is_empty() => {
+                let v = syn::LitFloat::new(&format!("{}f32", f.base10_digits()), f.span());
+                quote!(#v)
+            }
+            Expr::Lit(l) => quote!(#l),
+            Expr::Path(p) => match p.path.get_ident() {
+                Some(ident) if p.qself.is_none() => match self.kind(ident) {
+                    Kind::Var => quote_spanned!(span=> #ident.get()),
+                    Kind::Buffer { .. } => {
+                        return err(
+                            span,
+                            format!("`{ident}` is a buffer: read an element with `{ident}[i]`"),
+                        );
+                    }
+                    Kind::Value => quote_spanned!(span=> ::core::clone::Clone::clone(&#ident)),
+                },
+                _ => quote!(#p),
+            },
+            Expr::Paren(p) => {
+                let inner = self.expr(&p.expr)?;
+                quote!((#inner))
+            }
+            Expr::Binary(b) => {
+                let (l, r) = (self.expr(&b.left)?, self.expr(&b.right)?);
+                let method = |m: &str| Ident::new(m, b.op.span());
+                match &b.op {
+                    BinOp::Lt(_)
+                    | BinOp::Le(_)
+                    | BinOp::Gt(_)
+                    | BinOp::Ge(_)
+                    | BinOp::Eq(_)
+                    | BinOp::Ne(_) => {
+                        let m = method(match &b.op {
+                            BinOp::Lt(_) => "lt",
+                            BinOp::Le(_) => "le",
+                            BinOp::Gt(_) => "gt",
+                            BinOp::Ge(_) => "ge",
+                            BinOp::Eq(_) => "eq",
+                            _ => "ne",
+                        });
+                        quote_spanned!(span=> #ms::Compare::#m(#l, #r))
+                    }
+                    BinOp::And(_) => quote_spanned!(span=> #ms::Logic::and(#l, #r)),
+                    BinOp::Or(_) => quote_spanned!(span=> #ms::Logic::or(#l, #r)),
+                    op if compound_op(op).is_some() => {
+                        return err(span, "`op=` is a statement: write it on its own line");
+                    }
+                    op => group(quote_spanned!(span=> #l #op #r)),
+                }
+            }
+            Expr::Unary(u) => {
+                let inner = self.expr(&u.expr)?;
+                match u.op {
+                    UnOp::Neg(_) => group(quote_spanned!(span=> -#inner)),
+                    UnOp::Not(_) => group(quote_spanned!(span=> !#inner)),
+                    _ => return err(span, "`*` is not supported in a kernel body"),
+                }
+            }
+            Expr::Index(ix) => {
+                let index = self.expr(&ix.index)?;
+                match single_ident(&ix.expr) {
+                    Some(base) if matches!(self.kind(base), Kind::Buffer { .. }) => {
+                        quote_spanned!(span=> #dsl::Indexable::at(&#base, #index))
+                    }
+                    _ => {
+                        let base = self.expr(&ix.expr)?;
+                        quote_spanned!(span=> #base.component(#index))
+                    }
+                }
+            }
+            Expr::Call(c) => {
+                let args = c
+                    .args
+                    .iter()
+                    .map(|a| Ok((self.expr(a)?, a.span())))
+                    .collect::<syn::Result<Vec<_>>>()?;
+                match single_ident(&c.func) {
+                    Some(f) if BUILDER_CALLS.contains(&f.to_string().as_str()) => {
+                        with_temps(args, |a| quote_spanned!(span=> __k.#f(#(#a),*)))
+                    }
+                    Some(f) if MATH_CALLS.contains(&f.to_string().as_str()) => {
+                        let args = args.iter().map(|(t, _)| t);
+                        quote_spanned!(span=> #ms::#f(#(#args),*))
+                    }
+                    Some(f) if ROOT_CALLS.contains(&f.to_string().as_str()) => {
+                        let args = args.iter().map(|(t, _)| t);
+                        quote_spanned!(span=> #dsl::#f(#(#args),*))
+                    }
+                    // Any other plain name is a `#[kernel_fn]` helper; call other Rust functions
+                    // by a path (`self::f`, `u32::div_ceil`).
+                    Some(f) => with_temps(args, |a| quote_spanned!(span=> #f(__k, #(#a),*))),
+                    None => {
+                        let func = &c.func;
+                        let args = args.iter().map(|(t, _)| t);
+                        quote_spanned!(span=> #func(#(#args),*))
+                    }
+                }
+            }
+            Expr::MethodCall(m) => {
+                let receiver = match single_ident(&m.receiver) {
+                    // Buffer methods (`len`) take the handle itself.
+                    Some(base) if matches!(self.kind(base), Kind::Buffer { .. }) => quote!(#base),
+                    _ => self.expr(&m.receiver)?,
+                };
+                let args = m
+                    .args
+                    .iter()
+                    .map(|a| self.expr(a))
+                    .collect::<syn::Result<Vec<_>>>()?;
+                let (method, turbofish) = (&m.method, &m.turbofish);
+                quote_spanned!(span=> #receiver.#method #turbofish (#(#args),*))
+            }
+            Expr::Cast(c) => {
+                let inner = self.expr(&c.expr)?;
+                let ty = &c.ty;
+                quote_spanned!(span=> #ms::cast::<#ty, _>(#inner))
+            }
+            Expr::Field(f) => {
+                let base = self.expr(&f.base)?;
+                match &f.member {
+                    syn::Member::Named(n)
+                        if ["x", "y", "z", "w"].contains(&n.to_string().as_str()) =>
+                    {
+                        quote_spanned!(span=> #base.#n())
+                    }
+                    m => {
+                        return err(
+                            m.span(),
+                            "a kernel reads vector components as `.x`, `.y`, `.z`, `.w`; for more, use `.swizzle::<Vec2<f32>>(\"xy\")`",
+                        );
+                    }
+                }
+            }
+            Expr::If(_) => {
+                return err(
+                    span,
+                    "`if` as a value: use `select(cond, if_true, if_false)`",
+                );
+            }
+            Expr::Match(_) => {
+                return err(span, "`match` is not supported in a kernel body: use `if`");
+            }
+            Expr::Closure(_) => return err(span, "closures are not supported in a kernel body"),
+            Expr::Reference(_) => return err(span, "references are not needed in a kernel body"),
+            _ => return err(span, "this expression is not supported in a kernel body"),
+        })
+    }
+}
+
+/// `{ let __a0 = a0; …; make([__a0, …]) }`: arguments that may call helpers (which borrow the
+/// builder) are evaluated before the builder call borrows it.
+/// Each temporary carries its expression's span, so a type error points at the user's code.
+fn with_temps(args: Vec<(Tokens, Span)>, make: impl FnOnce(&[Ident]) -> Tokens) -> Tokens {
+    let names: Vec<Ident> = args
+        .iter()
+        .enumerate()
+        .map(|(i, (_, span))| format_ident!("__a{}", i, span = *span))
+        .collect();
+    let values = args.iter().map(|(t, _)| t);
+    let call = make(&names);
+    quote!({ #(let #names = #values;)* #call })
+}
+
+/// Tokens kept together as the parser grouped them, without parentheses (which would warn).
+fn group(tokens: Tokens) -> Tokens {
+    let g = proc_macro2::Group::new(proc_macro2::Delimiter::None, tokens);
+    quote!(#g)
+}
+
+fn strip_parens(e: &Expr) -> &Expr {
+    match e {
+        Expr::Paren(p) => strip_parens(&p.expr),
+        _ => e,
+    }
+}
+
+/// The DSL operator of a compound assignment (`+=` → `BinaryOp::Add`).
+fn compound_op(op: &BinOp) -> Option<Tokens> {
+    let name = match op {
+        BinOp::AddAssign(_) => "Add",
+        BinOp::SubAssign(_) => "Sub",
+        BinOp::MulAssign(_) => "Mul",
+        BinOp::DivAssign(_) => "Div",
+        BinOp::RemAssign(_) => "Rem",
+        BinOp::BitAndAssign(_) => "BitAnd",
+        BinOp::BitOrAssign(_) => "BitOr",
+        BinOp::BitXorAssign(_) => "BitXor",
+        BinOp::ShlAssign(_) => "Shl",
+        BinOp::ShrAssign(_) => "Shr",
+        _ => return None,
+    };
+    let ident = format_ident!("{}", name);
+    let Paths { dsl, .. } = paths();
+    Some(quote!(#dsl::BinaryOp::#ident))
+}

@@ -76,6 +76,7 @@ pub use expr::{
     AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
 };
 pub use function::{FnArgs, Function};
+pub use hesper_dsl_macros::{kernel, kernel_fn};
 pub use kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
 pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
 
@@ -83,7 +84,7 @@ pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
 pub mod prelude {
     pub use crate::{
         Access, Array, BinaryOp, Expr, F16, Features, Indexable, IntoExpr, Kernel, KernelBuilder,
-        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, lit, select, vec2,
-        vec3, vec4,
+        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, kernel, kernel_fn,
+        lit, select, vec2, vec3, vec4,
     };
 }

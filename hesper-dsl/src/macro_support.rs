@@ -201,6 +201,11 @@ pub trait LoopBounds {
     );
 }
 
+/// A `step_by` amount for a range whose index is `I`.
+pub trait StepFor<I> {
+    fn step(self) -> I;
+}
+
 macro_rules! loop_bounds {
     ($($t:ty),*) => {$(
         impl LoopBounds for ($t, $t) {
@@ -231,20 +236,44 @@ macro_rules! loop_bounds {
                 (self.0, crate::lit(self.1)).run(k, hint, step, body)
             }
         }
+        impl StepFor<$t> for $t {
+            fn step(self) -> $t {
+                self
+            }
+        }
+        impl StepFor<Expr<$t>> for $t {
+            fn step(self) -> Expr<$t> {
+                crate::lit(self)
+            }
+        }
+        impl StepFor<Expr<$t>> for Expr<$t> {
+            fn step(self) -> Expr<$t> {
+                self
+            }
+        }
     )*};
 }
 loop_bounds!(u32, i32);
 
-/// `for i in start..end` (and `(start..end).step_by(step)`), comptime or runtime by the bounds'
-/// types.
+/// `for i in start..end`, comptime or runtime by the bounds' types.
 pub fn for_range<B: LoopBounds>(
     k: &mut KernelBuilder,
     hint: &str,
     bounds: B,
-    step: Option<B::Index>,
     body: impl FnMut(&mut KernelBuilder, B::Index),
 ) {
-    bounds.run(k, hint, step, body)
+    bounds.run(k, hint, None, body)
+}
+
+/// `for i in (start..end).step_by(step)`, comptime or runtime by the bounds' types.
+pub fn for_range_step<B: LoopBounds, S: StepFor<B::Index>>(
+    k: &mut KernelBuilder,
+    hint: &str,
+    bounds: B,
+    step: S,
+    body: impl FnMut(&mut KernelBuilder, B::Index),
+) {
+    bounds.run(k, hint, Some(step.step()), body)
 }
 
 /// `x as T`: a Rust cast for a Rust number, a WGSL conversion for an expression.

@@ -38,6 +38,31 @@ element!(
     [i32; 4] => Ty::Vector(4, Scalar::I32),
 );
 
+/// The host type of a DSL element type: what a `GpuBuffer` bound to an `array<T>` holds
+/// (`Vec4<f32>` → `[f32; 4]`). Typed launchers use it, so a buffer of the wrong element type
+/// does not compile.
+pub trait HostElement {
+    type Host: Element;
+}
+
+macro_rules! host_element {
+    ($($dsl:ty => $host:ty),* $(,)?) => {$(
+        impl HostElement for $dsl {
+            type Host = $host;
+        }
+    )*};
+}
+host_element!(
+    f32 => f32,
+    u32 => u32,
+    i32 => i32,
+    Vec2<f32> => [f32; 2],
+    Vec4<f32> => [f32; 4],
+    Vec2<u32> => [u32; 2],
+    Vec4<u32> => [u32; 4],
+    Vec4<i32> => [i32; 4],
+);
+
 /// A storage buffer of `len` elements of `T` on one [`Gpu`]. Its allocation is padded to a
 /// multiple of 16 bytes, so the executor's fill and copy kernels can move it as `vec4<u32>`.
 pub struct GpuBuffer<T: Element> {

@@ -12,7 +12,7 @@ mod gpu;
 mod launch;
 pub mod profile;
 
-pub use buffer::{Element, GpuBuffer};
+pub use buffer::{Element, GpuBuffer, HostElement};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};

@@ -1,0 +1,253 @@
+//! `#[kernel]` is thin sugar: each kernel here is written twice, with the macro and with the
+//! builder, and both must emit byte-identical WGSL (the macro's is also snapshotted). One runs
+//! on the GPU through its generated typed launcher.
+
+mod common;
+
+use common::{Rng, gpu, max_rel_err};
+use hesper::dsl::macro_support::max;
+use hesper::dsl::prelude::*;
+use hesper::exec::Grid;
+
+#[kernel(workgroup_size = 256)]
+fn relu_sqr_mul_backward(
+    gate: &[f32],
+    up: &[f32],
+    d_hidden: &[f32],
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+    #[shape] n: u32,
+) {
+    let i = global_index();
+    if i < n {
+        let g = max(gate[i], 0.0);
+        d_gate[i] = d_hidden[i] * up[i] * 2.0 * g;
+        d_up[i] = d_hidden[i] * g * g;
+    }
+}
+
+fn relu_sqr_mul_backward_by_hand(n: u32) -> Kernel {
+    let key = KernelKey::new("relu_sqr_mul_backward")
+        .workgroup_size(256)
+        .shape("n", n)
+        .features(Features::NONE);
+    Kernel::build(&key, |k| {
+        let n = k.shape::<u32>("n");
+        let gate = k.storage::<f32>("gate");
+        let up = k.storage::<f32>("up");
+        let d_hidden = k.storage::<f32>("d_hidden");
+        let d_gate = k.storage_rw::<f32>("d_gate");
+        let d_up = k.storage_rw::<f32>("d_up");
+        let i = k.global_index();
+        k.if_(i.lt(n), |k| {
+            let g = k.let_("g", max(gate.at(&i), 0.0));
+            k.store(&d_gate, &i, d_hidden.at(&i) * up.at(&i) * 2.0 * &g);
+            k.store(&d_up, &i, d_hidden.at(&i) * &g * &g);
+        });
+    })
+    .unwrap()
+}
+
+#[kernel(workgroup_size = 128)]
+fn row_sum(x: &[f32], sums: &mut [f32], #[shape] cols: u32) {
+    let row = workgroup_id().x;
+    let mut acc = 0.0;
+    for c in (local_index()..cols).step_by(128) {
+        acc += x[row * cols + c];
+    }
+    let total = workgroup_reduce(acc, Reduce::Sum);
+    if local_index() == 0 {
+        sums[row] = total;
+    }
+}
+
+fn row_sum_by_hand(cols: u32) -> Kernel {
+    let key = KernelKey::new("row_sum")
+        .workgroup_size(128)
+        .shape("cols", cols);
+    Kernel::build(&key, |k| {
+        let cols = k.shape::<u32>("cols");
+        let x = k.storage::<f32>("x");
+        let sums = k.storage_rw::<f32>("sums");
+        let row = k.let_("row", k.workgroup_id().x());
+        let acc = k.var("acc", 0.0f32);
+        k.for_step("c", k.local_index(), cols, 128u32, |k, c| {
+            k.add_assign(&acc, x.at(&row * cols + c));
+        });
+        let total = k.workgroup_reduce(acc.get(), Reduce::Sum);
+        k.if_(k.local_index().eq(0u32), |k| k.store(&sums, &row, &total));
+    })
+    .unwrap()
+}
+
+/// A helper that becomes a WGSL function.
+#[kernel_fn]
+fn silu(x: f32) -> f32 {
+    x / (1.0 + exp(-x))
+}
+
+/// Comptime Rust on shapes: an unrolled loop and an `if` that decides the text.
+#[kernel(workgroup_size = 64)]
+fn swiglu_forward(gate: &[f32], up: &[f32], h: &mut [f32], #[shape] n: u32, #[shape] unroll: u32) {
+    let base = global_index() * unroll;
+    for j in 0..unroll {
+        let i = base + j;
+        if i < n {
+            if unroll > 1 {
+                h[i] = silu(gate[i]) * up[i];
+            } else {
+                h[i] = gate[i] * up[i];
+            }
+        }
+    }
+}
+
+fn swiglu_forward_by_hand(n: u32, unroll: u32) -> Kernel {
+    let key = KernelKey::new("swiglu_forward")
+        .workgroup_size(64)
+        .shape("n", n)
+        .shape("unroll", unroll);
+    Kernel::build(&key, |k| {
+        let n = k.shape::<u32>("n");
+        let unroll = k.shape::<u32>("unroll");
+        let gate = k.storage::<f32>("gate");
+        let up = k.storage::<f32>("up");
+        let h = k.storage_rw::<f32>("h");
+        let silu = |k: &mut KernelBuilder, v: Expr<f32>| {
+            let f =
+                k.function::<(f32,), f32>("silu", &["x"], |_, (x,)| &x / (1.0f32 + (-&x).exp()));
+            f.call((v,))
+        };
+        let index = k.global_index();
+        let base = k.let_("base", index * unroll);
+        for j in 0..unroll {
+            let i = k.let_("i", &base + j);
+            k.if_(i.lt(n), |k| {
+                if unroll > 1 {
+                    let s = silu(k, gate.at(&i));
+                    k.store(&h, &i, s * up.at(&i));
+                } else {
+                    k.store(&h, &i, gate.at(&i) * up.at(&i));
+                }
+            });
+        }
+    })
+    .unwrap()
+}
+
+/// Runtime scalars as immediates, a `var` updated in a `while`, a workgroup array.
+#[kernel(workgroup_size = 64, immediates)]
+fn scale_rows(
+    x: &mut [f32],
+    #[workgroup] tile: &mut [f32; 64],
+    #[runtime] alpha: f32,
+    #[runtime] n: u32,
+) {
+    let i = global_index();
+    let lid = local_index();
+    tile[lid] = 0.0;
+    if i < n {
+        tile[lid] = x[i] * alpha;
+    }
+    workgroup_barrier();
+    let mut k = 0u32;
+    while k < 2u32 {
+        k += 1u32;
+    }
+    if i < n {
+        x[i] = tile[lid] + k as f32;
+    }
+}
+
+fn scale_rows_by_hand() -> Kernel {
+    let key = KernelKey::new("scale_rows")
+        .workgroup_size(64)
+        .features(Features::IMMEDIATES);
+    Kernel::build(&key, |k| {
+        let x = k.storage_rw::<f32>("x");
+        let tile = k.workgroup_array::<f32>("tile", 64);
+        let alpha = k.param::<f32>("alpha");
+        let n = k.param::<u32>("n");
+        let i = k.global_index();
+        let lid = k.let_("lid", k.local_index());
+        k.store(&tile, &lid, 0.0f32);
+        k.if_(i.lt(&n), |k| k.store(&tile, &lid, x.at(&i) * &alpha));
+        k.workgroup_barrier();
+        let kv = k.var("k", 0u32);
+        k.while_(kv.get().lt(2u32), |k| k.update(&kv, BinaryOp::Add, 1u32));
+        k.if_(i.lt(&n), |k| {
+            k.store(&x, &i, tile.at(&lid) + kv.get().cast::<f32>())
+        });
+    })
+    .unwrap()
+}
+
+#[test]
+fn macro_and_builder_emit_identical_wgsl() {
+    let pairs = [
+        (
+            relu_sqr_mul_backward::build(1000).unwrap(),
+            relu_sqr_mul_backward_by_hand(1000),
+        ),
+        (row_sum::build(300).unwrap(), row_sum_by_hand(300)),
+        (
+            swiglu_forward::build(500, 4).unwrap(),
+            swiglu_forward_by_hand(500, 4),
+        ),
+        (
+            swiglu_forward::build(500, 1).unwrap(),
+            swiglu_forward_by_hand(500, 1),
+        ),
+        (scale_rows::build().unwrap(), scale_rows_by_hand()),
+    ];
+    for (from_macro, by_hand) in &pairs {
+        assert_eq!(from_macro.key(), by_hand.key());
+        assert_eq!(from_macro.wgsl(), by_hand.wgsl(), "{}", from_macro.name());
+    }
+    insta::assert_snapshot!("macro_relu_sqr_mul_backward", pairs[0].0.wgsl());
+    insta::assert_snapshot!("macro_row_sum", pairs[1].0.wgsl());
+    insta::assert_snapshot!("macro_swiglu_forward_unrolled", pairs[2].0.wgsl());
+    insta::assert_snapshot!("macro_scale_rows", pairs[4].0.wgsl());
+}
+
+#[test]
+fn typed_launcher_runs_the_macro_kernel() {
+    let g = gpu();
+    let n = 777usize;
+    let mut rng = Rng::new(77);
+    let (gate, up, dh) = (rng.vec(n), rng.vec(n), rng.vec(n));
+    let (gb, ub, db) = (
+        g.upload(&gate).unwrap(),
+        g.upload(&up).unwrap(),
+        g.upload(&dh).unwrap(),
+    );
+    let (d_gate, d_up) = (
+        g.filled(n, f32::NAN).unwrap(),
+        g.filled(n, f32::NAN).unwrap(),
+    );
+    let mut rec = g.recorder();
+    relu_sqr_mul_backward::launch(
+        &mut rec,
+        n as u32,
+        &gb,
+        &ub,
+        &db,
+        &d_gate,
+        &d_up,
+        Grid::Threads(n as u64),
+    )
+    .unwrap();
+    rec.submit().unwrap();
+    let r = |i: usize| (gate[i] as f64).max(0.0);
+    let want_gate: Vec<f64> = (0..n)
+        .map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i))
+        .collect();
+    let want_up: Vec<f64> = (0..n).map(|i| dh[i] as f64 * r(i) * r(i)).collect();
+    assert!(max_rel_err(&d_gate.read(g).unwrap(), &want_gate) < 1e-6);
+    assert!(max_rel_err(&d_up.read(g).unwrap(), &want_up) < 1e-6);
+}
+
+#[test]
+fn compile_errors_point_at_the_users_code() {
+    trybuild::TestCases::new().compile_fail("tests/ui/*.rs");
+}
