@@ -1,5 +1,5 @@
-//! The built-in default job: write a kernel in the DSL, print its WGSL, run it on the GPU (or
-//! lavapipe) and check every element against an f64 reference.
+//! The built-in default job: write a kernel, print its WGSL, run it on the GPU (or lavapipe)
+//! and check every element against an f64 reference.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --example hello_kernel [-- N]
@@ -8,27 +8,26 @@
 use std::process::ExitCode;
 
 use hesper::dsl::prelude::*;
-use hesper::exec::{Args, Gpu, Grid};
+use hesper::exec::{Gpu, Grid};
 
 /// ReLU²×Mul backward (BitNet's FFN activation): with `h = relu(g)²·u`,
 /// `d_up = dh·relu(g)²` and `d_gate = dh·u·2·relu(g)`.
-fn relu_sqr_mul_backward() -> Result<Kernel, hesper::dsl::DslError> {
-    let key = KernelKey::new("relu_sqr_mul_backward").workgroup_size(256);
-    Kernel::build(&key, |k| {
-        let gate = k.storage::<f32>("gate");
-        let up = k.storage::<f32>("up");
-        let d_h = k.storage::<f32>("d_h");
-        let d_gate = k.storage_rw::<f32>("d_gate");
-        let d_up = k.storage_rw::<f32>("d_up");
-        let n = k.param::<u32>("n");
-        let i = k.global_index();
-        k.if_(i.lt(&n), |k| {
-            let r = k.let_("r", gate.at(&i).max(0.0));
-            let dh = k.let_("dh", d_h.at(&i));
-            k.store(&d_gate, &i, &dh * up.at(&i) * 2.0 * &r);
-            k.store(&d_up, &i, &dh * &r * &r);
-        });
-    })
+#[kernel(workgroup_size = 256)]
+fn relu_sqr_mul_backward(
+    gate: &[f32],
+    up: &[f32],
+    d_h: &[f32],
+    d_gate: &mut [f32],
+    d_up: &mut [f32],
+    #[runtime] n: u32,
+) {
+    let i = global_index();
+    if i < n {
+        let r = max(gate[i], 0.0);
+        let dh = d_h[i];
+        d_gate[i] = dh * up[i] * 2.0 * r;
+        d_up[i] = dh * r * r;
+    }
 }
 
 fn main() -> ExitCode {
@@ -51,8 +50,7 @@ fn main() -> ExitCode {
 }
 
 fn run(n: usize) -> Result<bool, Box<dyn std::error::Error>> {
-    let kernel = relu_sqr_mul_backward()?;
-    println!("{}", kernel.wgsl());
+    println!("{}", relu_sqr_mul_backward::build()?.wgsl());
 
     let gpu = Gpu::new()?;
     println!("device: {}", gpu.describe());
@@ -71,14 +69,18 @@ fn run(n: usize) -> Result<bool, Box<dyn std::error::Error>> {
     let (g, u, d) = (gpu.upload(&gate)?, gpu.upload(&up)?, gpu.upload(&dh)?);
     // Outputs start as NaN, so an element the kernel does not write fails the check.
     let (d_gate, d_up) = (gpu.filled(n, f32::NAN)?, gpu.filled(n, f32::NAN)?);
-    let args = Args::new()
-        .buffer("gate", &g)
-        .buffer("up", &u)
-        .buffer("d_h", &d)
-        .buffer("d_gate", &d_gate)
-        .buffer("d_up", &d_up)
-        .param("n", n as u32);
-    gpu.run(&kernel, &args, Grid::Threads(n as u64))?;
+    let mut rec = gpu.recorder();
+    relu_sqr_mul_backward::launch(
+        &mut rec,
+        &g,
+        &u,
+        &d,
+        &d_gate,
+        &d_up,
+        n as u32,
+        Grid::Threads(n as u64),
+    )?;
+    rec.submit()?;
     let (got_gate, got_up) = (d_gate.read(&gpu)?, d_up.read(&gpu)?);
 
     let mut max_err = 0f64;

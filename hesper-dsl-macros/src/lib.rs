@@ -17,7 +17,37 @@ use syn::{
     Type, UnOp,
 };
 
-/// Write a kernel as a Rust function. See `hesper_dsl::kernel` for the full documentation.
+/// Write a kernel as a Rust function: the function becomes a unit struct of the same name with
+/// `key(shapes…)`, `body(&mut KernelBuilder)`, `build(shapes…)` and — where hesper-exec is a
+/// dependency — a typed `launch(&mut Recorder, shapes…, buffers…, runtime scalars…, Grid)`.
+///
+/// ```text
+/// #[kernel(workgroup_size = 256, subgroups, immediates, name = "…")]   // all optional
+/// fn name(
+///     x: &[f32],                          // read-only storage buffer  (binding 0)
+///     y: &mut [Vec4<f32>],                // read-write storage buffer (binding 1)
+///     #[shape] cols: u32,                 // compile-time: keys the pipeline, plain Rust in the body
+///     #[runtime] lr: f32,                 // per launch: uniform or immediates, an Expr in the body
+///     #[workgroup] tile: &mut [f32; 256], // workgroup array (its length may use shapes)
+/// ) { … }
+/// ```
+///
+/// In the body:
+/// - `let v = e;` binds once (a WGSL `let` when `e` is an expression, plain Rust when it is a
+///   Rust value); `let mut v = e;` is a WGSL `var`; `v = e`, `v += e`, `x[i] = e`, `x[i] += e`.
+/// - `if`, `for i in a..b` and `for i in (a..b).step_by(s)` run at build time when their
+///   condition or bounds are Rust values (shapes, literals) and become WGSL when they are
+///   expressions; `while`, `loop`, `break`, `continue`, `return`.
+/// - `<`, `==`, `&&`, … and `as` work on both; `v.x` reads a component.
+/// - builder calls as functions: `global_index()`, `local_index()`, `workgroup_id()`,
+///   `workgroup_barrier()`, `workgroup_reduce(v, Reduce::Sum)`, `subgroup_add(v)`, …;
+///   WGSL builtins as functions or methods: `max(a, b)`, `exp(x)`, `x.sqrt()`;
+///   `vec4(…)`, `lit(…)`.
+/// - any other plain function name calls a [`macro@kernel_fn`] helper; call ordinary Rust
+///   functions by a path (`self::f`, `u32::div_ceil`).
+///
+/// Unsupported syntax, writes to read-only buffers and assignments to `let`s are compile errors
+/// at the offending code; type errors point there too. Examples: `hesper_dsl`'s crate docs.
 #[proc_macro_attribute]
 pub fn kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand_kernel(attr.into(), item.into())
@@ -25,7 +55,18 @@ pub fn kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
         .into()
 }
 
-/// Write a helper as a WGSL function, callable from `#[kernel]` bodies.
+/// Write a helper as a WGSL function, callable from `#[kernel]` bodies (and from other helpers):
+///
+/// ```text
+/// #[kernel_fn]
+/// fn silu(x: f32) -> f32 {
+///     x / (1.0 + exp(-x))
+/// }
+/// ```
+///
+/// becomes `fn silu(k: &mut KernelBuilder, x: impl IntoExpr<f32>) -> Expr<f32>`, which declares
+/// `fn silu(x: f32) -> f32` in the kernel once and calls it. The body ends with the returned
+/// value; builtins (`global_index()`, …) are not available inside: pass them in.
 #[proc_macro_attribute]
 pub fn kernel_fn(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand_kernel_fn(attr.into(), item.into())

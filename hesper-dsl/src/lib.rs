@@ -41,6 +41,48 @@
 //! assert_eq!(err.to_string(), "kernel `twice`: the name `x` is declared twice");
 //! ```
 //!
+//! ## `#[kernel]`: a kernel as a Rust function
+//!
+//! The same kernel, written as Rust. The macro expands to the builder calls above (the WGSL is
+//! byte-identical); shapes are plain Rust values in the body, so an `if` or `for` over them runs
+//! when the kernel is built, while one over expressions becomes WGSL.
+//!
+//! ```
+//! use hesper_dsl::prelude::*;
+//!
+//! #[kernel_fn]
+//! fn relu(x: f32) -> f32 {
+//!     max(x, 0.0)
+//! }
+//!
+//! #[kernel(workgroup_size = 256)]
+//! fn relu_sqr_mul_backward(
+//!     gate: &[f32],
+//!     up: &[f32],
+//!     d_h: &[f32],
+//!     d_gate: &mut [f32],
+//!     d_up: &mut [f32],
+//!     #[runtime] n: u32,
+//!     #[shape] unroll: u32,
+//! ) {
+//!     let first = global_index() * unroll;
+//!     for j in 0..unroll {
+//!         // unrolled at build time: `unroll` is a shape
+//!         let i = first + j;
+//!         if i < n {
+//!             // a WGSL `if`: `i` is an expression
+//!             let r = relu(gate[i]);
+//!             d_gate[i] = d_h[i] * up[i] * 2.0 * r;
+//!             d_up[i] = d_h[i] * r * r;
+//!         }
+//!     }
+//! }
+//!
+//! let kernel = relu_sqr_mul_backward::build(2).unwrap();
+//! assert!(kernel.wgsl().contains("fn relu(x: f32) -> f32"));
+//! assert_eq!(kernel.wgsl().matches("if i").count(), 2); // two unrolled iterations
+//! ```
+//!
 //! Storing into a read-only buffer does not compile:
 //!
 //! ```compile_fail
