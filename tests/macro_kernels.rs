@@ -251,3 +251,37 @@ fn typed_launcher_runs_the_macro_kernel() {
 fn compile_errors_point_at_the_users_code() {
     trybuild::TestCases::new().compile_fail("tests/ui/*.rs");
 }
+
+#[kernel(workgroup_size = 64, subgroups, immediates, name = "row_max_sg")]
+fn row_max(x: &[f32], out: &mut [f32], #[runtime] cols: u32) {
+    let row = workgroup_id().x;
+    let mut best = f32::MIN;
+    for c in (local_index()..cols).step_by(64) {
+        best = max(best, x[row * cols + c]);
+    }
+    let m = workgroup_reduce(best, Reduce::Max);
+    if subgroup_invocation_id() == 0 && local_index() == 0 {
+        out[row] = m;
+    }
+}
+
+#[test]
+fn kernel_options_reach_the_key() {
+    let k = row_max::build().unwrap();
+    assert_eq!(row_max::NAME, "row_max_sg");
+    assert_eq!(
+        k.key(),
+        &KernelKey::new("row_max_sg")
+            .workgroup_size(64)
+            .features(Features::SUBGROUPS | Features::IMMEDIATES)
+    );
+    assert!(
+        k.wgsl().contains("subgroupMax(best)")
+            && k.wgsl().contains("var<immediate> params: Params;")
+    );
+    assert!(
+        k.wgsl().contains("var best: f32 = -3.4028235e38f;"),
+        "{}",
+        k.wgsl()
+    );
+}
