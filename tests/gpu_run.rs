@@ -283,15 +283,16 @@ fn f16_kernel_runs() {
 fn binding_errors_name_kernel_and_binding() {
     let g = gpu();
     let kernel = relu_sqr_mul_backward(Features::NONE);
-    let f = g.upload(&[1.0f32; 8]).unwrap();
-    let u = g.upload(&[1u32; 8]).unwrap();
-    let full = || {
+    let input = g.upload(&[1.0f32; 8]).unwrap();
+    let (out1, out2) = (g.zeros::<f32>(8).unwrap(), g.zeros::<f32>(8).unwrap());
+    let ints = g.upload(&[1u32; 8]).unwrap();
+    let inputs = || {
         Args::new()
-            .buffer("gate", &f)
-            .buffer("up", &f)
-            .buffer("d_h", &f)
-            .buffer("d_gate", &f)
+            .buffer("gate", &input)
+            .buffer("up", &input)
+            .buffer("d_h", &input)
     };
+    let full = || inputs().buffer("d_gate", &out1);
     let run = |args: Args| {
         g.run(&kernel, &args, Grid::Threads(8))
             .unwrap_err()
@@ -302,28 +303,33 @@ fn binding_errors_name_kernel_and_binding() {
         "kernel `relu_sqr_mul_backward`, binding `d_up`: expected a buffer of f32, given none"
     );
     assert_eq!(
-        run(full().buffer("d_up", &u).param("n", 8u32)),
+        run(full().buffer("d_up", &ints).param("n", 8u32)),
         "kernel `relu_sqr_mul_backward`, binding `d_up`: expected elements of f32, given elements of u32"
     );
     assert!(
         run(full()
-            .buffer("d_up", &f)
-            .buffer("extra", &f)
+            .buffer("d_up", &out2)
+            .buffer("extra", &out2)
             .param("n", 8u32))
         .contains("binding `extra`")
     );
     assert_eq!(
-        run(full().buffer("d_up", &f)),
+        run(full().buffer("d_up", &out2)),
         "kernel `relu_sqr_mul_backward`, runtime scalar `n`: expected u32, given no value"
     );
     assert!(
-        run(full().buffer("d_up", &f).param("n", 8.0f32))
+        run(full().buffer("d_up", &out2).param("n", 8.0f32))
             .contains("runtime scalar `n`: expected u32")
+    );
+    assert_eq!(
+        run(full().buffer("d_up", &input).param("n", 8u32)),
+        "kernel `relu_sqr_mul_backward`, binding `d_up`: expected a buffer of its own (it is written, \
+         and `gate` is read), given the buffer also bound to `gate`"
     );
     let err = g
         .run(
             &kernel,
-            &full().buffer("d_up", &f).param("n", 8u32),
+            &full().buffer("d_up", &out2).param("n", 8u32),
             Grid::Workgroups([70_000, 1, 1]),
         )
         .unwrap_err();

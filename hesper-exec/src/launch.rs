@@ -93,6 +93,20 @@ impl<'a> Args<'a> {
         });
         self
     }
+    /// Bind an f32 buffer as `array<vec4<f32>>` (four elements per load, for bandwidth-bound
+    /// kernels). Its allocation is padded to 16 bytes, so the last vec4 is whole; the kernel must
+    /// not rely on the padding's values, and may write it.
+    pub fn buffer_vec4(mut self, name: &'a str, buffer: &'a GpuBuffer<f32>) -> Self {
+        let len = buffer.len().div_ceil(4);
+        self.buffers.push(BoundBuffer {
+            name,
+            raw: buffer.raw(),
+            ty: Ty::Vector(4, Scalar::F32),
+            len,
+            min_len: len.max(1),
+        });
+        self
+    }
     /// Bind a buffer under another element type (the executor's own fill and copy kernels
     /// view any buffer as `vec4<u32>`).
     pub(crate) fn raw(mut self, name: &'a str, raw: &'a wgpu::Buffer, ty: Ty, len: usize) -> Self {
@@ -454,6 +468,34 @@ fn check_buffers(kernel: &Kernel, args: &Args<'_>) -> Result<(), ExecError> {
         }
         if args.buffers[..i].iter().any(|b| b.name == a.name) {
             return Err(err_binding(kernel, a.name, "one buffer", "two"));
+        }
+    }
+    // wgpu refuses one buffer bound read-only and read-write in the same dispatch (and would
+    // report it only as an uncaptured error); say which bindings alias.
+    for b in kernel
+        .bindings()
+        .iter()
+        .filter(|b| b.access == hesper_dsl::Access::ReadWrite)
+    {
+        let Some(w) = args.buffers.iter().find(|a| a.name == b.name) else {
+            continue;
+        };
+        if let Some(r) = args.buffers.iter().find(|a| {
+            a.name != b.name
+                && a.raw == w.raw
+                && kernel
+                    .binding(a.name)
+                    .is_some_and(|rb| rb.access == hesper_dsl::Access::Read)
+        }) {
+            return Err(err_binding(
+                kernel,
+                &b.name,
+                format!(
+                    "a buffer of its own (it is written, and `{}` is read)",
+                    r.name
+                ),
+                format!("the buffer also bound to `{}`", r.name),
+            ));
         }
     }
     for b in kernel.bindings() {

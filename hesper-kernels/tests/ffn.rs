@@ -1,0 +1,189 @@
+//! FFN activations on the GPU against the f64 reference, and the reference against finite
+//! differences.
+
+use hesper_exec::{ExecError, GpuBuffer};
+use hesper_kernels::ffn::{self, reference};
+use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+
+/// Lengths that are and are not multiples of 4 and of the workgroup (1024 elements).
+const LENGTHS: [usize; 5] = [1, 3, 1000, 4099, 70_001];
+
+type Backward = fn(
+    &mut hesper_exec::Recorder<'_>,
+    &GpuBuffer<f32>,
+    &GpuBuffer<f32>,
+    &GpuBuffer<f32>,
+    &mut GpuBuffer<f32>,
+    &mut GpuBuffer<f32>,
+) -> Result<(), ExecError>;
+type Forward = fn(
+    &mut hesper_exec::Recorder<'_>,
+    &GpuBuffer<f32>,
+    &GpuBuffer<f32>,
+    &mut GpuBuffer<f32>,
+) -> Result<(), ExecError>;
+
+/// `rtol`: a few f32 ulps for plain arithmetic, more where `exp` (a few ulps itself) feeds
+/// products; `atol` 1e-6 for outputs that cancel to near zero (inputs are O(1)).
+fn check_forward(
+    name: &str,
+    execute: Forward,
+    reference: fn(&[f64], &[f64]) -> Vec<f64>,
+    rtol: f64,
+) {
+    let g = gpu();
+    for (seed, n) in LENGTHS.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 100);
+        let (gate, up) = (rng.vec(n, 4.0), rng.vec(n, 2.0));
+        let (gb, ub) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+        let mut h = g.filled(n, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        execute(&mut rec, &gb, &ub, &mut h).unwrap();
+        rec.submit().unwrap();
+        let want = reference(&f64s(&gate), &f64s(&up));
+        assert_close(
+            &format!("{name} n={n}"),
+            &h.read(g).unwrap(),
+            &want,
+            rtol,
+            1e-6,
+        );
+    }
+}
+
+fn check_backward(
+    name: &str,
+    execute: Backward,
+    reference: fn(&[f64], &[f64], &[f64]) -> (Vec<f64>, Vec<f64>),
+    rtol: f64,
+) {
+    let g = gpu();
+    for (seed, n) in LENGTHS.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64);
+        let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let (gb, ub, db) = (
+            g.upload(&gate).unwrap(),
+            g.upload(&up).unwrap(),
+            g.upload(&dh).unwrap(),
+        );
+        let mut d_gate = g.filled(n, f32::NAN).unwrap();
+        let mut d_up = g.filled(n, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        execute(&mut rec, &gb, &ub, &db, &mut d_gate, &mut d_up).unwrap();
+        rec.submit().unwrap();
+        let (want_gate, want_up) = reference(&f64s(&gate), &f64s(&up), &f64s(&dh));
+        assert_close(
+            &format!("{name} d_gate n={n}"),
+            &d_gate.read(g).unwrap(),
+            &want_gate,
+            rtol,
+            1e-6,
+        );
+        assert_close(
+            &format!("{name} d_up n={n}"),
+            &d_up.read(g).unwrap(),
+            &want_up,
+            rtol,
+            1e-6,
+        );
+    }
+}
+
+#[test]
+fn relu_sqr_mul_matches_reference() {
+    check_forward(
+        "relu_sqr_mul_forward",
+        ffn::execute_relu_sqr_mul_forward,
+        reference::relu_sqr_mul_forward,
+        1e-6,
+    );
+    check_backward(
+        "relu_sqr_mul_backward",
+        ffn::execute_relu_sqr_mul_backward,
+        reference::relu_sqr_mul_backward,
+        1e-6,
+    );
+}
+
+#[test]
+fn swiglu_matches_reference() {
+    check_forward(
+        "swiglu_forward",
+        ffn::execute_swiglu_forward,
+        reference::swiglu_forward,
+        1e-5,
+    );
+    check_backward(
+        "swiglu_backward",
+        ffn::execute_swiglu_backward,
+        reference::swiglu_backward,
+        1e-5,
+    );
+}
+
+/// The backward references are the gradients of `L = Σ d_h·h` of their forward references.
+#[test]
+fn backward_references_match_finite_differences() {
+    let mut rng = Rng::new(7);
+    let n = 64;
+    // Keep gates away from relu's kink at 0, where the derivative is undefined.
+    let gate: Vec<f64> = rng
+        .vec(n, 3.0)
+        .iter()
+        .map(|g| *g as f64 + if *g >= 0.0 { 0.05 } else { -0.05 })
+        .collect();
+    let (up, dh) = (f64s(&rng.vec(n, 2.0)), f64s(&rng.vec(n, 1.0)));
+    type Pair = (
+        fn(&[f64], &[f64]) -> Vec<f64>,
+        fn(&[f64], &[f64], &[f64]) -> (Vec<f64>, Vec<f64>),
+    );
+    let pairs: [(&str, Pair); 2] = [
+        (
+            "relu_sqr_mul",
+            (
+                reference::relu_sqr_mul_forward,
+                reference::relu_sqr_mul_backward,
+            ),
+        ),
+        (
+            "swiglu",
+            (reference::swiglu_forward, reference::swiglu_backward),
+        ),
+    ];
+    for (name, (forward, backward)) in pairs {
+        let loss = |g: &[f64], u: &[f64]| {
+            forward(g, u)
+                .iter()
+                .zip(&dh)
+                .map(|(h, d)| h * d)
+                .sum::<f64>()
+        };
+        let (d_gate, d_up) = backward(&gate, &up, &dh);
+        check_gradient(&format!("{name} d_gate"), &gate, &d_gate, n, |g| {
+            loss(g, &up)
+        });
+        check_gradient(&format!("{name} d_up"), &up, &d_up, n, |u| loss(&gate, u));
+    }
+}
+
+#[test]
+fn mismatched_lengths_name_kernel_and_buffer() {
+    let g = gpu();
+    let a = g.zeros::<f32>(10).unwrap();
+    let b = g.zeros::<f32>(9).unwrap();
+    let (mut c, mut d) = (g.zeros::<f32>(10).unwrap(), g.zeros::<f32>(10).unwrap());
+    let mut rec = g.recorder();
+    let err = ffn::execute_swiglu_backward(&mut rec, &a, &b, &a, &mut c, &mut d).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `swiglu_backward`, binding `up`: expected 10 elements (as gate), given 9 elements"
+    );
+    assert!(rec.is_empty());
+}
+
+#[test]
+fn wgsl_snapshots() {
+    for k in ffn::kernels().unwrap() {
+        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    }
+}
