@@ -16,6 +16,7 @@ type Backward = fn(
     &mut GpuBuffer<f32>,
     &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError>;
+type BackwardRef = fn(&[f64], &[f64], &[f64]) -> (Vec<f64>, Vec<f64>);
 type Forward = fn(
     &mut hesper_exec::Recorder<'_>,
     &GpuBuffer<f32>,
@@ -54,7 +55,7 @@ fn check_forward(
 fn check_backward(
     name: &str,
     execute: Backward,
-    reference: fn(&[f64], &[f64], &[f64]) -> (Vec<f64>, Vec<f64>),
+    reference: BackwardRef,
     rtol: f64,
 ) {
     let g = gpu();
