@@ -10,6 +10,8 @@
 //! The math contract is `../shared/KERNELS.md`.
 
 pub mod ffn;
+pub mod loss;
+pub mod optim;
 pub mod testing;
 
 use hesper_exec::{Element, ExecError, GpuBuffer};
