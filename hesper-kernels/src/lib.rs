@@ -11,6 +11,7 @@
 
 pub mod ffn;
 pub mod loss;
+pub mod norm;
 pub mod optim;
 pub mod testing;
 

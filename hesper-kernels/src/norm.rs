@@ -1,0 +1,336 @@
+//! RMSNorm forward and backward (KERNELS.md): `y = x·r·γ` with `r = (mean_j x_j² + ε)^-½` per
+//! row, saved by the forward; with `m = dy ⊙ γ`,
+//! `dx = r·m − (r³/n)·(Σ_j m_j x_j)·x` and `dγ = Σ_rows dy ⊙ x·r`.
+//!
+//! One workgroup per row, its invocations striding over the columns; row sums go through
+//! `workgroup_reduce`. The backward reads the forward's saved `r` (so it uses the forward's ε by
+//! construction — Hesper recomputed it with another ε). `dx` can be added to what the buffer
+//! holds (the residual path is a sum, never an overwrite). `dγ` is a two-pass column reduction
+//! (partial sums per block of rows, then a sum over blocks): no float atomics.
+
+use hesper_dsl::prelude::*;
+use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+
+use crate::{expect_len, expect_u32};
+
+/// Invocations per row.
+const WG: u32 = 256;
+/// Rows per partial sum in the first pass of `dγ`.
+const ROWS_PER_BLOCK: u32 = 32;
+
+#[kernel(workgroup_size = WG)]
+fn rms_norm_forward(
+    x: &[f32],
+    gamma: &[f32],
+    y: &mut [f32],
+    rstd: &mut [f32],
+    #[shape] cols: u32,
+    #[shape] eps: f32,
+    #[runtime] rows: u32,
+) {
+    // Rows past 65535 arrive as a 2-D grid of workgroups.
+    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    if row < rows {
+        let base = row * cols;
+        let mut sum_sq = 0.0;
+        for c in (local_index()..cols).step_by(WG) {
+            let v = x[base + c];
+            sum_sq += v * v;
+        }
+        let total = workgroup_reduce(sum_sq, Reduce::Sum);
+        let r = inverse_sqrt(total / cols as f32 + eps);
+        for c in (local_index()..cols).step_by(WG) {
+            y[base + c] = x[base + c] * r * gamma[c];
+        }
+        if local_index() == 0 {
+            rstd[row] = r;
+        }
+    }
+}
+
+#[kernel(workgroup_size = WG)]
+fn rms_norm_backward(
+    x: &[f32],
+    gamma: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    dx: &mut [f32],
+    #[shape] cols: u32,
+    #[shape] accumulate: bool,
+    #[runtime] rows: u32,
+) {
+    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    if row < rows {
+        let base = row * cols;
+        let mut dot = 0.0;
+        for c in (local_index()..cols).step_by(WG) {
+            dot += dy[base + c] * gamma[c] * x[base + c];
+        }
+        let m_dot_x = workgroup_reduce(dot, Reduce::Sum);
+        let r = rstd[row];
+        let coef = r * r * r * m_dot_x / cols as f32;
+        for c in (local_index()..cols).step_by(WG) {
+            let i = base + c;
+            let g = r * dy[i] * gamma[c] - coef * x[i];
+            if accumulate {
+                dx[i] += g;
+            } else {
+                dx[i] = g;
+            }
+        }
+    }
+}
+
+/// First pass of `dγ`: `partials[block, c] = Σ_{rows r of the block} dy[r, c]·x[r, c]·rstd[r]`.
+#[kernel(workgroup_size = 256)]
+fn rms_norm_dgamma_partials(
+    x: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    partials: &mut [f32],
+    #[shape] cols: u32,
+    #[shape] rows_per_block: u32,
+    #[runtime] rows: u32,
+    #[runtime] blocks: u32,
+) {
+    // One invocation per (block, column); neighbouring invocations read neighbouring columns.
+    let i = global_index();
+    if i < blocks * cols {
+        let block = i / cols;
+        let c = i % cols;
+        let first = block * rows_per_block;
+        let end = min(first + rows_per_block, rows);
+        let mut acc = 0.0;
+        for r in first..end {
+            let at = r * cols + c;
+            acc += dy[at] * x[at] * rstd[r];
+        }
+        partials[i] = acc;
+    }
+}
+
+/// Second pass of `dγ`: `dgamma[c] = Σ_blocks partials[block, c]`.
+#[kernel(workgroup_size = 256)]
+fn rms_norm_dgamma_sum(
+    partials: &[f32],
+    dgamma: &mut [f32],
+    #[shape] cols: u32,
+    #[runtime] blocks: u32,
+) {
+    let c = global_index();
+    if c < cols {
+        let mut acc = 0.0;
+        for b in 0u32..blocks {
+            acc += partials[b * cols + c];
+        }
+        dgamma[c] = acc;
+    }
+}
+
+/// The WGSL of this module's kernels at representative shapes (for snapshots and review).
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    Ok(vec![
+        rms_norm_forward::build(2560, 1e-6)?,
+        rms_norm_backward::build(2560, true)?,
+        rms_norm_dgamma_partials::build(2560, ROWS_PER_BLOCK)?,
+        rms_norm_dgamma_sum::build(2560)?,
+    ])
+}
+
+/// Rows and columns of `x` given `gamma`'s length, checked.
+fn rows_of(
+    kernel: &str,
+    x: &GpuBuffer<f32>,
+    gamma: &GpuBuffer<f32>,
+) -> Result<(u32, u32), ExecError> {
+    let cols = gamma.len();
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(ExecError::Binding {
+            kernel: kernel.into(),
+            binding: "x".into(),
+            expected: format!("a whole number of rows of {cols} (gamma's length)"),
+            given: format!("{} elements", x.len()),
+        });
+    }
+    Ok((
+        expect_u32(kernel, "rows", x.len() / cols)?,
+        expect_u32(kernel, "columns", cols)?,
+    ))
+}
+
+/// One workgroup per row, 2-D past 65535 rows.
+fn row_grid(rows: u32) -> Grid {
+    Grid::Threads(rows as u64 * WG as u64)
+}
+
+/// `y = x·r·γ` per row, saving `r` in `rstd` (one per row). `x` and `y` are `[rows, cols]`,
+/// `gamma` is `[cols]`; `eps` is the model's (a compile-time value).
+pub fn execute_rms_norm_forward(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    gamma: &GpuBuffer<f32>,
+    y: &mut GpuBuffer<f32>,
+    rstd: &mut GpuBuffer<f32>,
+    eps: f32,
+) -> Result<(), ExecError> {
+    let name = rms_norm_forward::NAME;
+    let (rows, cols) = rows_of(name, x, gamma)?;
+    expect_len(name, "y", y, x.len(), "as x")?;
+    expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernel = rec
+        .gpu()
+        .kernel(&rms_norm_forward::key(cols, eps), rms_norm_forward::body)?;
+    let args = Args::new()
+        .buffer("x", x)
+        .buffer("gamma", gamma)
+        .buffer("y", y)
+        .buffer("rstd", rstd)
+        .param("rows", rows);
+    rec.launch(&kernel, &args, row_grid(rows))
+}
+
+/// `dx` of RMSNorm given `dy`, with the forward's saved `rstd`. With `accumulate`, adds to
+/// `dx` (the residual stream's gradient); else overwrites it.
+pub fn execute_rms_norm_backward(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    gamma: &GpuBuffer<f32>,
+    rstd: &GpuBuffer<f32>,
+    dy: &GpuBuffer<f32>,
+    dx: &mut GpuBuffer<f32>,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let name = rms_norm_backward::NAME;
+    let (rows, cols) = rows_of(name, x, gamma)?;
+    expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
+    expect_len(name, "dy", dy, x.len(), "as x")?;
+    expect_len(name, "dx", dx, x.len(), "as x")?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernel = rec.gpu().kernel(
+        &rms_norm_backward::key(cols, accumulate),
+        rms_norm_backward::body,
+    )?;
+    let args = Args::new()
+        .buffer("x", x)
+        .buffer("gamma", gamma)
+        .buffer("rstd", rstd)
+        .buffer("dy", dy)
+        .buffer("dx", dx)
+        .param("rows", rows);
+    rec.launch(&kernel, &args, row_grid(rows))
+}
+
+/// Elements of the scratch buffer [`execute_rms_norm_dgamma`] needs for `rows` × `cols`.
+pub fn dgamma_scratch_len(rows: usize, cols: usize) -> usize {
+    rows.div_ceil(ROWS_PER_BLOCK as usize).max(1) * cols
+}
+
+/// `dγ = Σ_rows dy ⊙ x·r` (overwrites `dgamma`), in two passes through `scratch`
+/// ([`dgamma_scratch_len`] elements).
+pub fn execute_rms_norm_dgamma(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    rstd: &GpuBuffer<f32>,
+    dy: &GpuBuffer<f32>,
+    scratch: &mut GpuBuffer<f32>,
+    dgamma: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = rms_norm_dgamma_partials::NAME;
+    let cols = dgamma.len();
+    if cols == 0 || x.len() % cols != 0 {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "x".into(),
+            expected: format!("a whole number of rows of {cols} (dgamma's length)"),
+            given: format!("{} elements", x.len()),
+        });
+    }
+    let rows = x.len() / cols;
+    expect_len(name, "rstd", rstd, rows, "one per row of x")?;
+    expect_len(name, "dy", dy, x.len(), "as x")?;
+    expect_len(
+        name,
+        "partials",
+        scratch,
+        dgamma_scratch_len(rows, cols),
+        "dgamma_scratch_len",
+    )?;
+    let blocks = rows.div_ceil(ROWS_PER_BLOCK as usize);
+    let (rows, cols32, blocks) = (
+        expect_u32(name, "rows", rows)?,
+        expect_u32(name, "columns", cols)?,
+        expect_u32(name, "blocks", blocks)?,
+    );
+    let partials_kernel = rec.gpu().kernel(
+        &rms_norm_dgamma_partials::key(cols32, ROWS_PER_BLOCK),
+        rms_norm_dgamma_partials::body,
+    )?;
+    let sum_kernel = rec
+        .gpu()
+        .kernel(&rms_norm_dgamma_sum::key(cols32), rms_norm_dgamma_sum::body)?;
+    if blocks > 0 {
+        let args = Args::new()
+            .buffer("x", x)
+            .buffer("rstd", rstd)
+            .buffer("dy", dy)
+            .buffer("partials", scratch)
+            .param("rows", rows)
+            .param("blocks", blocks);
+        rec.launch(
+            &partials_kernel,
+            &args,
+            Grid::Threads(blocks as u64 * cols as u64),
+        )?;
+    }
+    let args = Args::new()
+        .buffer("partials", scratch)
+        .buffer("dgamma", dgamma)
+        .param("blocks", blocks);
+    rec.launch(&sum_kernel, &args, Grid::Threads(cols as u64))
+}
+
+/// f64 references.
+pub mod reference {
+    /// `(y, rstd)` of RMSNorm over rows of `gamma.len()` columns.
+    pub fn rms_norm_forward(x: &[f64], gamma: &[f64], eps: f64) -> (Vec<f64>, Vec<f64>) {
+        let cols = gamma.len();
+        let mut y = vec![0.0; x.len()];
+        let mut rstd = vec![];
+        for (row, out) in x.chunks(cols).zip(y.chunks_mut(cols)) {
+            let r = 1.0 / (row.iter().map(|v| v * v).sum::<f64>() / cols as f64 + eps).sqrt();
+            for c in 0..cols {
+                out[c] = row[c] * r * gamma[c];
+            }
+            rstd.push(r);
+        }
+        (y, rstd)
+    }
+
+    /// `(dx, dgamma)` of RMSNorm given `dy`.
+    pub fn rms_norm_backward(
+        x: &[f64],
+        gamma: &[f64],
+        dy: &[f64],
+        eps: f64,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let cols = gamma.len();
+        let (_, rstd) = rms_norm_forward(x, gamma, eps);
+        let mut dx = vec![0.0; x.len()];
+        let mut dgamma = vec![0.0; cols];
+        for (row, r) in rstd.iter().enumerate() {
+            let at = row * cols;
+            let m_dot_x: f64 = (0..cols).map(|c| dy[at + c] * gamma[c] * x[at + c]).sum();
+            for c in 0..cols {
+                let m = dy[at + c] * gamma[c];
+                dx[at + c] = r * m - r.powi(3) / cols as f64 * m_dot_x * x[at + c];
+                dgamma[c] += dy[at + c] * x[at + c] * r;
+            }
+        }
+        (dx, dgamma)
+    }
+}
