@@ -1,0 +1,596 @@
+//! LoRA on one projection `W` (KERNELS.md): `A` is `[r, in]`, `B` is `[out, r]`, scale `s`.
+//!
+//! Forward: `h = x·Aᵀ` (`[T, r]`, saved), `y += s·h·Bᵀ`.
+//! Backward, contracting through `r` first (never forming `B·A`), in Hesper's names:
+//! - `grad_dh`:    `dh = dy·B`                 `[T, r]`
+//! - `grad_b`:     `dB = s·dyᵀ·h`              `[out, r]`
+//! - `grad_a`:     `dA = s·dhᵀ·x`              `[r, in]`
+//! - `input_grad`: `dx += s·dh·A`              `[T, in]` (added: `dx` also gets `dy·W`)
+//!
+//! Three kernels cover all of it:
+//! - `lora_project`: `out[t, k] = scale·Σ_i a[t, i]·W(k, i)`, one workgroup per token, for `x·Aᵀ`
+//!   and `dy·B` (a skinny product whose `r` outputs per token are reduced together);
+//! - `lora_expand`: `out[t, j] (+)= scale·Σ_k v[t, k]·W(j, k)`, one invocation per output, for
+//!   `h·Bᵀ` and `dh·A`;
+//! - `lora_weight_grad`: `G(j, k) = scale·Σ_t u[t, j]·v[t, k]`, a sum over tokens done in two passes
+//!   (partials per block of tokens, then a sum over blocks) for `dB` and `dA`.
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{LocalArray, WorkgroupArray};
+use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+
+use crate::{expect_len, expect_u32};
+
+/// Tokens per partial sum in the first pass of the weight gradients.
+const TOKENS_PER_BLOCK: u32 = 64;
+/// Elementwise kernels' workgroup.
+const WG: u32 = 256;
+
+/// How a weight is laid out relative to the `r` axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// `A: [r, n]` — element `(j, k)` at `k·n + j`.
+    RankMajor,
+    /// `B: [n, r]` — element `(j, k)` at `j·r + k`.
+    RankMinor,
+}
+
+impl Layout {
+    fn shape(self) -> bool {
+        self == Layout::RankMinor
+    }
+    fn from_shape(rank_minor: bool) -> Self {
+        if rank_minor {
+            Layout::RankMinor
+        } else {
+            Layout::RankMajor
+        }
+    }
+    /// Index of element `(j, k)` of an `n × r` weight.
+    fn at(self, j: &Expr<u32>, k: impl IntoExpr<u32>, n: u32, r: u32) -> Expr<u32> {
+        match self {
+            Layout::RankMajor => k.into_expr() * n + j,
+            Layout::RankMinor => j * r + k.into_expr(),
+        }
+    }
+}
+
+/// Workgroup of `lora_project`: its reduction scratch (`r × WG` floats) must fit 32 KiB.
+fn project_workgroup(r: u32) -> u32 {
+    (8192 / r.max(1))
+        .clamp(32, 256)
+        .next_power_of_two()
+        .min(256)
+}
+
+fn project_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+    KernelKey::new("lora_project")
+        .workgroup_size(project_workgroup(r))
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("rank_minor", layout.shape())
+}
+
+/// `out[t, k] = scale·Σ_i a[t, i]·W(i, k)` for `k < r`: each invocation strides over `i`
+/// keeping `r` partial sums, then the workgroup reduces all `r` together.
+fn project(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let wg = k.invocations();
+    let a = k.storage::<f32>("a");
+    let w = k.storage::<f32>("w");
+    let out = k.storage_rw::<f32>("out");
+    let tokens = k.param::<u32>("tokens");
+    let scale = k.param::<f32>("scale");
+    let scratch: WorkgroupArray<f32> = k.workgroup_array("partial", r * wg);
+    let token = k.let_(
+        "token",
+        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
+    );
+    let lid = k.let_("lid", k.local_index());
+    // Every invocation of a workgroup has the same token: the early exit keeps barriers uniform.
+    k.if_(token.ge(&tokens), |k| k.return_());
+    // Loops over `r` have constant bounds: drivers unroll them and keep `acc` in registers.
+    let acc: LocalArray<f32> = k.var_array("acc", r);
+    let base = k.let_("base", &token * n);
+    k.for_step("i", &lid, n, wg, |k, i| {
+        let x = k.let_("x", a.at(&base + &i));
+        k.for_range("j", 0u32, r, |k, j| {
+            k.store_op(&acc, &j, BinaryOp::Add, &x * w.at(layout.at(&i, &j, n, r)));
+        });
+    });
+    k.for_range("j", 0u32, r, |k, j| {
+        k.store(&scratch, &lid + &j * wg, acc.at(&j))
+    });
+    k.workgroup_barrier();
+    k.for_loop(
+        "stride",
+        wg / 2,
+        |s| s.gt(0u32),
+        BinaryOp::Shr,
+        1u32,
+        |k, stride| {
+            k.if_(lid.lt(&stride), |k| {
+                k.for_range("j", 0u32, r, |k, j| {
+                    let at = k.let_("at", &lid + &j * wg);
+                    k.store_op(&scratch, &at, BinaryOp::Add, scratch.at(&at + &stride));
+                });
+            });
+            k.workgroup_barrier();
+        },
+    );
+    k.if_(lid.lt(r), |k| {
+        k.store(&out, &token * r + &lid, &scale * scratch.at(&lid * wg));
+    });
+}
+
+fn expand_key(n: u32, r: u32, layout: Layout, accumulate: bool) -> KernelKey {
+    KernelKey::new("lora_expand")
+        .workgroup_size(WG)
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("rank_minor", layout.shape())
+        .shape("accumulate", accumulate)
+}
+
+/// `out[t, j] (+)= scale·Σ_k v[t, k]·W(j, k)`, one invocation per output element.
+fn expand(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let accumulate = k.shape::<bool>("accumulate");
+    let v = k.storage::<f32>("v");
+    let w = k.storage::<f32>("w");
+    let out = k.storage_rw::<f32>("out");
+    let tokens = k.param::<u32>("tokens");
+    let scale = k.param::<f32>("scale");
+    let i = k.global_index();
+    k.if_(i.lt(&tokens * n), |k| {
+        let t = k.let_("t", &i / n);
+        let j = k.let_("j", &i % n);
+        let acc = k.var("acc", 0.0f32);
+        k.for_range("k", 0u32, r, |k, kk| {
+            k.add_assign(&acc, v.at(&t * r + &kk) * w.at(layout.at(&j, &kk, n, r)));
+        });
+        let value = &scale * acc.get();
+        if accumulate {
+            k.store_op(&out, &i, BinaryOp::Add, value);
+        } else {
+            k.store(&out, &i, value);
+        }
+    });
+}
+
+fn partials_key(n: u32, r: u32) -> KernelKey {
+    KernelKey::new("lora_weight_grad_partials")
+        .workgroup_size(WG)
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("tokens_per_block", TOKENS_PER_BLOCK)
+}
+
+/// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`, one invocation per
+/// (block, j) keeping `r` sums (`u` is read once).
+fn weight_grad_partials(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let per_block = k.shape::<u32>("tokens_per_block");
+    let u = k.storage::<f32>("u");
+    let v = k.storage::<f32>("v");
+    let partials = k.storage_rw::<f32>("partials");
+    let tokens = k.param::<u32>("tokens");
+    let blocks = k.param::<u32>("blocks");
+    let i = k.global_index();
+    k.if_(i.lt(&blocks * n), |k| {
+        let block = k.let_("block", &i / n);
+        let j = k.let_("j", &i % n);
+        let acc: LocalArray<f32> = k.var_array("acc", r);
+        let first = k.let_("first", &block * per_block);
+        let end = k.let_("end", (&first + per_block).min(&tokens));
+        k.for_range("t", &first, &end, |k, t| {
+            let x = k.let_("x", u.at(&t * n + &j));
+            k.for_range("k", 0u32, r, |k, kk| {
+                k.store_op(&acc, &kk, BinaryOp::Add, &x * v.at(&t * r + &kk));
+            });
+        });
+        k.for_range("k", 0u32, r, |k, kk| {
+            k.store(&partials, &i * r + &kk, acc.at(&kk))
+        });
+    });
+}
+
+fn sum_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+    KernelKey::new("lora_weight_grad_sum")
+        .workgroup_size(WG)
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("rank_minor", layout.shape())
+}
+
+/// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout.
+fn weight_grad_sum(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let partials = k.storage::<f32>("partials");
+    let grad = k.storage_rw::<f32>("grad");
+    let blocks = k.param::<u32>("blocks");
+    let scale = k.param::<f32>("scale");
+    let i = k.global_index();
+    k.if_(i.lt(n * r), |k| {
+        let j = k.let_("j", &i / r);
+        let kk = k.let_("k", &i % r);
+        let acc = k.var("acc", 0.0f32);
+        k.for_range("b", 0u32, &blocks, |k, b| {
+            k.add_assign(&acc, partials.at(&b * (n * r) + &i));
+        });
+        k.store(&grad, layout.at(&j, &kk, n, r), &scale * acc.get());
+    });
+}
+
+/// The WGSL of this module's kernels at representative shapes (for snapshots and review).
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    Ok(vec![
+        Kernel::build(&project_key(2560, 16, Layout::RankMajor), project)?,
+        Kernel::build(&expand_key(2560, 16, Layout::RankMinor, true), expand)?,
+        Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
+        Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
+    ])
+}
+
+/// Rows of a `[rows, width]` buffer, checked.
+fn rows(
+    kernel: &str,
+    binding: &str,
+    buf: &GpuBuffer<f32>,
+    width: usize,
+    what: &str,
+) -> Result<u32, ExecError> {
+    if width == 0 || buf.len() % width != 0 {
+        return Err(ExecError::Binding {
+            kernel: kernel.into(),
+            binding: binding.into(),
+            expected: format!("[rows, {what} = {width}] elements"),
+            given: format!("{} elements", buf.len()),
+        });
+    }
+    expect_u32(kernel, binding, buf.len() / width)
+}
+
+/// `r` and the width of an adapter matrix (`A: [r, in]` or `B: [out, r]`), checked.
+fn adapter(
+    kernel: &str,
+    binding: &str,
+    buf: &GpuBuffer<f32>,
+    rank: usize,
+) -> Result<(u32, u32), ExecError> {
+    if rank == 0 || buf.is_empty() || buf.len() % rank != 0 {
+        return Err(ExecError::Binding {
+            kernel: kernel.into(),
+            binding: binding.into(),
+            expected: format!("a non-empty multiple of the rank ({rank}) of elements"),
+            given: format!("{} elements", buf.len()),
+        });
+    }
+    Ok((
+        expect_u32(kernel, "rank", rank)?,
+        expect_u32(kernel, binding, buf.len() / rank)?,
+    ))
+}
+
+/// `out = scale·a·W(·, k)` over `n` inputs, `[T, r]`.
+fn launch_project(
+    rec: &mut Recorder<'_>,
+    (a, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
+    (tokens, n, r): (u32, u32, u32),
+    layout: Layout,
+    scale: f32,
+) -> Result<(), ExecError> {
+    let kernel = rec.gpu().kernel(&project_key(n, r, layout), project)?;
+    let wg = project_workgroup(r);
+    let args = Args::new()
+        .buffer("a", a)
+        .buffer("w", w)
+        .buffer("out", out)
+        .param("tokens", tokens)
+        .param("scale", scale);
+    rec.launch(&kernel, &args, Grid::Threads(tokens as u64 * wg as u64))
+}
+
+/// `out (+)= scale·v·W(j, ·)` over `n` outputs, `[T, n]`.
+#[allow(clippy::too_many_arguments)]
+fn launch_expand(
+    rec: &mut Recorder<'_>,
+    (v, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
+    (tokens, n, r): (u32, u32, u32),
+    layout: Layout,
+    scale: f32,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let kernel = rec
+        .gpu()
+        .kernel(&expand_key(n, r, layout, accumulate), expand)?;
+    let args = Args::new()
+        .buffer("v", v)
+        .buffer("w", w)
+        .buffer("out", out)
+        .param("tokens", tokens)
+        .param("scale", scale);
+    rec.launch(&kernel, &args, Grid::Threads(tokens as u64 * n as u64))
+}
+
+/// `grad(j, k) = scale·Σ_t u[t, j]·v[t, k]` for `u: [T, n]`, `v: [T, r]`, through `scratch`.
+fn launch_weight_grad(
+    rec: &mut Recorder<'_>,
+    (u, v, scratch, grad): (
+        &GpuBuffer<f32>,
+        &GpuBuffer<f32>,
+        &GpuBuffer<f32>,
+        &GpuBuffer<f32>,
+    ),
+    (tokens, n, r): (u32, u32, u32),
+    layout: Layout,
+    scale: f32,
+) -> Result<(), ExecError> {
+    let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
+    let need = lora_scratch_len(tokens as usize, n.max(1) as usize, r as usize);
+    if scratch.len() < need {
+        return Err(ExecError::Binding {
+            kernel: "lora_weight_grad_partials".into(),
+            binding: "partials".into(),
+            expected: format!("at least {need} elements (lora_scratch_len)"),
+            given: format!("{} elements", scratch.len()),
+        });
+    }
+    if blocks > 0 {
+        let kernel = rec
+            .gpu()
+            .kernel(&partials_key(n, r), weight_grad_partials)?;
+        let args = Args::new()
+            .buffer("u", u)
+            .buffer("v", v)
+            .buffer("partials", scratch)
+            .param("tokens", tokens)
+            .param("blocks", blocks);
+        rec.launch(&kernel, &args, Grid::Threads(blocks as u64 * n as u64))?;
+    }
+    let kernel = rec.gpu().kernel(&sum_key(n, r, layout), weight_grad_sum)?;
+    let args = Args::new()
+        .buffer("partials", scratch)
+        .buffer("grad", grad)
+        .param("blocks", blocks)
+        .param("scale", scale);
+    rec.launch(&kernel, &args, Grid::Threads(n as u64 * r as u64))
+}
+
+/// Elements of the scratch buffer the weight gradients need for `tokens` × `max(in, out)` × `r`.
+pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
+    tokens.div_ceil(TOKENS_PER_BLOCK as usize).max(1) * width * rank
+}
+
+/// LoRA forward of one projection: `h = x·Aᵀ` (`[T, r]`, saved for the backward) and
+/// `y += s·h·Bᵀ` (added to the frozen projection's output already in `y`).
+#[allow(clippy::too_many_arguments)]
+pub fn execute_lora_forward(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    a: &GpuBuffer<f32>,
+    b: &GpuBuffer<f32>,
+    rank: usize,
+    scale: f32,
+    h: &mut GpuBuffer<f32>,
+    y: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "lora_forward";
+    let (r, input) = adapter(name, "a", a, rank)?;
+    let (_, output) = adapter(name, "b", b, rank)?;
+    let t = rows(name, "x", x, input as usize, "in")?;
+    expect_len(name, "h", h, (t * r) as usize, "[tokens, rank]")?;
+    expect_len(name, "y", y, (t * output) as usize, "[tokens, out]")?;
+    if t == 0 {
+        return Ok(());
+    }
+    launch_project(rec, (x, a, h), (t, input, r), Layout::RankMajor, 1.0)?;
+    launch_expand(
+        rec,
+        (h, b, y),
+        (t, output, r),
+        Layout::RankMinor,
+        scale,
+        true,
+    )
+}
+
+/// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
+pub fn execute_grad_dh(
+    rec: &mut Recorder<'_>,
+    dy: &GpuBuffer<f32>,
+    b: &GpuBuffer<f32>,
+    rank: usize,
+    dh: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "grad_dh";
+    let (r, output) = adapter(name, "b", b, rank)?;
+    let t = rows(name, "dy", dy, output as usize, "out")?;
+    expect_len(name, "dh", dh, (t * r) as usize, "[tokens, rank]")?;
+    if t == 0 {
+        return Ok(());
+    }
+    launch_project(rec, (dy, b, dh), (t, output, r), Layout::RankMinor, 1.0)
+}
+
+/// `dB = s·dyᵀ·h` (`[out, r]`, overwritten), summed over tokens through `scratch`
+/// ([`lora_scratch_len`] for `out`).
+pub fn execute_grad_b(
+    rec: &mut Recorder<'_>,
+    dy: &GpuBuffer<f32>,
+    h: &GpuBuffer<f32>,
+    rank: usize,
+    scale: f32,
+    scratch: &mut GpuBuffer<f32>,
+    db: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "grad_b";
+    let (r, output) = adapter(name, "db", db, rank)?;
+    let t = rows(name, "dy", dy, output as usize, "out")?;
+    expect_len(name, "h", h, (t * r) as usize, "[tokens, rank]")?;
+    launch_weight_grad(
+        rec,
+        (dy, h, scratch, db),
+        (t, output, r),
+        Layout::RankMinor,
+        scale,
+    )
+}
+
+/// `dA = s·dhᵀ·x` (`[r, in]`, overwritten), summed over tokens through `scratch`
+/// ([`lora_scratch_len`] for `in`).
+pub fn execute_grad_a(
+    rec: &mut Recorder<'_>,
+    dh: &GpuBuffer<f32>,
+    x: &GpuBuffer<f32>,
+    rank: usize,
+    scale: f32,
+    scratch: &mut GpuBuffer<f32>,
+    da: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "grad_a";
+    let (r, input) = adapter(name, "da", da, rank)?;
+    let t = rows(name, "x", x, input as usize, "in")?;
+    expect_len(name, "dh", dh, (t * r) as usize, "[tokens, rank]")?;
+    launch_weight_grad(
+        rec,
+        (x, dh, scratch, da),
+        (t, input, r),
+        Layout::RankMajor,
+        scale,
+    )
+}
+
+/// `dx += s·dh·A` (`[T, in]`; added, since `dx` also receives `dy·W` through the frozen weight).
+pub fn execute_input_grad(
+    rec: &mut Recorder<'_>,
+    dh: &GpuBuffer<f32>,
+    a: &GpuBuffer<f32>,
+    rank: usize,
+    scale: f32,
+    dx: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "input_grad";
+    let (r, input) = adapter(name, "a", a, rank)?;
+    let t = rows(name, "dh", dh, r as usize, "rank")?;
+    expect_len(name, "dx", dx, (t * input) as usize, "[tokens, in]")?;
+    if t == 0 {
+        return Ok(());
+    }
+    launch_expand(
+        rec,
+        (dh, a, dx),
+        (t, input, r),
+        Layout::RankMajor,
+        scale,
+        true,
+    )
+}
+
+/// The buffers of one projection's LoRA backward.
+pub struct LoraBackward<'a> {
+    /// The projection's input, `[T, in]`.
+    pub x: &'a GpuBuffer<f32>,
+    /// `A: [r, in]`, `B: [out, r]`.
+    pub a: &'a GpuBuffer<f32>,
+    pub b: &'a GpuBuffer<f32>,
+    /// The forward's saved `h = x·Aᵀ`, `[T, r]`.
+    pub h: &'a GpuBuffer<f32>,
+    /// The gradient of the projection's output, `[T, out]`.
+    pub dy: &'a GpuBuffer<f32>,
+}
+
+/// The whole LoRA backward of one projection for `T` tokens, contracting through `r` first:
+/// `dh = dy·B`, `dB = s·dyᵀ·h`, `dA = s·dhᵀ·x`, `dx += s·dh·A`. `dh` (`[T, r]`) and `scratch`
+/// ([`lora_scratch_len`] for `max(in, out)`) are workspace; `da`, `db` are overwritten.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_lora_backward(
+    rec: &mut Recorder<'_>,
+    inputs: &LoraBackward<'_>,
+    rank: usize,
+    scale: f32,
+    dh: &mut GpuBuffer<f32>,
+    scratch: &mut GpuBuffer<f32>,
+    da: &mut GpuBuffer<f32>,
+    db: &mut GpuBuffer<f32>,
+    dx: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
+    execute_grad_b(rec, inputs.dy, inputs.h, rank, scale, scratch, db)?;
+    execute_grad_a(rec, dh, inputs.x, rank, scale, scratch, da)?;
+    execute_input_grad(rec, dh, inputs.a, rank, scale, dx)
+}
+
+/// f64 references, written as the plain matrix products of KERNELS.md.
+pub mod reference {
+    /// `(h, y + s·h·Bᵀ)` for `x: [T, in]`, `a: [r, in]`, `b: [out, r]`, `y: [T, out]`.
+    pub fn lora_forward(
+        x: &[f64],
+        a: &[f64],
+        b: &[f64],
+        y: &[f64],
+        rank: usize,
+        scale: f64,
+    ) -> (Vec<f64>, Vec<f64>) {
+        let (input, output) = (a.len() / rank, b.len() / rank);
+        let tokens = x.len() / input;
+        let mut h = vec![0.0; tokens * rank];
+        let mut out = y.to_vec();
+        for t in 0..tokens {
+            for k in 0..rank {
+                h[t * rank + k] = (0..input)
+                    .map(|i| x[t * input + i] * a[k * input + i])
+                    .sum();
+            }
+            for o in 0..output {
+                out[t * output + o] += scale
+                    * (0..rank)
+                        .map(|k| h[t * rank + k] * b[o * rank + k])
+                        .sum::<f64>();
+            }
+        }
+        (h, out)
+    }
+
+    /// `(dA, dB, dx_lora)` given `dy`: the gradients of `Σ dy ⊙ (s·x·Aᵀ·Bᵀ)`.
+    pub fn lora_backward(
+        x: &[f64],
+        a: &[f64],
+        b: &[f64],
+        dy: &[f64],
+        rank: usize,
+        scale: f64,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (input, output) = (a.len() / rank, b.len() / rank);
+        let tokens = x.len() / input;
+        let (h, _) = lora_forward(x, a, b, &vec![0.0; tokens * output], rank, scale);
+        let mut dh = vec![0.0; tokens * rank];
+        for t in 0..tokens {
+            for k in 0..rank {
+                dh[t * rank + k] = (0..output)
+                    .map(|o| dy[t * output + o] * b[o * rank + k])
+                    .sum();
+            }
+        }
+        let mut db = vec![0.0; output * rank];
+        let mut da = vec![0.0; rank * input];
+        let mut dx = vec![0.0; tokens * input];
+        for t in 0..tokens {
+            for o in 0..output {
+                for k in 0..rank {
+                    db[o * rank + k] += scale * dy[t * output + o] * h[t * rank + k];
+                }
+            }
+            for k in 0..rank {
+                for i in 0..input {
+                    da[k * input + i] += scale * dh[t * rank + k] * x[t * input + i];
+                    dx[t * input + i] += scale * dh[t * rank + k] * a[k * input + i];
+                }
+            }
+        }
+        (da, db, dx)
+    }
+}

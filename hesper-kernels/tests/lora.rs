@@ -1,0 +1,219 @@
+//! LoRA forward and backward on the GPU against the f64 reference, and the reference against
+//! finite differences.
+
+use hesper_kernels::lora::{self, LoraBackward, reference};
+use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+
+/// (tokens, in, out, rank): tokens past one block of 64, widths not multiples of 256.
+const SHAPES: [(usize, usize, usize, usize); 4] = [
+    (1, 7, 5, 1),
+    (5, 100, 130, 4),
+    (37, 256, 96, 16),
+    (130, 64, 300, 8),
+];
+const SCALE: f32 = 2.0; // α/r with α = 2r: a scale of 0 (entrenar's bug) would fail every check
+
+#[test]
+fn forward_and_backward_match_reference() {
+    let g = gpu();
+    for (seed, (t, input, output, r)) in SHAPES.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 11);
+        let x = rng.vec(t * input, 1.0);
+        let (a, b) = (rng.vec(r * input, 0.5), rng.vec(output * r, 0.5));
+        let (y0, dy, dx0) = (
+            rng.vec(t * output, 1.0),
+            rng.vec(t * output, 1.0),
+            rng.vec(t * input, 1.0),
+        );
+        let (xb, ab, bb, dyb) = (
+            g.upload(&x).unwrap(),
+            g.upload(&a).unwrap(),
+            g.upload(&b).unwrap(),
+            g.upload(&dy).unwrap(),
+        );
+        let mut y = g.upload(&y0).unwrap();
+        let mut h = g.filled(t * r, f32::NAN).unwrap();
+        let mut dh = g.filled(t * r, f32::NAN).unwrap();
+        let mut scratch = g
+            .filled(lora::lora_scratch_len(t, input.max(output), r), f32::NAN)
+            .unwrap();
+        let (mut da, mut db) = (
+            g.filled(r * input, f32::NAN).unwrap(),
+            g.filled(output * r, f32::NAN).unwrap(),
+        );
+        let mut dx = g.upload(&dx0).unwrap();
+
+        let mut rec = g.recorder();
+        lora::execute_lora_forward(&mut rec, &xb, &ab, &bb, r, SCALE, &mut h, &mut y).unwrap();
+        let inputs = LoraBackward {
+            x: &xb,
+            a: &ab,
+            b: &bb,
+            h: &h,
+            dy: &dyb,
+        };
+        lora::execute_lora_backward(
+            &mut rec,
+            &inputs,
+            r,
+            SCALE,
+            &mut dh,
+            &mut scratch,
+            &mut da,
+            &mut db,
+            &mut dx,
+        )
+        .unwrap();
+        rec.submit().unwrap();
+
+        let (x64, a64, b64) = (f64s(&x), f64s(&a), f64s(&b));
+        let (want_h, want_y) =
+            reference::lora_forward(&x64, &a64, &b64, &f64s(&y0), r, SCALE as f64);
+        let (want_da, want_db, want_dx) =
+            reference::lora_backward(&x64, &a64, &b64, &f64s(&dy), r, SCALE as f64);
+        let want_dx: Vec<f64> = want_dx
+            .iter()
+            .zip(&dx0)
+            .map(|(d, x)| d + *x as f64)
+            .collect();
+        let what = format!("T={t} in={input} out={output} r={r}");
+        assert_close(
+            &format!("h {what}"),
+            &h.read(g).unwrap(),
+            &want_h,
+            1e-5,
+            1e-5,
+        );
+        assert_close(
+            &format!("y {what}"),
+            &y.read(g).unwrap(),
+            &want_y,
+            1e-5,
+            1e-5,
+        );
+        assert_close(
+            &format!("dA {what}"),
+            &da.read(g).unwrap(),
+            &want_da,
+            1e-5,
+            1e-4,
+        );
+        assert_close(
+            &format!("dB {what}"),
+            &db.read(g).unwrap(),
+            &want_db,
+            1e-5,
+            1e-4,
+        );
+        assert_close(
+            &format!("dx {what}"),
+            &dx.read(g).unwrap(),
+            &want_dx,
+            1e-5,
+            1e-4,
+        );
+    }
+}
+
+/// The single pieces agree with the fused backward's pieces (Hesper's names).
+#[test]
+fn pieces_match_reference() {
+    let g = gpu();
+    let (t, input, output, r) = (9, 33, 21, 3);
+    let mut rng = Rng::new(5);
+    let (x, a, b, dy) = (
+        rng.vec(t * input, 1.0),
+        rng.vec(r * input, 0.5),
+        rng.vec(output * r, 0.5),
+        rng.vec(t * output, 1.0),
+    );
+    let (xb, ab, bb, dyb) = (
+        g.upload(&x).unwrap(),
+        g.upload(&a).unwrap(),
+        g.upload(&b).unwrap(),
+        g.upload(&dy).unwrap(),
+    );
+    let mut dh = g.filled(t * r, f32::NAN).unwrap();
+    let mut rec = g.recorder();
+    lora::execute_grad_dh(&mut rec, &dyb, &bb, r, &mut dh).unwrap();
+    rec.submit().unwrap();
+    let want_dh: Vec<f64> = (0..t * r)
+        .map(|i| {
+            (0..output)
+                .map(|o| dy[(i / r) * output + o] as f64 * b[o * r + i % r] as f64)
+                .sum()
+        })
+        .collect();
+    assert_close("dh", &dh.read(g).unwrap(), &want_dh, 1e-5, 1e-5);
+    // dx gets only the LoRA part when it starts at zero.
+    let mut dx = g.zeros::<f32>(t * input).unwrap();
+    let mut rec = g.recorder();
+    lora::execute_input_grad(&mut rec, &dh, &ab, r, SCALE, &mut dx).unwrap();
+    rec.submit().unwrap();
+    let (_, _, want_dx) =
+        reference::lora_backward(&f64s(&x), &f64s(&a), &f64s(&b), &f64s(&dy), r, SCALE as f64);
+    assert_close("input_grad", &dx.read(g).unwrap(), &want_dx, 1e-5, 1e-5);
+    let _ = xb;
+}
+
+/// The reference backward is the gradient of `L = Σ dy ⊙ y` with `y = s·(x·Aᵀ)·Bᵀ`.
+#[test]
+fn backward_reference_matches_finite_differences() {
+    let (t, input, output, r) = (3, 5, 4, 2);
+    let mut rng = Rng::new(3);
+    let (x, a, b, dy) = (
+        f64s(&rng.vec(t * input, 1.0)),
+        f64s(&rng.vec(r * input, 0.5)),
+        f64s(&rng.vec(output * r, 0.5)),
+        f64s(&rng.vec(t * output, 1.0)),
+    );
+    let s = SCALE as f64;
+    let loss = |x: &[f64], a: &[f64], b: &[f64]| {
+        let (_, y) = reference::lora_forward(x, a, b, &vec![0.0; t * output], r, s);
+        y.iter().zip(&dy).map(|(y, d)| y * d).sum::<f64>()
+    };
+    let (da, db, dx) = reference::lora_backward(&x, &a, &b, &dy, r, s);
+    check_gradient("dA", &a, &da, a.len(), |a| loss(&x, a, &b));
+    check_gradient("dB", &b, &db, b.len(), |b| loss(&x, &a, b));
+    check_gradient("dx", &x, &dx, x.len(), |x| loss(x, &a, &b));
+}
+
+#[test]
+fn bad_shapes_name_kernel_and_buffer() {
+    let g = gpu();
+    // 2 tokens, in = 10, out = 3, rank 2
+    let (x, a, b) = (
+        g.zeros::<f32>(20).unwrap(),
+        g.zeros::<f32>(2 * 10).unwrap(),
+        g.zeros::<f32>(3 * 2).unwrap(),
+    );
+    let (mut h, mut y_short) = (g.zeros::<f32>(4).unwrap(), g.zeros::<f32>(5).unwrap());
+    let mut rec = g.recorder();
+    let err =
+        lora::execute_lora_forward(&mut rec, &x, &a, &b, 2, 1.0, &mut h, &mut y_short).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `lora_forward`, binding `y`: expected 6 elements ([tokens, out]), given 5 elements"
+    );
+    let x_ragged = g.zeros::<f32>(21).unwrap();
+    let mut y = g.zeros::<f32>(6).unwrap();
+    let err = lora::execute_lora_forward(&mut rec, &x_ragged, &a, &b, 2, 1.0, &mut h, &mut y)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `lora_forward`, binding `x`: expected [rows, in = 10] elements, given 21 elements"
+    );
+    let err = lora::execute_lora_forward(&mut rec, &x, &a, &b, 3, 1.0, &mut h, &mut y).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `lora_forward`, binding `a`: expected a non-empty multiple of the rank (3) of elements, given 20 elements"
+    );
+    assert!(rec.is_empty());
+}
+
+#[test]
+fn wgsl_snapshots() {
+    for k in lora::kernels().unwrap() {
+        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    }
+}
