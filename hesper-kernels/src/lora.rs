@@ -243,7 +243,7 @@ fn rows(
     width: usize,
     what: &str,
 ) -> Result<u32, ExecError> {
-    if width == 0 || buf.len() % width != 0 {
+    if width == 0 || !buf.len().is_multiple_of(width) {
         return Err(ExecError::Binding {
             kernel: kernel.into(),
             binding: binding.into(),
@@ -261,7 +261,7 @@ fn adapter(
     buf: &GpuBuffer<f32>,
     rank: usize,
 ) -> Result<(u32, u32), ExecError> {
-    if rank == 0 || buf.is_empty() || buf.len() % rank != 0 {
+    if rank == 0 || buf.is_empty() || !buf.len().is_multiple_of(rank) {
         return Err(ExecError::Binding {
             kernel: kernel.into(),
             binding: binding.into(),

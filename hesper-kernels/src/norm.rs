@@ -144,7 +144,7 @@ fn rows_of(
     gamma: &GpuBuffer<f32>,
 ) -> Result<(u32, u32), ExecError> {
     let cols = gamma.len();
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(ExecError::Binding {
             kernel: kernel.into(),
             binding: "x".into(),
@@ -242,7 +242,7 @@ pub fn execute_rms_norm_dgamma(
 ) -> Result<(), ExecError> {
     let name = rms_norm_dgamma_partials::NAME;
     let cols = dgamma.len();
-    if cols == 0 || x.len() % cols != 0 {
+    if cols == 0 || !x.len().is_multiple_of(cols) {
         return Err(ExecError::Binding {
             kernel: name.into(),
             binding: "x".into(),
