@@ -15,6 +15,7 @@ pub mod lora;
 pub mod loss;
 pub mod norm;
 pub mod optim;
+pub mod rope;
 pub mod testing;
 
 use hesper_exec::{Element, ExecError, GpuBuffer};
