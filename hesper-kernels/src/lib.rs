@@ -9,6 +9,7 @@
 //!
 //! The math contract is `../shared/KERNELS.md`.
 
+pub mod attention;
 pub mod ffn;
 pub mod linear;
 pub mod lora;

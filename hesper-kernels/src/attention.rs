@@ -1,0 +1,551 @@
+//! Attention backward for one decoded token (Hesper's single-token path, without its bugs) and
+//! the row softmax backward (KERNELS.md).
+//!
+//! The token's query is at position `pos` and attends over `L = pos + 1` cached positions. The
+//! KV cache is `[KV, max_seq, hd]` — its stride is `max_seq`, not `L` (Hesper used `L`). Query
+//! head `h` reads KV head `h / G`, `G = H / KV`. With `A = softmax(τ·q·Kᵀ)` (`[H, L]`, saved)
+//! and `τ = 1/√hd`:
+//! - apply backward:   `dA[h, s] = Σ_d dO[h, d]·V[h/G, s, d]`
+//! - softmax backward: `dS = A ⊙ (dA − Σ_s A·dA)` (one reduction per row)
+//! - score backward:   `dQ[h, d] = τ·Σ_s dS[h, s]·K[h/G, s, d]`
+//! - the cached keys and values, which the seeds drop:
+//!   `dK[kv, s, d] += τ·Σ_{h of kv} dS[h, s]·q[h, d]`, `dV[kv, s, d] += Σ_{h of kv} A[h, s]·dO[h, d]`
+//!   (summed over the `G` query heads of each KV head; added, since the cache gradients collect
+//!   every later token's contribution).
+//!
+//! `q` and `K` are the rotated (post-RoPE) values; `dQ` comes out rotated too — apply
+//! `rope::execute_rope_backward` at `pos` (done by [`execute_attention_backward`]), and to the
+//! cache gradient once all tokens have added to it.
+
+use hesper_dsl::prelude::*;
+use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+
+use crate::rope::{self, Positions};
+use crate::{expect_len, expect_u32};
+
+const WG: u32 = 256;
+
+/// `ds = p ⊙ (dp − Σ_j p_j·dp_j)` per row of `cols` (a runtime value: the cache length changes
+/// every decoded token), one workgroup per row.
+#[kernel(workgroup_size = WG)]
+fn softmax_backward(
+    p: &[f32],
+    dp: &[f32],
+    ds: &mut [f32],
+    #[runtime] rows: u32,
+    #[runtime] cols: u32,
+) {
+    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    if row < rows {
+        let base = row * cols;
+        let mut dot = 0.0;
+        for c in (local_index()..cols).step_by(WG) {
+            dot += p[base + c] * dp[base + c];
+        }
+        let total = workgroup_reduce(dot, Reduce::Sum);
+        for c in (local_index()..cols).step_by(WG) {
+            ds[base + c] = p[base + c] * (dp[base + c] - total);
+        }
+    }
+}
+
+/// `dA[h, s] = Σ_d dO[h, d]·V[h/G, s, d]`, one invocation per `(h, s)`.
+#[kernel(workgroup_size = WG)]
+fn apply_backward(
+    d_out: &[f32],
+    v_cache: &[f32],
+    d_attn: &mut [f32],
+    #[shape] head_dim: u32,
+    #[shape] group: u32,
+    #[runtime] heads: u32,
+    #[runtime] len: u32,
+    #[runtime] max_seq: u32,
+) {
+    let i = global_index();
+    if i < heads * len {
+        let h = i / len;
+        let s = i % len;
+        let v_row = ((h / group) * max_seq + s) * head_dim;
+        let mut acc = 0.0;
+        for d in 0u32..head_dim {
+            acc += d_out[h * head_dim + d] * v_cache[v_row + d];
+        }
+        d_attn[i] = acc;
+    }
+}
+
+/// `dQ[h, d] = τ·Σ_s dS[h, s]·K[h/G, s, d]`, one invocation per `(h, d)`.
+#[kernel(workgroup_size = WG)]
+fn score_backward_q(
+    d_scores: &[f32],
+    k_cache: &[f32],
+    d_q: &mut [f32],
+    #[shape] head_dim: u32,
+    #[shape] group: u32,
+    #[shape] tau: f32,
+    #[runtime] heads: u32,
+    #[runtime] len: u32,
+    #[runtime] max_seq: u32,
+) {
+    let i = global_index();
+    if i < heads * head_dim {
+        let h = i / head_dim;
+        let d = i % head_dim;
+        let k_base = (h / group) * max_seq * head_dim + d;
+        let mut acc = 0.0;
+        for s in 0u32..len {
+            acc += d_scores[h * len + s] * k_cache[k_base + s * head_dim];
+        }
+        d_q[i] = tau * acc;
+    }
+}
+
+/// `dK[kv, s, d] += τ·Σ_g dS[kv·G + g, s]·q[kv·G + g, d]` and
+/// `dV[kv, s, d] += Σ_g A[kv·G + g, s]·dO[kv·G + g, d]`, one invocation per `(kv, s, d)` for
+/// `s < L`; rows past `L` are not touched.
+#[kernel(workgroup_size = WG)]
+fn cache_backward(
+    d_scores: &[f32],
+    attn: &[f32],
+    q: &[f32],
+    d_out: &[f32],
+    d_k_cache: &mut [f32],
+    d_v_cache: &mut [f32],
+    #[shape] head_dim: u32,
+    #[shape] group: u32,
+    #[shape] tau: f32,
+    #[runtime] kv_heads: u32,
+    #[runtime] len: u32,
+    #[runtime] max_seq: u32,
+) {
+    let i = global_index();
+    if i < kv_heads * len * head_dim {
+        let d = i % head_dim;
+        let s = (i / head_dim) % len;
+        let kv = i / (head_dim * len);
+        let mut dk = 0.0;
+        let mut dv = 0.0;
+        for g in 0u32..group {
+            let h = kv * group + g;
+            dk += d_scores[h * len + s] * q[h * head_dim + d];
+            dv += attn[h * len + s] * d_out[h * head_dim + d];
+        }
+        let at = (kv * max_seq + s) * head_dim + d;
+        d_k_cache[at] += tau * dk;
+        d_v_cache[at] += dv;
+    }
+}
+
+/// The WGSL of this module's kernels at a representative shape (hd 128, GQA group 4).
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let tau = 1.0 / (128f32).sqrt();
+    Ok(vec![
+        softmax_backward::build()?,
+        apply_backward::build(128, 4)?,
+        score_backward_q::build(128, 4, tau)?,
+        cache_backward::build(128, 4, tau)?,
+    ])
+}
+
+/// `ds = p ⊙ (dp − rowsum(p ⊙ dp))` over rows of `cols`.
+pub fn execute_softmax_backward(
+    rec: &mut Recorder<'_>,
+    p: &GpuBuffer<f32>,
+    dp: &GpuBuffer<f32>,
+    cols: usize,
+    ds: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = softmax_backward::NAME;
+    if cols == 0 || !p.len().is_multiple_of(cols) {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "p".into(),
+            expected: format!("rows of {cols} elements"),
+            given: format!("{} elements", p.len()),
+        });
+    }
+    expect_len(name, "dp", dp, p.len(), "as p")?;
+    expect_len(name, "ds", ds, p.len(), "as p")?;
+    let rows = expect_u32(name, "rows", p.len() / cols)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let kernel = rec
+        .gpu()
+        .kernel(&softmax_backward::key(), softmax_backward::body)?;
+    let args = Args::new()
+        .buffer("p", p)
+        .buffer("dp", dp)
+        .buffer("ds", ds)
+        .param("rows", rows)
+        .param("cols", expect_u32(name, "cols", cols)?);
+    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * WG as u64))
+}
+
+/// The shape of one decoded token's attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DecodeShape {
+    /// Query heads `H` and key/value heads `KV` (`H` a multiple of `KV`).
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Rows reserved per KV head in the cache (its stride).
+    pub max_seq: usize,
+    /// The query's position; it attends over `pos + 1` cached positions.
+    pub pos: usize,
+}
+
+impl DecodeShape {
+    fn len(&self) -> usize {
+        self.pos + 1
+    }
+    fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+    fn tau(&self) -> f32 {
+        (1.0 / (self.head_dim as f64).sqrt()) as f32
+    }
+    fn check(&self, kernel: &str) -> Result<(), ExecError> {
+        let bad = |why: String| ExecError::Dispatch {
+            kernel: kernel.into(),
+            what: format!("{self:?}"),
+            why,
+        };
+        if self.kv_heads == 0 || self.heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
+            return Err(bad("heads must be a positive multiple of kv_heads".into()));
+        }
+        if self.head_dim == 0 || self.pos >= self.max_seq {
+            return Err(bad("head_dim must be positive and pos < max_seq".into()));
+        }
+        Ok(())
+    }
+}
+
+/// The buffers of one decoded token's attention backward.
+pub struct DecodeInputs<'a> {
+    /// The rotated query `[H, hd]`, the saved probabilities `A` `[H, L]`, the output gradient
+    /// `dO` `[H, hd]`, and the caches `[KV, max_seq, hd]` (keys rotated).
+    pub q: &'a GpuBuffer<f32>,
+    pub attn: &'a GpuBuffer<f32>,
+    pub d_out: &'a GpuBuffer<f32>,
+    pub k_cache: &'a GpuBuffer<f32>,
+    pub v_cache: &'a GpuBuffer<f32>,
+    /// RoPE's `base^(−2i/hd)`, `[hd/2]`.
+    pub inv_freq: &'a GpuBuffer<f32>,
+}
+
+/// Workspace and outputs of [`execute_attention_backward`].
+pub struct DecodeGrads<'a> {
+    /// Workspace `[H, L]` (at least): `dA`, then `dS`.
+    pub d_attn: &'a mut GpuBuffer<f32>,
+    pub d_scores: &'a mut GpuBuffer<f32>,
+    /// `dQ` `[H, hd]`, overwritten, un-rotated (the gradient of the pre-RoPE query).
+    pub d_q: &'a mut GpuBuffer<f32>,
+    /// Cache gradients `[KV, max_seq, hd]`, added to for positions `< L`, w.r.t. the rotated keys.
+    pub d_k_cache: &'a mut GpuBuffer<f32>,
+    pub d_v_cache: &'a mut GpuBuffer<f32>,
+}
+
+/// `dA[h, s] = Σ_d dO[h, d]·V[h/G, s, d]` for `s < L`.
+pub fn execute_apply_backward(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    d_out: &GpuBuffer<f32>,
+    v_cache: &GpuBuffer<f32>,
+    d_attn: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = apply_backward::NAME;
+    shape.check(name)?;
+    expect_len(
+        name,
+        "d_out",
+        d_out,
+        shape.heads * shape.head_dim,
+        "[heads, head_dim]",
+    )?;
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    expect_len(
+        name,
+        "v_cache",
+        v_cache,
+        cache,
+        "[kv_heads, max_seq, head_dim]",
+    )?;
+    expect_len(
+        name,
+        "d_attn",
+        d_attn,
+        shape.heads * shape.len(),
+        "[heads, pos + 1]",
+    )?;
+    let (hd, group) = (
+        expect_u32(name, "head_dim", shape.head_dim)?,
+        expect_u32(name, "group", shape.group())?,
+    );
+    let kernel = rec
+        .gpu()
+        .kernel(&apply_backward::key(hd, group), apply_backward::body)?;
+    let args = Args::new()
+        .buffer("d_out", d_out)
+        .buffer("v_cache", v_cache)
+        .buffer("d_attn", d_attn)
+        .param("heads", expect_u32(name, "heads", shape.heads)?)
+        .param("len", expect_u32(name, "len", shape.len())?)
+        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+    rec.launch(
+        &kernel,
+        &args,
+        Grid::Threads((shape.heads * shape.len()) as u64),
+    )
+}
+
+/// `dQ[h, d] = τ·Σ_s dS[h, s]·K[h/G, s, d]` (rotated; RoPE backward is the caller's).
+pub fn execute_score_backward_q(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    d_scores: &GpuBuffer<f32>,
+    k_cache: &GpuBuffer<f32>,
+    d_q: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = score_backward_q::NAME;
+    shape.check(name)?;
+    expect_len(
+        name,
+        "d_scores",
+        d_scores,
+        shape.heads * shape.len(),
+        "[heads, pos + 1]",
+    )?;
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    expect_len(
+        name,
+        "k_cache",
+        k_cache,
+        cache,
+        "[kv_heads, max_seq, head_dim]",
+    )?;
+    expect_len(
+        name,
+        "d_q",
+        d_q,
+        shape.heads * shape.head_dim,
+        "[heads, head_dim]",
+    )?;
+    let (hd, group) = (
+        expect_u32(name, "head_dim", shape.head_dim)?,
+        expect_u32(name, "group", shape.group())?,
+    );
+    let kernel = rec.gpu().kernel(
+        &score_backward_q::key(hd, group, shape.tau()),
+        score_backward_q::body,
+    )?;
+    let args = Args::new()
+        .buffer("d_scores", d_scores)
+        .buffer("k_cache", k_cache)
+        .buffer("d_q", d_q)
+        .param("heads", expect_u32(name, "heads", shape.heads)?)
+        .param("len", expect_u32(name, "len", shape.len())?)
+        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+    rec.launch(
+        &kernel,
+        &args,
+        Grid::Threads((shape.heads * shape.head_dim) as u64),
+    )
+}
+
+/// `dK += τ·dSᵀ·q` and `dV += Aᵀ·dO` for the cached positions `< L`, summed over each KV
+/// head's query heads.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_cache_backward(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    d_scores: &GpuBuffer<f32>,
+    attn: &GpuBuffer<f32>,
+    q: &GpuBuffer<f32>,
+    d_out: &GpuBuffer<f32>,
+    d_k_cache: &mut GpuBuffer<f32>,
+    d_v_cache: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = cache_backward::NAME;
+    shape.check(name)?;
+    let scores = shape.heads * shape.len();
+    expect_len(name, "d_scores", d_scores, scores, "[heads, pos + 1]")?;
+    expect_len(name, "attn", attn, scores, "[heads, pos + 1]")?;
+    expect_len(
+        name,
+        "q",
+        q,
+        shape.heads * shape.head_dim,
+        "[heads, head_dim]",
+    )?;
+    expect_len(
+        name,
+        "d_out",
+        d_out,
+        shape.heads * shape.head_dim,
+        "[heads, head_dim]",
+    )?;
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    expect_len(
+        name,
+        "d_k_cache",
+        d_k_cache,
+        cache,
+        "[kv_heads, max_seq, head_dim]",
+    )?;
+    expect_len(
+        name,
+        "d_v_cache",
+        d_v_cache,
+        cache,
+        "[kv_heads, max_seq, head_dim]",
+    )?;
+    let (hd, group) = (
+        expect_u32(name, "head_dim", shape.head_dim)?,
+        expect_u32(name, "group", shape.group())?,
+    );
+    let kernel = rec.gpu().kernel(
+        &cache_backward::key(hd, group, shape.tau()),
+        cache_backward::body,
+    )?;
+    let args = Args::new()
+        .buffer("d_scores", d_scores)
+        .buffer("attn", attn)
+        .buffer("q", q)
+        .buffer("d_out", d_out)
+        .buffer("d_k_cache", d_k_cache)
+        .buffer("d_v_cache", d_v_cache)
+        .param("kv_heads", expect_u32(name, "kv_heads", shape.kv_heads)?)
+        .param("len", expect_u32(name, "len", shape.len())?)
+        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+    rec.launch(
+        &kernel,
+        &args,
+        Grid::Threads((shape.kv_heads * shape.len() * shape.head_dim) as u64),
+    )
+}
+
+/// One decoded token's attention backward: `dA`, `dS`, `dQ` (un-rotated at `pos`), and the
+/// cache gradients added for every cached position.
+pub fn execute_attention_backward(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    inputs: &DecodeInputs<'_>,
+    grads: DecodeGrads<'_>,
+) -> Result<(), ExecError> {
+    execute_apply_backward(rec, shape, inputs.d_out, inputs.v_cache, grads.d_attn)?;
+    execute_softmax_backward(rec, inputs.attn, grads.d_attn, shape.len(), grads.d_scores)?;
+    execute_score_backward_q(rec, shape, grads.d_scores, inputs.k_cache, grads.d_q)?;
+    let at = Positions {
+        seq_len: 1,
+        offset: expect_u32("attention_backward", "pos", shape.pos)?,
+    };
+    rope::execute_rope_backward(rec, grads.d_q, inputs.inv_freq, shape.heads, at)?;
+    execute_cache_backward(
+        rec,
+        shape,
+        grads.d_scores,
+        inputs.attn,
+        inputs.q,
+        inputs.d_out,
+        grads.d_k_cache,
+        grads.d_v_cache,
+    )
+}
+
+/// f64 references.
+pub mod reference {
+    use super::DecodeShape;
+
+    /// `ds = p ⊙ (dp − rowsum(p ⊙ dp))`.
+    pub fn softmax_backward(p: &[f64], dp: &[f64], cols: usize) -> Vec<f64> {
+        let mut ds = vec![0.0; p.len()];
+        for r in 0..p.len() / cols {
+            let row = r * cols..(r + 1) * cols;
+            let dot: f64 = p[row.clone()]
+                .iter()
+                .zip(&dp[row.clone()])
+                .map(|(a, b)| a * b)
+                .sum();
+            for i in row {
+                ds[i] = p[i] * (dp[i] - dot);
+            }
+        }
+        ds
+    }
+
+    /// `A = softmax(τ·q·Kᵀ)` over the `L` cached positions, `[H, L]`.
+    pub fn attention_probs(shape: &DecodeShape, q: &[f64], k_cache: &[f64]) -> Vec<f64> {
+        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
+        let g = h_n / shape.kv_heads;
+        let tau = 1.0 / (hd as f64).sqrt();
+        let mut a = vec![0.0; h_n * len];
+        for h in 0..h_n {
+            let row: Vec<f64> = (0..len)
+                .map(|s| {
+                    let k = &k_cache[((h / g) * shape.max_seq + s) * hd..][..hd];
+                    tau * (0..hd).map(|d| q[h * hd + d] * k[d]).sum::<f64>()
+                })
+                .collect();
+            let m = row.iter().cloned().fold(f64::MIN, f64::max);
+            let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
+            for s in 0..len {
+                a[h * len + s] = (row[s] - m).exp() / z;
+            }
+        }
+        a
+    }
+
+    /// `O = A·V`, `[H, hd]`.
+    pub fn attention_out(shape: &DecodeShape, a: &[f64], v_cache: &[f64]) -> Vec<f64> {
+        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
+        let g = h_n / shape.kv_heads;
+        let mut o = vec![0.0; h_n * hd];
+        for h in 0..h_n {
+            for s in 0..len {
+                for d in 0..hd {
+                    o[h * hd + d] +=
+                        a[h * len + s] * v_cache[((h / g) * shape.max_seq + s) * hd + d];
+                }
+            }
+        }
+        o
+    }
+
+    /// `(dQ, dK_cache, dV_cache)` (all w.r.t. the rotated values) of `Σ dO ⊙ O`.
+    pub fn attention_backward(
+        shape: &DecodeShape,
+        q: &[f64],
+        k_cache: &[f64],
+        v_cache: &[f64],
+        d_out: &[f64],
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
+        let g = h_n / shape.kv_heads;
+        let tau = 1.0 / (hd as f64).sqrt();
+        let a = attention_probs(shape, q, k_cache);
+        let at = |kv: usize, s: usize, d: usize| (kv * shape.max_seq + s) * hd + d;
+        let mut da = vec![0.0; h_n * len];
+        for h in 0..h_n {
+            for s in 0..len {
+                da[h * len + s] = (0..hd)
+                    .map(|d| d_out[h * hd + d] * v_cache[at(h / g, s, d)])
+                    .sum();
+            }
+        }
+        let ds = softmax_backward(&a, &da, len);
+        let mut dq = vec![0.0; h_n * hd];
+        let mut dk = vec![0.0; k_cache.len()];
+        let mut dv = vec![0.0; v_cache.len()];
+        for h in 0..h_n {
+            for s in 0..len {
+                for d in 0..hd {
+                    dq[h * hd + d] += tau * ds[h * len + s] * k_cache[at(h / g, s, d)];
+                    dk[at(h / g, s, d)] += tau * ds[h * len + s] * q[h * hd + d];
+                    dv[at(h / g, s, d)] += a[h * len + s] * d_out[h * hd + d];
+                }
+            }
+        }
+        (dq, dk, dv)
+    }
+}

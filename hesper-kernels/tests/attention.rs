@@ -1,0 +1,267 @@
+//! Single-token attention backward and the softmax backward on the GPU against f64 references;
+//! the references against finite differences.
+
+use hesper_kernels::attention::{self, DecodeGrads, DecodeInputs, DecodeShape, reference};
+use hesper_kernels::rope::{self, reference as rope_ref};
+use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+
+#[test]
+fn softmax_backward_matches_reference() {
+    let g = gpu();
+    for (seed, (rows, cols)) in [(1, 1), (3, 7), (20, 512), (5, 1000)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(seed as u64 + 40);
+        // Rows of real probabilities.
+        let mut p = rng.vec(rows * cols, 3.0);
+        for row in p.chunks_mut(cols) {
+            let m = row.iter().cloned().fold(f32::MIN, f32::max);
+            let z: f32 = row.iter().map(|v| (v - m).exp()).sum();
+            row.iter_mut().for_each(|v| *v = (*v - m).exp() / z);
+        }
+        let dp = rng.vec(rows * cols, 1.0);
+        let (pb, dpb) = (g.upload(&p).unwrap(), g.upload(&dp).unwrap());
+        let mut ds = g.filled(rows * cols, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        attention::execute_softmax_backward(&mut rec, &pb, &dpb, cols, &mut ds).unwrap();
+        rec.submit().unwrap();
+        let want = reference::softmax_backward(&f64s(&p), &f64s(&dp), cols);
+        assert_close(
+            &format!("softmax_backward {rows}x{cols}"),
+            &ds.read(g).unwrap(),
+            &want,
+            1e-5,
+            1e-7,
+        );
+    }
+}
+
+#[test]
+fn softmax_backward_reference_matches_finite_differences() {
+    let mut rng = Rng::new(4);
+    let (rows, cols) = (2, 6);
+    let (z, dp) = (
+        f64s(&rng.vec(rows * cols, 2.0)),
+        f64s(&rng.vec(rows * cols, 1.0)),
+    );
+    let softmax = |z: &[f64]| -> Vec<f64> {
+        z.chunks(cols)
+            .flat_map(|r| {
+                let m = r.iter().cloned().fold(f64::MIN, f64::max);
+                let s: f64 = r.iter().map(|v| (v - m).exp()).sum();
+                r.iter().map(move |v| (v - m).exp() / s).collect::<Vec<_>>()
+            })
+            .collect()
+    };
+    let ds = reference::softmax_backward(&softmax(&z), &dp, cols);
+    check_gradient("dz", &z, &ds, z.len(), |z| {
+        softmax(z).iter().zip(&dp).map(|(a, b)| a * b).sum()
+    });
+}
+
+/// Caches with rows past `L` set to NaN: a kernel that reads past the cached positions, or uses
+/// stride `L` for `max_seq` (Hesper), shows up.
+fn cache(rng: &mut Rng, shape: &DecodeShape) -> Vec<f32> {
+    let mut c = rng.vec(shape.kv_heads * shape.max_seq * shape.head_dim, 1.0);
+    for kv in 0..shape.kv_heads {
+        for s in shape.pos + 1..shape.max_seq {
+            let at = (kv * shape.max_seq + s) * shape.head_dim;
+            c[at..at + shape.head_dim].fill(f32::NAN);
+        }
+    }
+    c
+}
+
+#[test]
+fn decode_attention_backward_matches_reference() {
+    let g = gpu();
+    let shapes = [
+        DecodeShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            max_seq: 16,
+            pos: 0,
+        },
+        DecodeShape {
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 8,
+            max_seq: 16,
+            pos: 9,
+        },
+        DecodeShape {
+            heads: 3,
+            kv_heads: 1,
+            head_dim: 64,
+            max_seq: 40,
+            pos: 33,
+        },
+        DecodeShape {
+            heads: 2,
+            kv_heads: 2,
+            head_dim: 128,
+            max_seq: 300,
+            pos: 299,
+        },
+    ];
+    for (seed, shape) in shapes.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 60);
+        let (h, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
+        let q = rng.vec(h * hd, 1.0);
+        let (k_cache, v_cache) = (cache(&mut rng, &shape), cache(&mut rng, &shape));
+        let d_out = rng.vec(h * hd, 1.0);
+        let a: Vec<f32> = reference::attention_probs(&shape, &f64s(&q), &f64s(&k_cache))
+            .iter()
+            .map(|v| *v as f32)
+            .collect();
+        let inv = rope::inverse_frequencies(hd, 10_000.0);
+        let cache_len = k_cache.len();
+        let (dk0, dv0) = (rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
+
+        let up = |v: &[f32]| g.upload(v).unwrap();
+        let (qb, ab, dob, kb, vb, ib) = (
+            up(&q),
+            up(&a),
+            up(&d_out),
+            up(&k_cache),
+            up(&v_cache),
+            up(&inv),
+        );
+        let mut d_attn = g.filled(h * len, f32::NAN).unwrap();
+        let mut d_scores = g.filled(h * len, f32::NAN).unwrap();
+        let mut d_q = g.filled(h * hd, f32::NAN).unwrap();
+        let (mut dk, mut dv) = (up(&dk0), up(&dv0));
+        let mut rec = g.recorder();
+        let inputs = DecodeInputs {
+            q: &qb,
+            attn: &ab,
+            d_out: &dob,
+            k_cache: &kb,
+            v_cache: &vb,
+            inv_freq: &ib,
+        };
+        let grads = DecodeGrads {
+            d_attn: &mut d_attn,
+            d_scores: &mut d_scores,
+            d_q: &mut d_q,
+            d_k_cache: &mut dk,
+            d_v_cache: &mut dv,
+        };
+        attention::execute_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
+        rec.submit().unwrap();
+
+        // The reference takes the A the kernel was given (f32-rounded) through its own math.
+        let zero_nan = |v: &[f32]| -> Vec<f64> {
+            v.iter()
+                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
+                .collect()
+        };
+        let (want_dq, want_dk, want_dv) = reference::attention_backward(
+            &shape,
+            &f64s(&q),
+            &zero_nan(&k_cache),
+            &zero_nan(&v_cache),
+            &f64s(&d_out),
+        );
+        let want_dq = rope_ref::rope(&want_dq, &inv, h, 1, shape.pos, true);
+        let what = format!("{shape:?}");
+        assert_close(
+            &format!("dQ {what}"),
+            &d_q.read(g).unwrap(),
+            &want_dq,
+            1e-4,
+            1e-5,
+        );
+        let plus = |base: &[f32], add: &[f64]| -> Vec<f64> {
+            base.iter().zip(add).map(|(b, a)| *b as f64 + a).collect()
+        };
+        assert_close(
+            &format!("dK {what}"),
+            &dk.read(g).unwrap(),
+            &plus(&dk0, &want_dk),
+            1e-4,
+            1e-5,
+        );
+        assert_close(
+            &format!("dV {what}"),
+            &dv.read(g).unwrap(),
+            &plus(&dv0, &want_dv),
+            1e-4,
+            1e-5,
+        );
+    }
+}
+
+/// `Σ dO ⊙ O` differentiated by finite differences w.r.t. q, the cached keys and values.
+#[test]
+fn decode_attention_reference_matches_finite_differences() {
+    let shape = DecodeShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 4,
+        max_seq: 6,
+        pos: 3,
+    };
+    let mut rng = Rng::new(8);
+    let n = shape.kv_heads * shape.max_seq * shape.head_dim;
+    let (q, k, v, d_out) = (
+        f64s(&rng.vec(16, 1.0)),
+        f64s(&rng.vec(n, 1.0)),
+        f64s(&rng.vec(n, 1.0)),
+        f64s(&rng.vec(16, 1.0)),
+    );
+    let loss = |q: &[f64], k: &[f64], v: &[f64]| {
+        let a = reference::attention_probs(&shape, q, k);
+        reference::attention_out(&shape, &a, v)
+            .iter()
+            .zip(&d_out)
+            .map(|(o, d)| o * d)
+            .sum::<f64>()
+    };
+    let (dq, dk, dv) = reference::attention_backward(&shape, &q, &k, &v, &d_out);
+    check_gradient("dQ", &q, &dq, q.len(), |q| loss(q, &k, &v));
+    check_gradient("dK", &k, &dk, k.len(), |k| loss(&q, k, &v));
+    check_gradient("dV", &v, &dv, v.len(), |v| loss(&q, &k, v));
+}
+
+#[test]
+fn bad_shapes_are_errors() {
+    let g = gpu();
+    let shape = DecodeShape {
+        heads: 3,
+        kv_heads: 2,
+        head_dim: 4,
+        max_seq: 4,
+        pos: 1,
+    };
+    let b = g.zeros::<f32>(16).unwrap();
+    let mut out = g.zeros::<f32>(6).unwrap();
+    let mut rec = g.recorder();
+    let err = attention::execute_apply_backward(&mut rec, shape, &b, &b, &mut out).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("heads must be a positive multiple of kv_heads"),
+        "{err}"
+    );
+    let shape = DecodeShape {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 4,
+        max_seq: 4,
+        pos: 1,
+    };
+    let err = attention::execute_apply_backward(&mut rec, shape, &b, &b, &mut out).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `apply_backward`, binding `d_out`: expected 8 elements ([heads, head_dim]), given 16 elements"
+    );
+}
+
+#[test]
+fn wgsl_snapshots() {
+    for k in attention::kernels().unwrap() {
+        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    }
+}
