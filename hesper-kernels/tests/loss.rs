@@ -1,0 +1,317 @@
+//! Cross-entropy on the GPU against the f64 reference, and the reference's gradient against
+//! finite differences of its loss.
+
+use hesper_exec::{ExecError, GpuBuffer};
+use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs, reference};
+use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+
+/// `(T, V)`: vocabularies below, at and far past the workgroup (256), none a multiple of it;
+/// 700 tokens make the count and mean kernels stride over more tokens than invocations.
+const SHAPES: [(usize, usize); 10] = [
+    (1, 7),
+    (5, 7),
+    (33, 7),
+    (1, 1000),
+    (5, 1000),
+    (33, 1000),
+    (1, 5003),
+    (5, 5003),
+    (33, 5003),
+    (700, 7),
+];
+
+/// Relative tolerance of every comparison: the kernels' `exp` and `log` are accurate to a few
+/// f32 ulps each for these arguments (|z − max| ≤ 8), and the sums add O(log V) roundings.
+const RTOL: f64 = 1e-5;
+/// Absolute tolerance of a token's loss and of the mean: a well-predicted token's loss cancels
+/// towards 0 and keeps `log`'s absolute error (~1e-7).
+const LOSS_ATOL: f64 = 1e-6;
+
+/// Absolute tolerance of `dz`: at the target `p − 1` cancels while `p` carries up to ~1e-6·p of
+/// absolute error, and the row is scaled by `1/N`.
+fn dz_atol(n: usize) -> f64 {
+    1e-6 / n.max(1) as f64
+}
+
+/// Labels uniform over the vocabulary, one in four masked: by [`IGNORE_INDEX`], or — one in
+/// twelve — by a label just outside `0..V`, which the kernels mask as well.
+fn labels(rng: &mut Rng, t: usize, v: usize) -> Vec<i32> {
+    (0..t)
+        .map(|_| match rng.next_u32() % 12 {
+            0 | 1 => IGNORE_INDEX,
+            2 => [-1, v as i32][rng.next_u32() as usize % 2],
+            _ => (rng.next_u32() as usize % v) as i32,
+        })
+        .collect()
+}
+
+/// The outputs, poisoned: a kernel that leaves any element unwritten fails the comparison.
+struct Outputs {
+    d_logits: GpuBuffer<f32>,
+    token_loss: GpuBuffer<f32>,
+    loss: GpuBuffer<f32>,
+    count: GpuBuffer<u32>,
+}
+
+impl Outputs {
+    fn poisoned(t: usize, v: usize) -> Self {
+        let g = gpu();
+        Outputs {
+            d_logits: g.filled(t * v, f32::NAN).unwrap(),
+            token_loss: g.filled(t, f32::NAN).unwrap(),
+            loss: g.filled(1, f32::NAN).unwrap(),
+            count: g.filled(1, u32::MAX).unwrap(),
+        }
+    }
+    fn loss_outputs(&mut self) -> LossOutputs<'_> {
+        LossOutputs {
+            token_loss: &mut self.token_loss,
+            loss: &mut self.loss,
+            count: &mut self.count,
+        }
+    }
+}
+
+/// Run the fused kernel (or the forward only) on the GPU.
+fn run(logits: &[f32], labels: &[i32], v: usize, with_grad: bool) -> Outputs {
+    let g = gpu();
+    let (zb, yb) = (g.upload(logits).unwrap(), g.upload(labels).unwrap());
+    let mut out = Outputs::poisoned(labels.len(), v);
+    let Outputs {
+        d_logits,
+        token_loss,
+        loss,
+        count,
+    } = &mut out;
+    let losses = LossOutputs {
+        token_loss,
+        loss,
+        count,
+    };
+    let mut rec = g.recorder();
+    if with_grad {
+        loss::execute_cross_entropy(&mut rec, &zb, &yb, v, d_logits, losses).unwrap();
+    } else {
+        loss::execute_cross_entropy_forward(&mut rec, &zb, &yb, v, losses).unwrap();
+    }
+    rec.submit().unwrap();
+    out
+}
+
+/// Compare the losses and `N` (and `dz`, `with_grad`) with the reference; masked rows must be
+/// exactly 0.
+fn check(what: &str, logits: &[f32], labels: &[i32], v: usize, with_grad: bool) {
+    let g = gpu();
+    let out = run(logits, labels, v, with_grad);
+    let z = f64s(logits);
+    let (want_token, want_loss, n) = reference::cross_entropy_forward(&z, labels, v);
+    assert_eq!(out.count.read(g).unwrap(), [n as u32], "{what}: N");
+    let token_loss = out.token_loss.read(g).unwrap();
+    assert_close(
+        &format!("{what} token_loss"),
+        &token_loss,
+        &want_token,
+        RTOL,
+        LOSS_ATOL,
+    );
+    assert_close(
+        &format!("{what} loss"),
+        &out.loss.read(g).unwrap(),
+        &[want_loss],
+        RTOL,
+        LOSS_ATOL,
+    );
+    let masked: Vec<usize> = (0..labels.len())
+        .filter(|&t| !reference::is_target(labels[t], v))
+        .collect();
+    for &t in &masked {
+        assert_eq!(token_loss[t], 0.0, "{what}: masked token {t}'s loss");
+    }
+    if !with_grad {
+        return;
+    }
+    let d_logits = out.d_logits.read(g).unwrap();
+    let want_d = reference::cross_entropy_backward(&z, labels, v);
+    assert_close(
+        &format!("{what} d_logits"),
+        &d_logits,
+        &want_d,
+        RTOL,
+        dz_atol(n),
+    );
+    for &t in &masked {
+        assert!(
+            d_logits[t * v..(t + 1) * v].iter().all(|d| *d == 0.0),
+            "{what}: masked row {t} of d_logits is not 0"
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_matches_reference() {
+    for (seed, (t, v)) in SHAPES.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        check(
+            &format!("cross_entropy T={t} V={v}"),
+            &logits,
+            &labels,
+            v,
+            true,
+        );
+    }
+}
+
+#[test]
+fn cross_entropy_forward_matches_reference() {
+    for (seed, (t, v)) in SHAPES.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 100);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        let what = format!("cross_entropy_forward T={t} V={v}");
+        check(&what, &logits, &labels, v, false);
+    }
+}
+
+/// Logits around 1000, where an `exp` without the maximum subtracted overflows f32.
+#[test]
+fn large_logits_subtract_the_row_maximum() {
+    let (t, v) = (9, 3001);
+    let mut rng = Rng::new(11);
+    let logits: Vec<f32> = rng.vec(t * v, 4.0).iter().map(|z| z + 1000.0).collect();
+    let labels = labels(&mut rng, t, v);
+    check("large logits", &logits, &labels, v, true);
+    check("large logits forward", &logits, &labels, v, false);
+}
+
+/// More than 65535 tokens: one workgroup per token needs the 2-D dispatch.
+#[test]
+fn more_tokens_than_one_dispatch_row() {
+    let (t, v) = (70_000, 3);
+    let mut rng = Rng::new(12);
+    let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+    check("T=70000", &logits, &labels, v, true);
+}
+
+/// `N = 0` is defined, not NaN: the loss and `N` are 0, every token loss and all of `dz` are 0.
+#[test]
+fn all_masked_gives_zero_loss_and_gradient() {
+    let g = gpu();
+    let (t, v) = (5, 1000);
+    let logits = Rng::new(13).vec(t * v, 4.0);
+    let labels = [IGNORE_INDEX, -1, 1000, IGNORE_INDEX, i32::MAX];
+    for with_grad in [true, false] {
+        let out = run(&logits, &labels, v, with_grad);
+        assert_eq!(out.count.read(g).unwrap(), [0]);
+        assert_eq!(out.loss.read(g).unwrap(), [0.0]);
+        assert_eq!(out.token_loss.read(g).unwrap(), [0.0; 5]);
+        if with_grad {
+            assert!(out.d_logits.read(g).unwrap().iter().all(|d| *d == 0.0));
+        }
+    }
+}
+
+/// No tokens at all: the loss and `N` are still written (0).
+#[test]
+fn no_tokens_gives_zero_loss() {
+    let g = gpu();
+    let v = 7;
+    for with_grad in [true, false] {
+        let out = run(&[], &[], v, with_grad);
+        assert_eq!(out.count.read(g).unwrap(), [0]);
+        assert_eq!(out.loss.read(g).unwrap(), [0.0]);
+    }
+}
+
+/// The backward reference is the gradient of the forward reference's mean loss; masked rows
+/// (including a label past the vocabulary) get 0 from both.
+#[test]
+fn backward_reference_matches_finite_differences() {
+    let (t, v) = (6, 9);
+    let mut rng = Rng::new(14);
+    let z = f64s(&rng.vec(t * v, 3.0));
+    let labels = [3, IGNORE_INDEX, 0, 8, 9, 5];
+    let d = reference::cross_entropy_backward(&z, &labels, v);
+    check_gradient("cross_entropy d_logits", &z, &d, t * v, |z| {
+        reference::cross_entropy_forward(z, &labels, v).1
+    });
+    assert!(
+        d[v..2 * v]
+            .iter()
+            .chain(&d[4 * v..5 * v])
+            .all(|d| *d == 0.0)
+    );
+}
+
+#[test]
+fn mismatched_lengths_name_kernel_and_buffer() {
+    let g = gpu();
+    let (t, v) = (5, 10);
+    let logits = g.zeros::<f32>(t * v).unwrap();
+    let labels = g.zeros::<i32>(t).unwrap();
+    let mut d_short = g.zeros::<f32>(t * v - 1).unwrap();
+    let mut out = Outputs::poisoned(t, v);
+    let mut rec = g.recorder();
+
+    let err = loss::execute_cross_entropy(
+        &mut rec,
+        &logits,
+        &labels,
+        v,
+        &mut d_short,
+        out.loss_outputs(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy`, binding `d_logits`: expected 50 elements (as logits), given 49 elements"
+    );
+    let err =
+        loss::execute_cross_entropy_forward(&mut rec, &logits, &labels, v + 1, out.loss_outputs())
+            .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_forward`, binding `logits`: expected 55 elements (labels × vocab), given 50 elements"
+    );
+    let mut short_losses = Outputs::poisoned(t - 1, v);
+    let err = loss::execute_cross_entropy_forward(
+        &mut rec,
+        &logits,
+        &labels,
+        v,
+        short_losses.loss_outputs(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_forward`, binding `token_loss`: expected 5 elements (one per label), given 4 elements"
+    );
+    let mut two_counts = g.zeros::<u32>(2).unwrap();
+    let err = loss::execute_cross_entropy_forward(
+        &mut rec,
+        &logits,
+        &labels,
+        v,
+        LossOutputs {
+            count: &mut two_counts,
+            ..out.loss_outputs()
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_count`, binding `count`: expected 1 elements (N), given 2 elements"
+    );
+    let err =
+        loss::execute_cross_entropy_forward(&mut rec, &logits, &labels, 0, out.loss_outputs())
+            .unwrap_err();
+    assert!(matches!(err, ExecError::Dispatch { .. }), "{err}");
+    assert!(err.to_string().contains("vocab = 0"), "{err}");
+    assert!(rec.is_empty());
+}
+
+#[test]
+fn wgsl_snapshots() {
+    for k in loss::kernels().unwrap() {
+        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    }
+}
