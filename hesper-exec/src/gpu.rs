@@ -35,6 +35,8 @@ pub struct GpuOptions {
     pub verify_cache_hits: bool,
 }
 
+// Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
+#[allow(clippy::derivable_impls)]
 impl Default for GpuOptions {
     fn default() -> Self {
         GpuOptions {

@@ -68,7 +68,8 @@ fn backward_reference_is_the_transpose_of_the_forward() {
 
 #[test]
 fn position_is_a_runtime_value() {
-    let g = gpu();
+    // Its own device: other tests compiling on the shared one would move the miss counter.
+    let g = &hesper_exec::Gpu::new().unwrap();
     let inv = g.upload(&rope::inverse_frequencies(8, 10_000.0)).unwrap();
     let mut x = g.upload(&[1.0f32; 8]).unwrap();
     let before = g.cache_stats().misses;
