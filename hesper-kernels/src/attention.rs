@@ -25,28 +25,52 @@ use crate::{expect_len, expect_u32};
 
 const WG: u32 = 256;
 
-/// `ds = p ⊙ (dp − Σ_j p_j·dp_j)` per row of `cols` (a runtime value: the cache length changes
-/// every decoded token), one workgroup per row.
-#[kernel(workgroup_size = WG)]
-fn softmax_backward(
-    p: &[f32],
-    dp: &[f32],
-    ds: &mut [f32],
-    #[runtime] rows: u32,
-    #[runtime] cols: u32,
-) {
-    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
-    if row < rows {
-        let base = row * cols;
-        let mut dot = 0.0;
-        for c in (local_index()..cols).step_by(WG) {
-            dot += p[base + c] * dp[base + c];
-        }
-        let total = workgroup_reduce(dot, Reduce::Sum);
-        for c in (local_index()..cols).step_by(WG) {
-            ds[base + c] = p[base + c] * (dp[base + c] - total);
-        }
+/// Key of the softmax backward: rows whose length is a multiple of 4 go as `vec4`s; subgroups
+/// speed the row reduction up where the device has them. The row length is a runtime value
+/// (the cache length changes with every decoded token).
+fn softmax_key(vec4: bool, features: Features) -> KernelKey {
+    KernelKey::new("softmax_backward")
+        .workgroup_size(128)
+        .shape("lanes4", vec4)
+        .features(features & Features::SUBGROUPS)
+}
+
+/// `ds = p ⊙ (dp − Σ_j p_j·dp_j)` per row, one workgroup per row.
+fn softmax_body(k: &mut KernelBuilder) {
+    if k.shape::<bool>("lanes4") {
+        softmax_lanes::<Vec4<f32>>(k, |v| v.x() + v.y() + v.z() + v.w());
+    } else {
+        softmax_lanes::<f32>(k, |v| v);
     }
+}
+
+fn softmax_lanes<E>(k: &mut KernelBuilder, lane_sum: fn(Expr<E>) -> Expr<f32>)
+where
+    E: hesper_dsl::Reducible,
+    Expr<E>: std::ops::Mul<Expr<E>, Output = Expr<E>> + std::ops::Sub<Expr<f32>, Output = Expr<E>>,
+{
+    let wg = k.invocations();
+    let p = k.storage::<E>("p");
+    let dp = k.storage::<E>("dp");
+    let ds = k.storage_rw::<E>("ds");
+    let rows = k.param::<u32>("rows");
+    let width = k.param::<u32>("width");
+    let row = k.let_(
+        "row",
+        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
+    );
+    // The whole workgroup leaves together (same row): the barrier in the reduction stays uniform.
+    k.if_(row.ge(&rows), |k| k.return_());
+    let base = k.let_("base", &row * &width);
+    let dot = k.var("dot", E::zero());
+    k.for_step("c", k.local_index(), &width, wg, |k, c| {
+        k.add_assign(&dot, p.at(&base + &c) * dp.at(&base + &c));
+    });
+    let total = k.workgroup_reduce(lane_sum(dot.get()), Reduce::Sum);
+    k.for_step("c", k.local_index(), &width, wg, |k, c| {
+        let at = k.let_("at", &base + &c);
+        k.store(&ds, &at, p.at(&at) * (dp.at(&at) - total.clone()));
+    });
 }
 
 /// `dA[h, s] = Σ_d dO[h, d]·V[h/G, s, d]`, one invocation per `(h, s)`.
@@ -140,7 +164,7 @@ fn cache_backward(
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let tau = 1.0 / (128f32).sqrt();
     Ok(vec![
-        softmax_backward::build()?,
+        Kernel::build(&softmax_key(true, Features::SUBGROUPS), softmax_body)?,
         apply_backward::build(128, 4)?,
         score_backward_q::build(128, 4, tau)?,
         cache_backward::build(128, 4, tau)?,
@@ -155,7 +179,7 @@ pub fn execute_softmax_backward(
     cols: usize,
     ds: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = softmax_backward::NAME;
+    let name = "softmax_backward";
     if cols == 0 || !p.len().is_multiple_of(cols) {
         return Err(ExecError::Binding {
             kernel: name.into(),
@@ -170,16 +194,26 @@ pub fn execute_softmax_backward(
     if rows == 0 {
         return Ok(());
     }
-    let kernel = rec
-        .gpu()
-        .kernel(&softmax_backward::key(), softmax_backward::body)?;
-    let args = Args::new()
-        .buffer("p", p)
-        .buffer("dp", dp)
-        .buffer("ds", ds)
+    let vec4 = cols.is_multiple_of(4);
+    let key = softmax_key(vec4, rec.gpu().kernel_features());
+    let wg = key.invocations();
+    let kernel = rec.gpu().kernel(&key, softmax_body)?;
+    let (args, width) = if vec4 {
+        let args = Args::new()
+            .buffer_vec4("p", p)
+            .buffer_vec4("dp", dp)
+            .buffer_vec4("ds", ds);
+        (args, cols / 4)
+    } else {
+        (
+            Args::new().buffer("p", p).buffer("dp", dp).buffer("ds", ds),
+            cols,
+        )
+    };
+    let args = args
         .param("rows", rows)
-        .param("cols", expect_u32(name, "cols", cols)?);
-    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * WG as u64))
+        .param("width", expect_u32(name, "cols", width)?);
+    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * wg as u64))
 }
 
 /// The shape of one decoded token's attention.

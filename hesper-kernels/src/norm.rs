@@ -48,36 +48,90 @@ fn rms_norm_forward(
     }
 }
 
-#[kernel(workgroup_size = WG)]
-fn rms_norm_backward(
-    x: &[f32],
-    gamma: &[f32],
-    rstd: &[f32],
-    dy: &[f32],
-    dx: &mut [f32],
-    #[shape] cols: u32,
-    #[shape] accumulate: bool,
-    #[runtime] rows: u32,
-) {
-    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
-    if row < rows {
-        let base = row * cols;
-        let mut dot = 0.0;
-        for c in (local_index()..cols).step_by(WG) {
-            dot += dy[base + c] * gamma[c] * x[base + c];
+/// Key of the backward: the width and `accumulate` shape the text; rows of a multiple of 4
+/// columns go as `vec4`s; subgroups speed the row reduction up where the device has them.
+fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
+    let lanes = if cols.is_multiple_of(4) { 4 } else { 1 };
+    // Enough invocations to keep a few elements each in registers, at least 64.
+    let wg = ((cols / lanes).next_power_of_two() / 2).clamp(64, 256);
+    KernelKey::new("rms_norm_backward")
+        .workgroup_size(wg)
+        .shape("cols", cols)
+        .shape("accumulate", accumulate)
+        .features(features & Features::SUBGROUPS)
+}
+
+/// The row of a workgroup (2-D past 65535 rows).
+fn row_index(k: &mut KernelBuilder) -> Expr<u32> {
+    let row = k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x();
+    k.let_("row", row)
+}
+
+/// `dx = r·m − (r³/n)·(Σ m·x)·x` with `m = dy·γ`. Each invocation loads its share of the row
+/// once into registers (`x` and `m`), so the row is read once and written once.
+fn backward_body(k: &mut KernelBuilder) {
+    if k.shape::<u32>("cols").is_multiple_of(4) {
+        backward_lanes::<Vec4<f32>>(k, 4, |v| v.x() + v.y() + v.z() + v.w());
+    } else {
+        backward_lanes::<f32>(k, 1, |v| v);
+    }
+}
+
+fn backward_lanes<E>(k: &mut KernelBuilder, lanes: u32, lane_sum: fn(Expr<E>) -> Expr<f32>)
+where
+    E: hesper_dsl::Reducible,
+    Expr<E>: std::ops::Mul<Expr<E>, Output = Expr<E>>
+        + std::ops::Mul<Expr<f32>, Output = Expr<E>>
+        + std::ops::Sub<Expr<E>, Output = Expr<E>>,
+{
+    let cols = k.shape::<u32>("cols");
+    let accumulate = k.shape::<bool>("accumulate");
+    let wg = k.invocations();
+    let (width, per_invocation) = (cols / lanes, (cols / lanes).div_ceil(wg));
+    let x = k.storage::<E>("x");
+    let gamma = k.storage::<E>("gamma");
+    let rstd = k.storage::<f32>("rstd");
+    let dy = k.storage::<E>("dy");
+    let dx = k.storage_rw::<E>("dx");
+    let rows = k.param::<u32>("rows");
+    let row = row_index(k);
+    // The whole workgroup leaves together (same row): the barriers below stay uniform.
+    k.if_(row.ge(&rows), |k| k.return_());
+    let lid = k.let_("lid", k.local_index());
+    let base = k.let_("base", &row * width);
+    let xs = k.var_array::<E>("xs", per_invocation);
+    let ms = k.var_array::<E>("ms", per_invocation);
+    let dot = k.var("dot", E::zero());
+    // Columns `lid + j·wg`; only the last step can run past the row.
+    let column = |j: u32| &lid + j * wg;
+    let guarded = |k: &mut KernelBuilder, j: u32, f: &dyn Fn(&mut KernelBuilder)| {
+        if (j + 1) * wg <= width {
+            f(k)
+        } else {
+            k.if_(column(j).lt(width), |k| f(k))
         }
-        let m_dot_x = workgroup_reduce(dot, Reduce::Sum);
-        let r = rstd[row];
-        let coef = r * r * r * m_dot_x / cols as f32;
-        for c in (local_index()..cols).step_by(WG) {
-            let i = base + c;
-            let g = r * dy[i] * gamma[c] - coef * x[i];
+    };
+    for j in 0..per_invocation {
+        guarded(k, j, &|k| {
+            let c = k.let_("c", column(j));
+            k.store(&xs, j, x.at(&base + &c));
+            k.store(&ms, j, dy.at(&base + &c) * gamma.at(&c));
+            k.add_assign(&dot, ms.at(j) * xs.at(j));
+        });
+    }
+    let m_dot_x = k.workgroup_reduce(lane_sum(dot.get()), Reduce::Sum);
+    let r = k.let_("r", rstd.at(&row));
+    let coef = k.let_("coef", &r * &r * &r * m_dot_x / cols as f32);
+    for j in 0..per_invocation {
+        guarded(k, j, &|k| {
+            let at = k.let_("at", &base + column(j));
+            let g = ms.at(j) * r.clone() - xs.at(j) * coef.clone();
             if accumulate {
-                dx[i] += g;
+                k.store(&dx, &at, dx.at(&at) + g);
             } else {
-                dx[i] = g;
+                k.store(&dx, &at, g);
             }
-        }
+        });
     }
 }
 
@@ -131,7 +185,11 @@ fn rms_norm_dgamma_sum(
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
         rms_norm_forward::build(2560, 1e-6)?,
-        rms_norm_backward::build(2560, true)?,
+        Kernel::build(
+            &backward_key(2560, true, Features::SUBGROUPS),
+            backward_body,
+        )?,
+        Kernel::build(&backward_key(576, false, Features::NONE), backward_body)?,
         rms_norm_dgamma_partials::build(2560, ROWS_PER_BLOCK)?,
         rms_norm_dgamma_sum::build(2560)?,
     ])
@@ -203,7 +261,7 @@ pub fn execute_rms_norm_backward(
     dx: &mut GpuBuffer<f32>,
     accumulate: bool,
 ) -> Result<(), ExecError> {
-    let name = rms_norm_backward::NAME;
+    let name = "rms_norm_backward";
     let (rows, cols) = rows_of(name, x, gamma)?;
     expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
     expect_len(name, "dy", dy, x.len(), "as x")?;
@@ -211,18 +269,24 @@ pub fn execute_rms_norm_backward(
     if rows == 0 {
         return Ok(());
     }
-    let kernel = rec.gpu().kernel(
-        &rms_norm_backward::key(cols, accumulate),
-        rms_norm_backward::body,
-    )?;
-    let args = Args::new()
-        .buffer("x", x)
-        .buffer("gamma", gamma)
-        .buffer("rstd", rstd)
-        .buffer("dy", dy)
-        .buffer("dx", dx)
-        .param("rows", rows);
-    rec.launch(&kernel, &args, row_grid(rows))
+    let key = backward_key(cols, accumulate, rec.gpu().kernel_features());
+    let wg = key.invocations();
+    let kernel = rec.gpu().kernel(&key, backward_body)?;
+    let args = if cols.is_multiple_of(4) {
+        Args::new()
+            .buffer_vec4("x", x)
+            .buffer_vec4("gamma", gamma)
+            .buffer_vec4("dy", dy)
+            .buffer_vec4("dx", dx)
+    } else {
+        Args::new()
+            .buffer("x", x)
+            .buffer("gamma", gamma)
+            .buffer("dy", dy)
+            .buffer("dx", dx)
+    };
+    let args = args.buffer("rstd", rstd).param("rows", rows);
+    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * wg as u64))
 }
 
 /// Elements of the scratch buffer [`execute_rms_norm_dgamma`] needs for `rows` × `cols`.
