@@ -34,6 +34,8 @@ pub struct Measurement {
     pub samples_ns: Vec<f64>,
     /// Launches per repetition.
     pub launches: usize,
+    /// Each launch of a repetition: its kernel and median GPU time in nanoseconds.
+    pub per_launch: Vec<(String, f64)>,
 }
 
 impl Measurement {
@@ -103,10 +105,23 @@ pub fn bench(
         .chunks(launches)
         .map(|rep| rep.iter().map(|t| t.gpu_ns).sum())
         .collect();
+    let per_launch = (0..launches)
+        .map(|i| {
+            let mut ns: Vec<f64> = times
+                .iter()
+                .skip(i)
+                .step_by(launches)
+                .map(|t| t.gpu_ns)
+                .collect();
+            ns.sort_by(f64::total_cmp);
+            (times[i].kernel.clone(), ns[ns.len() / 2])
+        })
+        .collect();
     Ok(Measurement {
         label: label.into(),
         samples_ns,
         launches,
+        per_launch,
     })
 }
 
@@ -120,6 +135,7 @@ mod tests {
             label: "x".into(),
             samples_ns: vec![4.0, 1.0, 3.0, 2.0],
             launches: 1,
+            per_launch: vec![],
         };
         assert_eq!(m.median_ns(), 2.5);
         assert_eq!(m.min_ns(), 1.0);

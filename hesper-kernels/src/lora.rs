@@ -63,12 +63,13 @@ fn project_workgroup(r: u32) -> u32 {
         .min(256)
 }
 
-fn project_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+fn project_key(n: u32, r: u32, layout: Layout, features: Features) -> KernelKey {
     KernelKey::new("lora_project")
         .workgroup_size(project_workgroup(r))
         .shape("n", n)
         .shape("rank", r)
         .shape("rank_minor", layout.shape())
+        .features(features & Features::SUBGROUPS)
 }
 
 /// `out[t, k] = scale·Σ_i a[t, i]·W(i, k)` for `k < r`: each invocation strides over `i`
@@ -90,18 +91,41 @@ fn project(k: &mut KernelBuilder) {
     let lid = k.let_("lid", k.local_index());
     // Every invocation of a workgroup has the same token: the early exit keeps barriers uniform.
     k.if_(token.ge(&tokens), |k| k.return_());
-    // Loops over `r` have constant bounds: drivers unroll them and keep `acc` in registers.
+    // `acc` is indexed by Rust constants only (loops over `r` unrolled here), so it stays in
+    // registers on every driver.
     let acc: LocalArray<f32> = k.var_array("acc", r);
     let base = k.let_("base", &token * n);
     k.for_step("i", &lid, n, wg, |k, i| {
         let x = k.let_("x", a.at(&base + &i));
-        k.for_range("j", 0u32, r, |k, j| {
-            k.store_op(&acc, &j, BinaryOp::Add, &x * w.at(layout.at(&i, &j, n, r)));
+        for j in 0..r {
+            k.store_op(&acc, j, BinaryOp::Add, &x * w.at(layout.at(&i, j, n, r)));
+        }
+    });
+    if k.has_feature(Features::SUBGROUPS) {
+        // Each subgroup sums its lanes; then `r` invocations add the subgroups' partials.
+        let per_j = wg.div_ceil(4); // WGSL's smallest subgroup size is 4
+        let lane = k.subgroup_invocation_id();
+        let sg = k.subgroup_id();
+        let sums: Vec<Expr<f32>> = (0..r).map(|j| k.subgroup_add(acc.at(j))).collect();
+        k.if_(lane.eq(0u32), |k| {
+            for (j, sum) in sums.iter().enumerate() {
+                k.store(&scratch, &sg + j as u32 * per_j, sum);
+            }
         });
-    });
-    k.for_range("j", 0u32, r, |k, j| {
-        k.store(&scratch, &lid + &j * wg, acc.at(&j))
-    });
+        k.workgroup_barrier();
+        k.if_(lid.lt(r), |k| {
+            let total = k.var("total", 0.0f32);
+            let count = k.num_subgroups();
+            k.for_range("s", 0u32, count, |k, s| {
+                k.add_assign(&total, scratch.at(&lid * per_j + s))
+            });
+            k.store(&out, &token * r + &lid, &scale * total.get());
+        });
+        return;
+    }
+    for j in 0..r {
+        k.store(&scratch, &lid + j * wg, acc.at(j));
+    }
     k.workgroup_barrier();
     k.for_loop(
         "stride",
@@ -228,7 +252,10 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
 /// The WGSL of this module's kernels at representative shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
-        Kernel::build(&project_key(2560, 16, Layout::RankMajor), project)?,
+        Kernel::build(
+            &project_key(2560, 16, Layout::RankMajor, Features::SUBGROUPS),
+            project,
+        )?,
         Kernel::build(&expand_key(2560, 16, Layout::RankMinor, true), expand)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
         Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
@@ -283,7 +310,8 @@ fn launch_project(
     layout: Layout,
     scale: f32,
 ) -> Result<(), ExecError> {
-    let kernel = rec.gpu().kernel(&project_key(n, r, layout), project)?;
+    let key = project_key(n, r, layout, rec.gpu().kernel_features());
+    let kernel = rec.gpu().kernel(&key, project)?;
     let wg = project_workgroup(r);
     let args = Args::new()
         .buffer("a", a)
@@ -592,5 +620,54 @@ pub mod reference {
             }
         }
         (da, db, dx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::{Rng, assert_close, f64s, gpu};
+
+    /// The shared-memory tree (devices without subgroups) gives what the reference gives;
+    /// the public tests exercise the subgroup path on devices that have one.
+    #[test]
+    fn projection_without_subgroups_matches_reference() {
+        let g = gpu();
+        let (t, n, r) = (5usize, 300usize, 4usize);
+        let mut rng = Rng::new(1);
+        let (a, w) = (rng.vec(t * n, 1.0), rng.vec(r * n, 1.0));
+        let (ab, wb) = (g.upload(&a).unwrap(), g.upload(&w).unwrap());
+        let out = g.filled(t * r, f32::NAN).unwrap();
+        let key = project_key(n as u32, r as u32, Layout::RankMajor, Features::NONE);
+        let kernel = g.kernel(&key, project).unwrap();
+        let args = Args::new()
+            .buffer("a", &ab)
+            .buffer("w", &wb)
+            .buffer("out", &out)
+            .param("tokens", t as u32)
+            .param("scale", 0.5f32);
+        let mut rec = g.recorder();
+        rec.launch(
+            &kernel,
+            &args,
+            Grid::Threads((t as u32 * key.invocations()) as u64),
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        let (a64, w64) = (f64s(&a), f64s(&w));
+        let want: Vec<f64> = (0..t * r)
+            .map(|i| {
+                0.5 * (0..n)
+                    .map(|c| a64[(i / r) * n + c] * w64[(i % r) * n + c])
+                    .sum::<f64>()
+            })
+            .collect();
+        assert_close(
+            "lora_project (tree)",
+            &out.read(g).unwrap(),
+            &want,
+            1e-5,
+            1e-5,
+        );
     }
 }

@@ -253,6 +253,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     println!();
+    println!("per launch (median µs):");
+    for r in rows.iter().filter(|r| r.m.launches > 1) {
+        let parts: Vec<String> =
+            r.m.per_launch
+                .iter()
+                .map(|(k, ns)| format!("{k} {:.1}", ns / 1e3))
+                .collect();
+        println!("  {}: {}", r.kernel, parts.join(", "));
+    }
+    println!();
     println!("| kernel | shape | median | min | rate | fraction | target |");
     println!("| --- | --- | --- | --- | --- | --- | --- |");
     for r in rows {
