@@ -203,6 +203,96 @@ fn backward(
 
 /// f64 references.
 pub mod reference {
+    use crate::norm::reference as norm;
+
+    /// `y = x·Wᵀ` for `x: [m, k]`, `w: [n, k]`.
+    fn matmul_nt(x: &[f64], w: &[f64], k: usize) -> Vec<f64> {
+        let n = w.len() / k;
+        x.chunks(k)
+            .flat_map(|row| (0..n).map(move |j| (0..k).map(|c| row[c] * w[j * k + c]).sum::<f64>()))
+            .collect()
+    }
+
+    /// `dx = dy·W` for `dy: [m, n]`, `w: [n, k]`.
+    fn matmul_nn(dy: &[f64], w: &[f64], k: usize) -> Vec<f64> {
+        let n = w.len() / k;
+        dy.chunks(n)
+            .flat_map(|row| (0..k).map(move |c| (0..n).map(|j| row[j] * w[j * k + c]).sum::<f64>()))
+            .collect()
+    }
+
+    /// An FFN layer's weights for the references: `γ [D]`, `W_gate`, `W_up` `[I, D]`,
+    /// `W_down [D, I]`, and BitNet's sub-norm `γ_f [I]` (`None`: SwiGLU).
+    pub struct FfnWeights<'a> {
+        pub norm_gamma: &'a [f64],
+        pub w_gate: &'a [f64],
+        pub w_up: &'a [f64],
+        pub w_down: &'a [f64],
+        pub sub_norm_gamma: Option<&'a [f64]>,
+        pub eps: f64,
+    }
+
+    /// What the forward saves for the backward.
+    pub struct FfnSaved {
+        pub x_rstd: Vec<f64>,
+        pub gate: Vec<f64>,
+        pub up: Vec<f64>,
+        /// BitNet: `h` before the sub-norm, and the sub-norm's `rstd`.
+        pub h: Vec<f64>,
+        pub h_rstd: Vec<f64>,
+    }
+
+    /// `(x + FFN(x), saved)`.
+    pub fn ffn_forward(x: &[f64], w: &FfnWeights<'_>) -> (Vec<f64>, FfnSaved) {
+        let d = w.norm_gamma.len();
+        let (n, x_rstd) = norm::rms_norm_forward(x, w.norm_gamma, w.eps);
+        let (gate, up) = (matmul_nt(&n, w.w_gate, d), matmul_nt(&n, w.w_up, d));
+        let (h, h_rstd, h_in) = match w.sub_norm_gamma {
+            None => (swiglu_forward(&gate, &up), vec![], vec![]),
+            Some(gf) => {
+                let h = relu_sqr_mul_forward(&gate, &up);
+                let (hn, r) = norm::rms_norm_forward(&h, gf, w.eps);
+                (hn, r, h)
+            }
+        };
+        let i = w.w_down.len() / d;
+        let out = matmul_nt(&h, w.w_down, i);
+        let y = x.iter().zip(&out).map(|(a, b)| a + b).collect();
+        (
+            y,
+            FfnSaved {
+                x_rstd,
+                gate,
+                up,
+                h: h_in,
+                h_rstd,
+            },
+        )
+    }
+
+    /// `dx_in = dx_out + RMSNorm_bwd(x, γ, dg·W_gate + du·W_up)` through the activation (and
+    /// BitNet's sub-norm).
+    pub fn ffn_backward(x: &[f64], w: &FfnWeights<'_>, dx_out: &[f64]) -> Vec<f64> {
+        let d = w.norm_gamma.len();
+        let i = w.w_down.len() / d;
+        let (_, saved) = ffn_forward(x, w);
+        let d_h_out = matmul_nn(dx_out, w.w_down, i);
+        let (d_gate, d_up) = match w.sub_norm_gamma {
+            None => swiglu_backward(&saved.gate, &saved.up, &d_h_out),
+            Some(gf) => {
+                let (d_h, _) = norm::rms_norm_backward(&saved.h, gf, &d_h_out, w.eps);
+                relu_sqr_mul_backward(&saved.gate, &saved.up, &d_h)
+            }
+        };
+        let d_norm: Vec<f64> = matmul_nn(&d_gate, w.w_gate, d)
+            .iter()
+            .zip(matmul_nn(&d_up, w.w_up, d))
+            .map(|(a, b)| a + b)
+            .collect();
+        let (dx, _) = norm::rms_norm_backward(x, w.norm_gamma, &d_norm, w.eps);
+        dx.iter().zip(dx_out).map(|(a, b)| a + b).collect()
+    }
+
     fn relu(g: f64) -> f64 {
         g.max(0.0)
     }
@@ -248,4 +338,110 @@ pub mod reference {
         }
         (d_gate, d_up)
     }
+}
+
+/// The FFN's activation and whether a sub-norm follows it.
+#[derive(Clone, Copy)]
+pub enum FfnStyle<'a> {
+    /// Llama / Qwen / SmolLM: `h = silu(g)·u`, then `W_down`.
+    SwiGlu,
+    /// BitNet b1.58: `h = relu(g)²·u`, then the sub-norm `h' = RMSNorm(h; γ_f)` before `W_down`.
+    /// The weights are the dequantized dense matrices.
+    BitNet {
+        /// `γ_f`, `[I]`.
+        sub_norm_gamma: &'a GpuBuffer<f32>,
+        /// The forward's `h` (before the sub-norm), `[T, I]`, and its saved `rstd`, `[T]`.
+        h: &'a GpuBuffer<f32>,
+        h_rstd: &'a GpuBuffer<f32>,
+    },
+}
+
+/// One block's FFN: `n = RMSNorm(x; γ)`, `g = n·W_gateᵀ`, `u = n·W_upᵀ`, `h = act(g, u)`,
+/// `x_out = x + h·W_downᵀ` (BitNet: `h` through its sub-norm first). Weights are `[out, in]`.
+pub struct FfnLayer<'a> {
+    pub style: FfnStyle<'a>,
+    /// `γ` of the pre-FFN RMSNorm, `[D]`.
+    pub norm_gamma: &'a GpuBuffer<f32>,
+    /// `W_gate`, `W_up`: `[I, D]`; `W_down`: `[D, I]`.
+    pub w_gate: &'a GpuBuffer<f32>,
+    pub w_up: &'a GpuBuffer<f32>,
+    pub w_down: &'a GpuBuffer<f32>,
+    /// What the forward saved: the block input `x` `[T, D]`, the norm's `rstd` `[T]`, and the
+    /// pre-activations `g`, `u` `[T, I]`.
+    pub x: &'a GpuBuffer<f32>,
+    pub x_rstd: &'a GpuBuffer<f32>,
+    pub gate: &'a GpuBuffer<f32>,
+    pub up: &'a GpuBuffer<f32>,
+}
+
+/// Scratch of [`execute_ffn_backward`]: `[T, I]` × 4 and `[T, D]` × 1.
+pub struct FfnScratch<'a> {
+    pub d_h: &'a mut GpuBuffer<f32>,
+    pub d_h_norm: &'a mut GpuBuffer<f32>,
+    pub d_gate: &'a mut GpuBuffer<f32>,
+    pub d_up: &'a mut GpuBuffer<f32>,
+    pub d_norm: &'a mut GpuBuffer<f32>,
+}
+
+/// The whole FFN backward of one layer for `T` tokens. `dx` holds the gradient of the block's
+/// output on entry and the gradient of its input on return: the residual path is added
+/// (`dx_in = dx_out + RMSNorm_bwd(…)`), never overwritten.
+pub fn execute_ffn_backward(
+    rec: &mut Recorder<'_>,
+    layer: &FfnLayer<'_>,
+    scratch: FfnScratch<'_>,
+    dx: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    use crate::{linear, norm};
+    let name = "ffn_backward";
+    let d = layer.norm_gamma.len();
+    if d == 0 || !layer.x.len().is_multiple_of(d) {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "x".into(),
+            expected: format!("rows of D = {d} (norm_gamma's length)"),
+            given: format!("{} elements", layer.x.len()),
+        });
+    }
+    let t = layer.x.len() / d;
+    let i = layer.w_gate.len() / d;
+    expect_len(name, "w_gate", layer.w_gate, i * d, "[I, D]")?;
+    expect_len(name, "w_up", layer.w_up, i * d, "[I, D]")?;
+    expect_len(name, "w_down", layer.w_down, d * i, "[D, I]")?;
+    expect_len(name, "dx", dx, t * d, "[T, D]")?;
+    // d(h·W_downᵀ) = dx·W_down: the gradient of the down projection's input.
+    let FfnScratch {
+        d_h,
+        d_h_norm,
+        d_gate,
+        d_up,
+        d_norm,
+    } = scratch;
+    match layer.style {
+        FfnStyle::SwiGlu => {
+            linear::execute_matmul_nn(rec, dx, layer.w_down, d_h, t, d, i, false)?;
+            execute_swiglu_backward(rec, layer.gate, layer.up, d_h, d_gate, d_up)?;
+        }
+        FfnStyle::BitNet {
+            sub_norm_gamma,
+            h,
+            h_rstd,
+        } => {
+            linear::execute_matmul_nn(rec, dx, layer.w_down, d_h_norm, t, d, i, false)?;
+            norm::execute_rms_norm_backward(rec, h, sub_norm_gamma, h_rstd, d_h_norm, d_h, false)?;
+            execute_relu_sqr_mul_backward(rec, layer.gate, layer.up, d_h, d_gate, d_up)?;
+        }
+    }
+    // dn = dg·W_gate + du·W_up, then the norm's backward added to the residual gradient.
+    linear::execute_matmul_nn(rec, d_gate, layer.w_gate, d_norm, t, i, d, false)?;
+    linear::execute_matmul_nn(rec, d_up, layer.w_up, d_norm, t, i, d, true)?;
+    norm::execute_rms_norm_backward(
+        rec,
+        layer.x,
+        layer.norm_gamma,
+        layer.x_rstd,
+        d_norm,
+        dx,
+        true,
+    )
 }

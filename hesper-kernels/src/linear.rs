@@ -1,1 +1,838 @@
-//! (being written)
+//! Linear layers (KERNELS.md): the weight `W` is `[out, in]` = `[n, k]`, row-major.
+//!
+//! - `matmul_nt`: `y (+)= x·Wᵀ`, `x: [m, k]` → `y: [m, n]` — the forward through a frozen weight;
+//! - `matmul_nn`: `dx (+)= dy·W`, `dy: [m, n]` → `dx: [m, k]` — the backward through it;
+//! - `bitlinear_forward`, `bitlinear_transpose`: the same two products with BitNet's ternary
+//!   weight `s·T` (`T` in {−1, 0, +1} packed 16 per `u32` by [`pack_ternary`], `s` a per-tensor
+//!   scale): `y (+)= s·x·Tᵀ` and `dx (+)= s·dy·T` — the backward treats `s·T` as the dense matrix.
+//!
+//! All four are one tiled GEMM `out[m, cols] (+)= s·A[m, depth]·B[depth, cols]` that differs only
+//! in how it reads `B` out of `W`: through `·Wᵀ`, `B(d, c) = W[c, d]` (`cols = n`, `depth = k`);
+//! through `·W`, `B(d, c) = W[d, c]` (`cols = k`, `depth = n`).
+//!
+//! ## Tiling
+//! A workgroup computes a `bm × bn` tile of `out`, stepping through the depth `bk` at a time. Each
+//! step stages the `bm × bk` slice of `A` and the `bk × bn` slice of `B` in workgroup memory, both
+//! depth-major as `vec4`s along the tile's rows or columns, so that the inner loop reads whole
+//! `vec4`s: an invocation keeps a `tm × tn` register tile (in 4×4 blocks spread `4·bm/tm` rows and
+//! `4·bn/tn` columns apart, so that an invocation group reads consecutive `vec4`s) and does
+//! `tm·tn` FMAs per `(tm + tn) / 4` workgroup loads. The staging is double-buffered: the next
+//! step's slices are read from memory into registers before the current step's FMAs and stored
+//! after them, so one barrier per step suffices.
+//!
+//! Compile-time (the kernel key): the layer's `cols` and `depth` (a model's widths), the tile and
+//! `accumulate`. Runtime: `m`, the token count. Knowing `cols` and `depth` when the kernel is
+//! built removes every bounds check a shape does not need (a depth that is a multiple of `bk`
+//! needs no zeroing of the last step; `cols` a multiple of `bn` no column guards) and lets rows be
+//! read and written as `vec4`s when `cols` is a multiple of 4. Reads past the last row or column
+//! are clamped into the buffer rather than zeroed: they only feed outputs that are never stored.
+//! Reads past the depth are zeroed, since they would feed every output.
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};
+use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+
+use crate::{expect_len, expect_u32};
+
+/// Ternary weights per packed `u32` (2 bits each).
+pub const TERNARY_PER_WORD: usize = 16;
+
+/// Workgroups below which [`Tile::LARGE`] would leave an H200 partly idle (132 SMs, each running
+/// two of its 256-invocation workgroups at once).
+const LARGE_MIN_WORKGROUPS: usize = 264;
+
+/// Which product of a linear layer with its weight `W: [n, k]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Product {
+    /// `y = x·Wᵀ`: `x: [m, k]` → `y: [m, n]` (the forward).
+    Nt,
+    /// `dx = dy·W`: `dy: [m, n]` → `dx: [m, k]` (the backward to the input).
+    Nn,
+}
+
+impl Product {
+    /// The names of the input and output buffers, as kernels bind them and errors name them.
+    fn names(self) -> (&'static str, &'static str) {
+        match self {
+            Product::Nt => ("x", "y"),
+            Product::Nn => ("dy", "dx"),
+        }
+    }
+}
+
+/// A linear layer's weight `W: [n, k]`.
+#[derive(Clone, Copy)]
+pub enum Weights<'a> {
+    /// Dense f32, `n·k` elements.
+    Dense(&'a GpuBuffer<f32>),
+    /// BitNet's `scale·T`, `T` packed by [`pack_ternary`] (`⌈n·k / 16⌉` words).
+    Ternary {
+        packed: &'a GpuBuffer<u32>,
+        scale: f32,
+    },
+}
+
+/// A GEMM's workgroup tile: `bm × bn` outputs per workgroup, `bk` of the depth per step, and
+/// `tm × tn` outputs per invocation. `tm` and `tn` are multiples of 4 dividing `bm` and `bn`, and
+/// the `(bm/tm)·(bn/tn)` invocations share out the `bk·bm/4` and `bk·bn/4` vec4s of a step's
+/// slices evenly ([`Tile::check`] says which rule a tile breaks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Tile {
+    pub bm: u32,
+    pub bn: u32,
+    pub bk: u32,
+    pub tm: u32,
+    pub tn: u32,
+}
+
+impl Tile {
+    /// 128×128 outputs, 8 deep, 8×8 per invocation, 256 invocations, 16.5 KiB of workgroup
+    /// memory: the shape of the reference probe that reached 37 TFLOP/s on the H200.
+    pub const LARGE: Tile = Tile {
+        bm: 128,
+        bn: 128,
+        bk: 8,
+        tm: 8,
+        tn: 8,
+    };
+    /// 64×64 outputs, 16 deep, 4×4 per invocation, 256 invocations, 17 KiB: four times the
+    /// workgroups of `LARGE`, for problems too small to fill the GPU with it.
+    pub const SMALL: Tile = Tile {
+        bm: 64,
+        bn: 64,
+        bk: 16,
+        tm: 4,
+        tn: 4,
+    };
+
+    /// The tile for an output of `rows × cols`: `LARGE` when that gives enough workgroups to fill
+    /// the GPU, else `SMALL`.
+    pub fn for_shape(rows: usize, cols: usize) -> Tile {
+        let large = Tile::LARGE;
+        let workgroups = rows.div_ceil(large.bm as usize) * cols.div_ceil(large.bn as usize);
+        if workgroups >= LARGE_MIN_WORKGROUPS {
+            large
+        } else {
+            Tile::SMALL
+        }
+    }
+
+    /// Invocations per workgroup.
+    pub fn invocations(&self) -> u32 {
+        (self.bm / self.tm.max(1)) * (self.bn / self.tn.max(1))
+    }
+
+    /// `Ok` when the kernels can run this tile; else an error naming `kernel` and the rule.
+    pub fn check(&self, kernel: &str) -> Result<(), ExecError> {
+        let Tile { bm, bn, bk, tm, tn } = *self;
+        let fail = |why: &str| {
+            Err(ExecError::Dispatch {
+                kernel: kernel.into(),
+                what: format!("tile {self:?}"),
+                why: why.into(),
+            })
+        };
+        let block = |t: u32, b: u32| t > 0 && t.is_multiple_of(4) && b > 0 && b.is_multiple_of(t);
+        if !block(tm, bm) || !block(tn, bn) {
+            return fail("tm and tn must be multiples of 4 that divide bm and bn");
+        }
+        let threads = self.invocations() as u64;
+        let shared = |b: u32| {
+            let vec4s = bk as u64 * b as u64 / 4;
+            vec4s > 0 && vec4s.is_multiple_of(threads)
+        };
+        if !shared(bm) || !shared(bn) {
+            return fail(
+                "the invocations must share out the bk·bm/4 and bk·bn/4 vec4s of a step evenly",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One launch of the linear GEMM: the product, its dimensions (`W` is `[n, k]`, `m` rows),
+/// whether it adds into the output, and the tile.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Gemm {
+    pub product: Product,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub accumulate: bool,
+    pub tile: Tile,
+}
+
+impl Gemm {
+    /// `(cols, depth)` of the output and the contraction.
+    fn cols_depth(&self) -> (usize, usize) {
+        match self.product {
+            Product::Nt => (self.n, self.k),
+            Product::Nn => (self.k, self.n),
+        }
+    }
+}
+
+fn kernel_name(product: Product, ternary: bool) -> &'static str {
+    match (product, ternary) {
+        (Product::Nt, false) => "matmul_nt",
+        (Product::Nn, false) => "matmul_nn",
+        (Product::Nt, true) => "bitlinear_forward",
+        (Product::Nn, true) => "bitlinear_transpose",
+    }
+}
+
+/// Rows of `out` (and dense `W` read through `·W`) are accessed as `vec4`s when `cols` allows.
+fn vec4_columns(cols: u32) -> bool {
+    cols.is_multiple_of(4)
+}
+
+fn gemm_key(
+    product: Product,
+    ternary: bool,
+    (cols, depth): (u32, u32),
+    tile: Tile,
+    accumulate: bool,
+) -> KernelKey {
+    KernelKey::new(kernel_name(product, ternary))
+        .workgroup_size(tile.invocations())
+        .shape("cols", cols)
+        .shape("depth", depth)
+        .shape("bm", tile.bm)
+        .shape("bn", tile.bn)
+        .shape("bk", tile.bk)
+        .shape("tm", tile.tm)
+        .shape("tn", tile.tn)
+        .shape("accumulate", accumulate)
+}
+
+/// A scalar source of `A` or `W` elements by flat index.
+#[derive(Clone)]
+enum Elements {
+    F32(ReadBuffer<f32>),
+    /// 2-bit codes, 16 per word, element `i` at bits `2·(i % 16)` of word `i / 16`.
+    Ternary(ReadBuffer<u32>),
+}
+
+impl Elements {
+    fn at(&self, k: &mut KernelBuilder, index: Expr<u32>) -> Expr<f32> {
+        match self {
+            Elements::F32(buf) => buf.at(index),
+            Elements::Ternary(words) => {
+                let at = k.let_("at", index);
+                let code = k.let_(
+                    "code",
+                    (words.at(&at >> 4u32) >> ((&at & 15u32) * 2u32)) & 3u32,
+                );
+                // 0b01 → +1, 0b10 → −1, 0b00 → 0 (see `pack_ternary`).
+                k.let_(
+                    "weight",
+                    (&code & 1u32).cast::<f32>() - (&code >> 1u32).cast::<f32>(),
+                )
+            }
+        }
+    }
+}
+
+/// Reads one staged vec4 at a depth already clamped into range.
+type Reader = Box<dyn Fn(&mut KernelBuilder, Expr<u32>) -> Expr<Vec4<f32>>>;
+
+/// One vec4 of a step's slice that this invocation loads: at depth row `kk` of the slice, vec4
+/// `at` along it, read by `read`, held in `next` between the read and the store.
+struct Slot {
+    kk: Expr<u32>,
+    at: Expr<u32>,
+    read: Reader,
+    next: Var<Vec4<f32>>,
+}
+
+/// `e + c`, without a `+ 0u`.
+fn offset(e: &Expr<u32>, c: u32) -> Expr<u32> {
+    if c == 0 { e.clone() } else { e + c }
+}
+
+/// `let hint = e + c;`, or `e` itself when `c` is 0.
+fn let_offset(k: &mut KernelBuilder, hint: &str, e: &Expr<u32>, c: u32) -> Expr<u32> {
+    if c == 0 {
+        e.clone()
+    } else {
+        k.let_(hint, e + c)
+    }
+}
+
+/// Component `q` of `v`.
+fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
+    match q {
+        0 => v.x(),
+        1 => v.y(),
+        2 => v.z(),
+        _ => v.w(),
+    }
+}
+
+/// Slots of a slice whose rows run along the depth (`A`, and `W` read through `·Wᵀ`): slot `s`
+/// holds rows `4j .. 4j+4` at depth `s % bk` (consecutive invocations read consecutive depths of
+/// a row). Rows past `last` read row `last` (`None` when the slice never passes the end).
+fn row_slots(
+    k: &mut KernelBuilder,
+    operand: &str,
+    (rows, origin, last): (u32, &Expr<u32>, Option<Expr<u32>>),
+    elements: &Elements,
+    (bk, depth): (u32, u32),
+) -> Vec<Slot> {
+    let threads = k.invocations();
+    let lid = k.local_index();
+    (0..bk * rows / 4 / threads)
+        .map(|i| {
+            let s = offset(&lid, i * threads);
+            let kk = k.let_(&format!("{operand}_kk"), &s % bk);
+            let j = k.let_(&format!("{operand}_j"), &s / bk);
+            let bases: Vec<Expr<u32>> = (0..4)
+                .map(|q| {
+                    let row = offset(&(origin + &j * 4u32), q);
+                    let row = match &last {
+                        Some(last) => row.min(last),
+                        None => row,
+                    };
+                    k.let_(&format!("{operand}_base"), row * depth)
+                })
+                .collect();
+            let elements = elements.clone();
+            let read: Reader = Box::new(move |k, d| {
+                let v: Vec<Expr<f32>> = bases.iter().map(|b| elements.at(k, b + &d)).collect();
+                vec4(v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone())
+            });
+            let next = k.var(&format!("{operand}_next"), Expr::<Vec4<f32>>::splat(0.0f32));
+            Slot {
+                kk,
+                at: j,
+                read,
+                next,
+            }
+        })
+        .collect()
+}
+
+/// How the kernel reads `W`: by rows along the depth (through `·Wᵀ`) or along the output's
+/// columns (through `·W`).
+enum WeightReads {
+    Rows(Elements),
+    Columns(ColumnSource),
+}
+
+/// Where `W` read through `·W` comes from.
+enum ColumnSource {
+    /// Dense with `cols` a multiple of 4: one vec4 per read.
+    Vec4(ReadBuffer<Vec4<f32>>),
+    Scalar(Elements),
+}
+
+/// Slots of the `B` slice when `W` is read through `·W`: slot `s` holds columns `4j .. 4j+4` at
+/// depth `s / (bn/4)` (consecutive invocations read consecutive columns).
+fn column_slots(
+    k: &mut KernelBuilder,
+    n0: &Expr<u32>,
+    source: &ColumnSource,
+    (bn, bk): (u32, u32),
+    cols: u32,
+) -> Vec<Slot> {
+    let threads = k.invocations();
+    let lid = k.local_index();
+    let per_row = bn / 4;
+    let guard = !cols.is_multiple_of(bn);
+    (0..bk * per_row / threads)
+        .map(|i| {
+            let s = offset(&lid, i * threads);
+            let j = k.let_("b_j", &s % per_row);
+            let kk = k.let_("b_kk", &s / per_row);
+            let col = n0 + &j * 4u32;
+            let read: Reader = match source {
+                ColumnSource::Vec4(w) => {
+                    let col = if guard { col.min(cols - 4) } else { col };
+                    let col4 = k.let_("b_col4", col / 4u32);
+                    let w = w.clone();
+                    Box::new(move |_, d| w.at(d * (cols / 4) + &col4))
+                }
+                ColumnSource::Scalar(elements) => {
+                    let at: Vec<Expr<u32>> = (0..4)
+                        .map(|q| {
+                            let c = offset(&col, q);
+                            k.let_("b_col", if guard { c.min(cols - 1) } else { c })
+                        })
+                        .collect();
+                    let elements = elements.clone();
+                    Box::new(move |k, d| {
+                        let row = k.let_("w_row", d * cols);
+                        let v: Vec<Expr<f32>> =
+                            at.iter().map(|c| elements.at(k, &row + c)).collect();
+                        vec4(v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone())
+                    })
+                }
+            };
+            let next = k.var("b_next", Expr::<Vec4<f32>>::splat(0.0f32));
+            Slot {
+                kk,
+                at: j,
+                read,
+                next,
+            }
+        })
+        .collect()
+}
+
+/// Read each slot's vec4 for the step starting at depth `first` (zero past the depth).
+fn fetch(
+    k: &mut KernelBuilder,
+    operand: &str,
+    slots: &[Slot],
+    first: Option<&Expr<u32>>,
+    (bk, depth): (u32, u32),
+) {
+    let partial = !depth.is_multiple_of(bk);
+    for slot in slots {
+        let d = match first {
+            Some(first) => k.let_(&format!("{operand}_d"), first + &slot.kk),
+            None => slot.kk.clone(),
+        };
+        if partial {
+            let clamped = k.let_(&format!("{operand}_d_clamped"), d.min(depth - 1));
+            let value = (slot.read)(k, clamped);
+            let zero = Expr::<Vec4<f32>>::splat(0.0f32);
+            k.assign(&slot.next, select(d.lt(depth), value, zero));
+        } else {
+            let value = (slot.read)(k, d);
+            k.assign(&slot.next, value);
+        }
+    }
+}
+
+/// Store each slot's vec4 into the staging buffer starting at `buffer` (`None`: the first),
+/// `stride` vec4s a depth row.
+fn stage(
+    k: &mut KernelBuilder,
+    slots: &[Slot],
+    tile: &WorkgroupArray<Vec4<f32>>,
+    buffer: Option<&Expr<u32>>,
+    stride: u32,
+) {
+    for slot in slots {
+        let at = &slot.kk * stride + &slot.at;
+        let at = match buffer {
+            Some(buffer) => buffer + at,
+            None => at,
+        };
+        k.store(tile, at, slot.next.get());
+    }
+}
+
+/// The output: rows as vec4s when `cols` allows.
+enum Output {
+    Vec4(RwBuffer<Vec4<f32>>),
+    Scalar(RwBuffer<f32>),
+}
+
+/// `out[rows, cols] (+)= s·A[rows, depth]·B[depth, cols]`, `B` read out of `W` as `product` says.
+fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
+    let cols = k.shape::<u32>("cols");
+    let depth = k.shape::<u32>("depth");
+    let tile = Tile {
+        bm: k.shape("bm"),
+        bn: k.shape("bn"),
+        bk: k.shape("bk"),
+        tm: k.shape("tm"),
+        tn: k.shape("tn"),
+    };
+    let accumulate = k.shape::<bool>("accumulate");
+    let (input_name, output_name) = product.names();
+
+    let a = Elements::F32(k.storage::<f32>(input_name));
+    let w = match (product, ternary) {
+        (Product::Nt, false) => WeightReads::Rows(Elements::F32(k.storage("w"))),
+        (Product::Nt, true) => WeightReads::Rows(Elements::Ternary(k.storage("w"))),
+        (Product::Nn, false) if vec4_columns(cols) => {
+            WeightReads::Columns(ColumnSource::Vec4(k.storage("w")))
+        }
+        (Product::Nn, false) => {
+            WeightReads::Columns(ColumnSource::Scalar(Elements::F32(k.storage("w"))))
+        }
+        (Product::Nn, true) => {
+            WeightReads::Columns(ColumnSource::Scalar(Elements::Ternary(k.storage("w"))))
+        }
+    };
+    let out = if vec4_columns(cols) {
+        Output::Vec4(k.storage_rw(output_name))
+    } else {
+        Output::Scalar(k.storage_rw(output_name))
+    };
+    let rows = k.param::<u32>("rows");
+    let scale = ternary.then(|| k.param::<f32>("scale"));
+
+    // Invocation (tx, ty) owns rows `ty·4 + g·4·down + (0..4)` and columns
+    // `tx·4 + h·4·across + (0..4)` of the tile.
+    let (across, down) = (tile.bn / tile.tn, tile.bm / tile.tm);
+    let (row_blocks, col_blocks) = (tile.tm / 4, tile.tn / 4);
+    let lid = k.let_("lid", k.local_index());
+    let tx = k.let_("tx", &lid % across);
+    let ty = k.let_("ty", &lid / across);
+    let m0 = k.let_("m0", k.workgroup_id().y() * tile.bm);
+    let n0 = k.let_("n0", k.workgroup_id().x() * tile.bn);
+
+    // Two buffers per operand, depth-major. Slices staged by rows get one vec4 of padding per
+    // depth row: their stores (consecutive invocations at consecutive depths) then fall in
+    // distinct banks.
+    let a_stride = tile.bm / 4 + 1;
+    let b_stride = tile.bn / 4 + u32::from(matches!(w, WeightReads::Rows(_)));
+    let (a_size, b_size) = (tile.bk * a_stride, tile.bk * b_stride);
+    let a_tile = k.workgroup_array::<Vec4<f32>>("a_tile", 2 * a_size);
+    let b_tile = k.workgroup_array::<Vec4<f32>>("b_tile", 2 * b_size);
+
+    let steps = (tile.bk, depth);
+    let last_row = k.let_("last_row", &rows - 1u32);
+    let a_slots = row_slots(k, "a", (tile.bm, &m0, Some(last_row)), &a, steps);
+    let b_slots = match &w {
+        WeightReads::Rows(w) => {
+            let last = (!cols.is_multiple_of(tile.bn)).then(|| lit(cols - 1));
+            row_slots(k, "b", (tile.bn, &n0, last), w, steps)
+        }
+        WeightReads::Columns(source) => column_slots(k, &n0, source, (tile.bn, tile.bk), cols),
+    };
+
+    let acc: LocalArray<Vec4<f32>> = k.var_array("acc", row_blocks * col_blocks * 4);
+    k.comment("Stage the first step.");
+    fetch(k, "a", &a_slots, None, steps);
+    fetch(k, "b", &b_slots, None, steps);
+    stage(k, &a_slots, &a_tile, None, a_stride);
+    stage(k, &b_slots, &b_tile, None, b_stride);
+    k.workgroup_barrier();
+    k.for_range("step", 0u32, depth.div_ceil(tile.bk), |k, step| {
+        let cur = k.let_("cur", &step & 1u32);
+        let more = k.let_("more", (&step + 1u32).lt(depth.div_ceil(tile.bk)));
+        k.comment("Read the next step's slices into registers while this one computes.");
+        k.if_(&more, |k| {
+            let first = k.let_("first", (&step + 1u32) * tile.bk);
+            fetch(k, "a", &a_slots, Some(&first), steps);
+            fetch(k, "b", &b_slots, Some(&first), steps);
+        });
+        k.for_range("kk", 0u32, tile.bk, |k, kk| {
+            let a_at = k.let_("a_at", &cur * a_size + &kk * a_stride + &ty);
+            let b_at = k.let_("b_at", &cur * b_size + &kk * b_stride + &tx);
+            let av: Vec<Expr<Vec4<f32>>> = (0..row_blocks)
+                .map(|g| k.let_("a", a_tile.at(offset(&a_at, g * down))))
+                .collect();
+            let bv: Vec<Expr<Vec4<f32>>> = (0..col_blocks)
+                .map(|h| k.let_("b", b_tile.at(offset(&b_at, h * across))))
+                .collect();
+            for g in 0..row_blocks {
+                for q in 0..4 {
+                    let a = Expr::<Vec4<f32>>::splat(lane(&av[g as usize], q));
+                    for (h, b) in bv.iter().enumerate() {
+                        let i = (g * 4 + q) * col_blocks + h as u32;
+                        k.store(&acc, i, a.fma(b, acc.at(i)));
+                    }
+                }
+            }
+        });
+        k.if_(&more, |k| {
+            let next = 1u32 - &cur;
+            stage(k, &a_slots, &a_tile, Some(&(&next * a_size)), a_stride);
+            stage(k, &b_slots, &b_tile, Some(&(next * b_size)), b_stride);
+        });
+        k.workgroup_barrier();
+    });
+
+    k.comment("Write the register tile.");
+    let row0 = k.let_("row0", &m0 + &ty * 4u32);
+    let col0 = k.let_("col0", &n0 + &tx * 4u32);
+    let col_at: Vec<Expr<u32>> = (0..col_blocks)
+        .map(|h| let_offset(k, "col", &col0, h * 4 * across))
+        .collect();
+    let guard_cols = !cols.is_multiple_of(tile.bn);
+    for g in 0..row_blocks {
+        for q in 0..4 {
+            let row = let_offset(k, "row", &row0, g * 4 * down + q);
+            k.if_(row.lt(&rows), |k| {
+                for (h, col) in col_at.iter().enumerate() {
+                    let i = (g * 4 + q) * col_blocks + h as u32;
+                    let value = match &scale {
+                        Some(s) => acc.at(i) * s,
+                        None => acc.at(i),
+                    };
+                    write_out(k, &out, (&row, col), value, (cols, guard_cols), accumulate);
+                }
+            });
+        }
+    }
+}
+
+/// `out[row, col .. col+4] (+)= value`, skipping columns past `cols`.
+fn write_out(
+    k: &mut KernelBuilder,
+    out: &Output,
+    (row, col): (&Expr<u32>, &Expr<u32>),
+    value: Expr<Vec4<f32>>,
+    (cols, guard): (u32, bool),
+    accumulate: bool,
+) {
+    match out {
+        Output::Vec4(out) => {
+            let put = |k: &mut KernelBuilder| {
+                let at = row * (cols / 4) + col / 4u32;
+                if accumulate {
+                    k.store_op(out, at, BinaryOp::Add, value.clone());
+                } else {
+                    k.store(out, at, value.clone());
+                }
+            };
+            if guard {
+                k.if_(col.lt(cols), put);
+            } else {
+                put(k);
+            }
+        }
+        Output::Scalar(out) => {
+            let value = k.let_("value", value);
+            let at = k.let_("at", row * cols + col);
+            k.for_range("c", 0u32, 4u32, |k, c| {
+                k.if_((col + &c).lt(cols), |k| {
+                    if accumulate {
+                        k.store_op(out, &at + &c, BinaryOp::Add, value.component(&c));
+                    } else {
+                        k.store(out, &at + &c, value.component(&c));
+                    }
+                });
+            });
+        }
+    }
+}
+
+/// The WGSL of this module's kernels at representative shapes (SmolLM2's 576 → 1536 projection
+/// and BitNet b1.58 2B's 2560 → 6912), for snapshots and review.
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let build = |product, ternary, shape, tile, accumulate| {
+        Kernel::build(&gemm_key(product, ternary, shape, tile, accumulate), |k| {
+            gemm_kernel(k, product, ternary)
+        })
+    };
+    Ok(vec![
+        build(Product::Nt, false, (1536, 576), Tile::LARGE, false)?,
+        build(Product::Nn, false, (576, 1536), Tile::LARGE, true)?,
+        build(Product::Nt, true, (6912, 2560), Tile::LARGE, false)?,
+        build(Product::Nn, true, (2560, 6912), Tile::SMALL, true)?,
+    ])
+}
+
+/// Record one GEMM: `output (+)= input·Wᵀ` or `input·W` (times the scale of ternary weights),
+/// with the buffers' lengths and the tile checked first (an error names the kernel and buffer).
+pub fn execute_gemm(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    input: &GpuBuffer<f32>,
+    weights: Weights<'_>,
+    output: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let ternary = matches!(weights, Weights::Ternary { .. });
+    let product = gemm.product;
+    let name = kernel_name(product, ternary);
+    let (input_name, output_name) = gemm.product.names();
+    let (in_dims, out_dims) = match gemm.product {
+        Product::Nt => ("[m, k]", "[m, n]"),
+        Product::Nn => ("[m, n]", "[m, k]"),
+    };
+    let (cols, depth) = gemm.cols_depth();
+    let m = expect_u32(name, "m", gemm.m)?;
+    expect_u32(name, "n", gemm.n)?;
+    expect_u32(name, "k", gemm.k)?;
+    // Ternary weights are indexed by their flat position.
+    expect_u32(name, "n·k", gemm.n * gemm.k)?;
+    gemm.tile.check(name)?;
+    expect_len(name, input_name, input, gemm.m * depth, in_dims)?;
+    match weights {
+        Weights::Dense(w) => expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?,
+        Weights::Ternary { packed, .. } => expect_len(
+            name,
+            "w",
+            packed,
+            (gemm.n * gemm.k).div_ceil(TERNARY_PER_WORD),
+            "[n, k] ternary, 16 per u32",
+        )?,
+    }
+    expect_len(name, output_name, output, gemm.m * cols, out_dims)?;
+    if gemm.m == 0 || cols == 0 {
+        return Ok(());
+    }
+    if depth == 0 {
+        // An empty sum: zero, or nothing to add.
+        return if gemm.accumulate {
+            Ok(())
+        } else {
+            rec.fill(output, 0.0)
+        };
+    }
+    let shape = (cols as u32, depth as u32);
+    let key = gemm_key(product, ternary, shape, gemm.tile, gemm.accumulate);
+    let kernel = rec
+        .gpu()
+        .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
+    let args = Args::new().buffer(input_name, input);
+    let args = match weights {
+        Weights::Dense(w) if product == Product::Nn && vec4_columns(shape.0) => {
+            args.buffer_vec4("w", w)
+        }
+        Weights::Dense(w) => args.buffer("w", w),
+        Weights::Ternary { packed, scale } => args.buffer("w", packed).param("scale", scale),
+    };
+    let args = if vec4_columns(shape.0) {
+        args.buffer_vec4(output_name, output)
+    } else {
+        args.buffer(output_name, output)
+    };
+    let args = args.param("rows", m);
+    let Tile { bm, bn, .. } = gemm.tile;
+    let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
+    rec.launch(&kernel, &args, Grid::Workgroups(groups))
+}
+
+/// `y (+)= x·Wᵀ`: `x: [m, k]`, `w: [n, k]`, `y: [m, n]` (the forward through a frozen weight).
+#[allow(clippy::too_many_arguments)]
+pub fn execute_matmul_nt(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    w: &GpuBuffer<f32>,
+    y: &mut GpuBuffer<f32>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let gemm = linear(Product::Nt, (m, n, k), accumulate);
+    execute_gemm(rec, &gemm, x, Weights::Dense(w), y)
+}
+
+/// `dx (+)= dy·W`: `dy: [m, n]`, `w: [n, k]`, `dx: [m, k]` (the backward through a frozen weight;
+/// accumulate when `dx` also receives other paths' gradients).
+#[allow(clippy::too_many_arguments)]
+pub fn execute_matmul_nn(
+    rec: &mut Recorder<'_>,
+    dy: &GpuBuffer<f32>,
+    w: &GpuBuffer<f32>,
+    dx: &mut GpuBuffer<f32>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let gemm = linear(Product::Nn, (m, n, k), accumulate);
+    execute_gemm(rec, &gemm, dy, Weights::Dense(w), dx)
+}
+
+/// `y (+)= scale·x·Tᵀ`: `x: [m, k]`, `T: [n, k]` ternary packed by [`pack_ternary`], `y: [m, n]`.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_bitlinear_forward(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    packed: &GpuBuffer<u32>,
+    scale: f32,
+    y: &mut GpuBuffer<f32>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let gemm = linear(Product::Nt, (m, n, k), accumulate);
+    execute_gemm(rec, &gemm, x, Weights::Ternary { packed, scale }, y)
+}
+
+/// `dx (+)= scale·dy·T`: `dy: [m, n]`, `T: [n, k]` ternary packed by [`pack_ternary`],
+/// `dx: [m, k]` (the backward of [`execute_bitlinear_forward`] to its input).
+#[allow(clippy::too_many_arguments)]
+pub fn execute_bitlinear_transpose(
+    rec: &mut Recorder<'_>,
+    dy: &GpuBuffer<f32>,
+    packed: &GpuBuffer<u32>,
+    scale: f32,
+    dx: &mut GpuBuffer<f32>,
+    m: usize,
+    n: usize,
+    k: usize,
+    accumulate: bool,
+) -> Result<(), ExecError> {
+    let gemm = linear(Product::Nn, (m, n, k), accumulate);
+    execute_gemm(rec, &gemm, dy, Weights::Ternary { packed, scale }, dx)
+}
+
+/// A [`Gemm`] with the tile [`Tile::for_shape`] picks for its output.
+fn linear(product: Product, (m, n, k): (usize, usize, usize), accumulate: bool) -> Gemm {
+    let cols = match product {
+        Product::Nt => n,
+        Product::Nn => k,
+    };
+    Gemm {
+        product,
+        m,
+        n,
+        k,
+        accumulate,
+        tile: Tile::for_shape(m, cols),
+    }
+}
+
+/// Pack ternary weights 16 per `u32`, element `i` in bits `2·(i % 16)` of word `i / 16`:
+/// `0b00` = 0, `0b01` = +1, `0b10` = −1 (`0b11` is never written; the kernels read it as 0).
+/// The last word's unused bits are 0. A value outside −1..=1 is an error naming its index.
+pub fn pack_ternary(values: &[i8]) -> Result<Vec<u32>, ExecError> {
+    let mut words = vec![0u32; values.len().div_ceil(TERNARY_PER_WORD)];
+    for (i, &v) in values.iter().enumerate() {
+        let code = match v {
+            0 => 0b00,
+            1 => 0b01,
+            -1 => 0b10,
+            _ => {
+                return Err(ExecError::Buffer {
+                    buffer: "ternary weights".into(),
+                    message: format!("element {i} is {v}, not -1, 0 or +1"),
+                });
+            }
+        };
+        words[i / TERNARY_PER_WORD] |= code << (2 * (i % TERNARY_PER_WORD));
+    }
+    Ok(words)
+}
+
+/// The first `len` ternary weights of `packed` (the inverse of [`pack_ternary`]).
+pub fn unpack_ternary(packed: &[u32], len: usize) -> Vec<i8> {
+    (0..len)
+        .map(|i| {
+            let code = (packed[i / TERNARY_PER_WORD] >> (2 * (i % TERNARY_PER_WORD))) & 0b11;
+            (code & 1) as i8 - (code >> 1) as i8
+        })
+        .collect()
+}
+
+/// f64 references: the plain sums of KERNELS.md's products.
+pub mod reference {
+    /// `x·Wᵀ` for `x: [m, k]`, `w: [n, k]`: `[m, n]`.
+    pub fn matmul_nt(x: &[f64], w: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut y = vec![0.0; m * n];
+        for r in 0..m {
+            for o in 0..n {
+                y[r * n + o] = (0..k).map(|i| x[r * k + i] * w[o * k + i]).sum();
+            }
+        }
+        y
+    }
+
+    /// `dy·W` for `dy: [m, n]`, `w: [n, k]`: `[m, k]`.
+    pub fn matmul_nn(dy: &[f64], w: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
+        let mut dx = vec![0.0; m * k];
+        for r in 0..m {
+            for i in 0..k {
+                dx[r * k + i] = (0..n).map(|o| dy[r * n + o] * w[o * k + i]).sum();
+            }
+        }
+        dx
+    }
+
+    /// The dense matrix `scale·T` of ternary weights.
+    pub fn dequantize(ternary: &[i8], scale: f64) -> Vec<f64> {
+        ternary.iter().map(|&t| scale * t as f64).collect()
+    }
+}

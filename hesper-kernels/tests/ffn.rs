@@ -52,12 +52,7 @@ fn check_forward(
     }
 }
 
-fn check_backward(
-    name: &str,
-    execute: Backward,
-    reference: BackwardRef,
-    rtol: f64,
-) {
+fn check_backward(name: &str, execute: Backward, reference: BackwardRef, rtol: f64) {
     let g = gpu();
     for (seed, n) in LENGTHS.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64);
@@ -186,5 +181,141 @@ fn mismatched_lengths_name_kernel_and_buffer() {
 fn wgsl_snapshots() {
     for k in ffn::kernels().unwrap() {
         insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    }
+}
+
+mod layer {
+    use hesper_kernels::ffn::reference::{self, FfnWeights};
+    use hesper_kernels::ffn::{self, FfnLayer, FfnScratch, FfnStyle};
+    use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+
+    const EPS: f64 = 1e-5;
+
+    fn to_f32(v: &[f64]) -> Vec<f32> {
+        v.iter().map(|x| *x as f32).collect()
+    }
+
+    /// One layer's FFN backward (both styles) on the GPU against the composed f64 reference; the
+    /// residual gradient `dx_out` must come back added.
+    #[test]
+    fn ffn_backward_matches_reference() {
+        let g = gpu();
+        for bitnet in [false, true] {
+            for (seed, (t, d, i)) in [(3usize, 8usize, 12usize), (7, 24, 40), (4, 7, 9)]
+                .into_iter()
+                .enumerate()
+            {
+                let mut rng = Rng::new(seed as u64 + if bitnet { 100 } else { 0 });
+                let x = f64s(&rng.vec(t * d, 1.0));
+                let gamma = f64s(&rng.vec(d, 1.0));
+                let (wg, wu, wd) = (
+                    f64s(&rng.vec(i * d, 0.3)),
+                    f64s(&rng.vec(i * d, 0.3)),
+                    f64s(&rng.vec(d * i, 0.3)),
+                );
+                let gf = f64s(&rng.vec(i, 1.0));
+                let dx_out = f64s(&rng.vec(t * d, 1.0));
+                let w = FfnWeights {
+                    norm_gamma: &gamma,
+                    w_gate: &wg,
+                    w_up: &wu,
+                    w_down: &wd,
+                    sub_norm_gamma: bitnet.then_some(&gf[..]),
+                    eps: EPS,
+                };
+                let (_, saved) = reference::ffn_forward(&x, &w);
+                let want = reference::ffn_backward(&x, &w, &dx_out);
+
+                let up = |v: &[f64]| g.upload(&to_f32(v)).unwrap();
+                let (xb, gb, wgb, wub, wdb, gfb) =
+                    (up(&x), up(&gamma), up(&wg), up(&wu), up(&wd), up(&gf));
+                let (rb, gateb, upb, hb, hrb) = (
+                    up(&saved.x_rstd),
+                    up(&saved.gate),
+                    up(&saved.up),
+                    up(&saved.h),
+                    up(&saved.h_rstd),
+                );
+                let h_rstd_dummy = g.zeros::<f32>(1).unwrap();
+                let style = if bitnet {
+                    FfnStyle::BitNet {
+                        sub_norm_gamma: &gfb,
+                        h: &hb,
+                        h_rstd: &hrb,
+                    }
+                } else {
+                    FfnStyle::SwiGlu
+                };
+                let layer = FfnLayer {
+                    style,
+                    norm_gamma: &gb,
+                    w_gate: &wgb,
+                    w_up: &wub,
+                    w_down: &wdb,
+                    x: &xb,
+                    x_rstd: &rb,
+                    gate: &gateb,
+                    up: &upb,
+                };
+                let nan = |n: usize| g.filled(n, f32::NAN).unwrap();
+                let (mut d_h, mut d_h_norm, mut d_gate, mut d_up, mut d_norm) =
+                    (nan(t * i), nan(t * i), nan(t * i), nan(t * i), nan(t * d));
+                let mut dx = up(&dx_out);
+                let mut rec = g.recorder();
+                let scratch = FfnScratch {
+                    d_h: &mut d_h,
+                    d_h_norm: &mut d_h_norm,
+                    d_gate: &mut d_gate,
+                    d_up: &mut d_up,
+                    d_norm: &mut d_norm,
+                };
+                ffn::execute_ffn_backward(&mut rec, &layer, scratch, &mut dx).unwrap();
+                rec.submit().unwrap();
+                let _ = h_rstd_dummy;
+                assert_close(
+                    &format!("ffn dx (bitnet={bitnet}, T={t} D={d} I={i})"),
+                    &dx.read(g).unwrap(),
+                    &want,
+                    1e-4,
+                    1e-5,
+                );
+            }
+        }
+    }
+
+    /// The composed reference is the gradient of `Σ dx_out ⊙ (x + FFN(x))` in x.
+    #[test]
+    fn ffn_backward_reference_matches_finite_differences() {
+        let mut rng = Rng::new(12);
+        let (t, d, i) = (2, 5, 6);
+        let (x, gamma) = (f64s(&rng.vec(t * d, 1.0)), f64s(&rng.vec(d, 1.0)));
+        let (wg, wu, wd, gf) = (
+            f64s(&rng.vec(i * d, 0.5)),
+            f64s(&rng.vec(i * d, 0.5)),
+            f64s(&rng.vec(d * i, 0.5)),
+            f64s(&rng.vec(i, 1.0)),
+        );
+        let dx_out = f64s(&rng.vec(t * d, 1.0));
+        for bitnet in [false, true] {
+            let w = FfnWeights {
+                norm_gamma: &gamma,
+                w_gate: &wg,
+                w_up: &wu,
+                w_down: &wd,
+                sub_norm_gamma: bitnet.then_some(&gf[..]),
+                eps: EPS,
+            };
+            let dx = reference::ffn_backward(&x, &w, &dx_out);
+            check_gradient(
+                &format!("ffn dx (bitnet={bitnet})"),
+                &x,
+                &dx,
+                x.len(),
+                |x| {
+                    let (y, _) = reference::ffn_forward(x, &w);
+                    y.iter().zip(&dx_out).map(|(a, b)| a * b).sum()
+                },
+            );
+        }
     }
 }
