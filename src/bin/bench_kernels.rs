@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use hesper::exec::profile::{BenchConfig, Measurement, bench};
 use hesper::exec::{ExecError, Gpu, GpuBuffer, Recorder};
-use hesper::kernels::{attention, ffn, lora, loss, norm, optim};
+use hesper::kernels::linear::{Gemm, Product, Tile, Weights};
+use hesper::kernels::{attention, ffn, linear, lora, loss, norm, optim};
 
 /// Device copy on the H200 (PyTorch; TARGETS.md): "of copy" is bytes over this.
 const COPY_GBS: f64 = 4250.0;
@@ -250,6 +251,121 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             7.0 * 4.0 * n as f64,
             "–",
         ));
+    }
+
+    // --- f32 GEMM at 4096×2560×6912 (BitNet 2B's FFN): forward NT and backward NN, by tile
+    {
+        let (m, n, k) = if quick {
+            (64, 256, 128)
+        } else {
+            (4096, 6912, 2560)
+        };
+        let (x, w, dy) = (
+            filled(&gpu, m * k, 17)?,
+            filled(&gpu, n * k, 18)?,
+            filled(&gpu, m * n, 19)?,
+        );
+        let (mut y, mut dx) = (gpu.zeros::<f32>(m * n)?, gpu.zeros::<f32>(m * k)?);
+        let flops = 2.0 * (m * n * k) as f64;
+        let tiles = [
+            ("128×128×8", Tile::LARGE),
+            ("64×64×16", Tile::SMALL),
+            (
+                "128×128×16",
+                Tile {
+                    bm: 128,
+                    bn: 128,
+                    bk: 16,
+                    tm: 8,
+                    tn: 8,
+                },
+            ),
+        ];
+        for (label, tile) in tiles {
+            for product in [Product::Nt, Product::Nn] {
+                let gemm = Gemm {
+                    product,
+                    m,
+                    n,
+                    k,
+                    accumulate: false,
+                    tile,
+                };
+                let (input, out, name) = match product {
+                    Product::Nt => (&x, &mut y, "matmul_nt"),
+                    Product::Nn => (&dy, &mut dx, "matmul_nn"),
+                };
+                let r = bench(&gpu, name, config, |rec| {
+                    linear::execute_gemm(rec, &gemm, input, Weights::Dense(&w), out)
+                });
+                let m_ = match r {
+                    Ok(m_) => m_,
+                    Err(e) => {
+                        println!("{name} tile {label}: {e}");
+                        continue;
+                    }
+                };
+                let tf = m_.tflop_per_s(flops);
+                rows.push(Row {
+                    kernel: format!("{name} (tile {label})"),
+                    shape: format!("{m}×{n}×{k}"),
+                    rate: format!("{tf:.1} TFLOP/s"),
+                    fraction: format!("{:.2} of cuBLAS f32 (51)", tf / 51.0),
+                    m: m_,
+                    target: "≥ 20",
+                });
+            }
+        }
+    }
+
+    // --- one layer's whole FFN backward (SwiGLU), T × 2560 → 6912
+    {
+        let (d, i) = if quick { (64, 96) } else { (2560, 6912) };
+        let (x, gamma, rstd) = (
+            filled(&gpu, t * d, 20)?,
+            filled(&gpu, d, 21)?,
+            filled(&gpu, t, 22)?,
+        );
+        let (wg, wu, wd) = (
+            filled(&gpu, i * d, 23)?,
+            filled(&gpu, i * d, 24)?,
+            filled(&gpu, d * i, 25)?,
+        );
+        let (gate, up) = (filled(&gpu, t * i, 26)?, filled(&gpu, t * i, 27)?);
+        let layer = ffn::FfnLayer {
+            style: ffn::FfnStyle::SwiGlu,
+            norm_gamma: &gamma,
+            w_gate: &wg,
+            w_up: &wu,
+            w_down: &wd,
+            x: &x,
+            x_rstd: &rstd,
+            gate: &gate,
+            up: &up,
+        };
+        let z = |n: usize| gpu.zeros::<f32>(n);
+        let (mut d_h, mut d_hn, mut d_g, mut d_u, mut d_n, mut dx) =
+            (z(t * i)?, z(1)?, z(t * i)?, z(t * i)?, z(t * d)?, z(t * d)?);
+        let m = bench(&gpu, "ffn_backward", config, |rec| {
+            let scratch = ffn::FfnScratch {
+                d_h: &mut d_h,
+                d_h_norm: &mut d_hn,
+                d_gate: &mut d_g,
+                d_up: &mut d_u,
+                d_norm: &mut d_n,
+            };
+            ffn::execute_ffn_backward(rec, &layer, scratch, &mut dx)
+        })?;
+        let flops = 3.0 * 2.0 * (t * d * i) as f64;
+        let tf = m.tflop_per_s(flops);
+        rows.push(Row {
+            kernel: "ffn_backward (SwiGLU, whole layer)".into(),
+            shape: format!("T={t} D={d} I={i}"),
+            rate: format!("{tf:.1} TFLOP/s"),
+            fraction: "3 GEMMs + elementwise + norm".into(),
+            m,
+            target: "–",
+        });
     }
 
     println!();
