@@ -65,6 +65,8 @@ impl Product {
 pub enum Weights<'a> {
     /// Dense f32, `n·k` elements.
     Dense(&'a GpuBuffer<f32>),
+    /// `scale·W`, dense (LoRA's `s·h·Bᵀ` and `s·dh·A`).
+    ScaledDense { w: &'a GpuBuffer<f32>, scale: f32 },
     /// BitNet's `scale·T`, `T` packed by [`pack_ternary`] (`⌈n·k / 16⌉` words).
     Ternary {
         packed: &'a GpuBuffer<u32>,
@@ -464,7 +466,8 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
         Output::Scalar(k.storage_rw(output_name))
     };
     let rows = k.param::<u32>("rows");
-    let scale = ternary.then(|| k.param::<f32>("scale"));
+    // Every product takes a scale (1 for plain dense weights): one multiply in the epilogue.
+    let scale = k.param::<f32>("scale");
 
     // Invocation (tx, ty) owns rows `ty·4 + g·4·down + (0..4)` and columns
     // `tx·4 + h·4·across + (0..4)` of the tile.
@@ -552,10 +555,7 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
             k.if_(row.lt(&rows), |k| {
                 for (h, col) in col_at.iter().enumerate() {
                     let i = (g * 4 + q) * col_blocks + h as u32;
-                    let value = match &scale {
-                        Some(s) => acc.at(i) * s,
-                        None => acc.at(i),
-                    };
+                    let value = acc.at(i) * &scale;
                     write_out(k, &out, (&row, col), value, (cols, guard_cols), accumulate);
                 }
             });
@@ -620,7 +620,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
-/// Record one GEMM: `output (+)= input·Wᵀ` or `input·W` (times the scale of ternary weights),
+/// Record one GEMM: `output (+)= input·Wᵀ` or `input·W` (times the weights' scale, if any),
 /// with the buffers' lengths and the tile checked first (an error names the kernel and buffer).
 pub fn execute_gemm(
     rec: &mut Recorder<'_>,
@@ -646,7 +646,9 @@ pub fn execute_gemm(
     gemm.tile.check(name)?;
     expect_len(name, input_name, input, gemm.m * depth, in_dims)?;
     match weights {
-        Weights::Dense(w) => expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?,
+        Weights::Dense(w) | Weights::ScaledDense { w, .. } => {
+            expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?
+        }
         Weights::Ternary { packed, .. } => expect_len(
             name,
             "w",
@@ -674,18 +676,24 @@ pub fn execute_gemm(
         .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
     let args = Args::new().buffer(input_name, input);
     let args = match weights {
-        Weights::Dense(w) if product == Product::Nn && vec4_columns(shape.0) => {
+        Weights::Dense(w) | Weights::ScaledDense { w, .. }
+            if product == Product::Nn && vec4_columns(shape.0) =>
+        {
             args.buffer_vec4("w", w)
         }
-        Weights::Dense(w) => args.buffer("w", w),
-        Weights::Ternary { packed, scale } => args.buffer("w", packed).param("scale", scale),
+        Weights::Dense(w) | Weights::ScaledDense { w, .. } => args.buffer("w", w),
+        Weights::Ternary { packed, .. } => args.buffer("w", packed),
     };
     let args = if vec4_columns(shape.0) {
         args.buffer_vec4(output_name, output)
     } else {
         args.buffer(output_name, output)
     };
-    let args = args.param("rows", m);
+    let scale = match weights {
+        Weights::Dense(_) => 1.0,
+        Weights::ScaledDense { scale, .. } | Weights::Ternary { scale, .. } => scale,
+    };
+    let args = args.param("rows", m).param("scale", scale);
     let Tile { bm, bn, .. } = gemm.tile;
     let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))

@@ -7,18 +7,16 @@
 //! - `grad_a`:     `dA = s·dhᵀ·x`              `[r, in]`
 //! - `input_grad`: `dx += s·dh·A`              `[T, in]` (added: `dx` also gets `dy·W`)
 //!
-//! Three kernels cover all of it:
-//! - `lora_project`: `out[t, k] = scale·Σ_i a[t, i]·W(k, i)`, one workgroup per token, for `x·Aᵀ`
-//!   and `dy·B` (a skinny product whose `r` outputs per token are reduced together);
-//! - `lora_expand`: `out[t, j] (+)= scale·Σ_k v[t, k]·W(j, k)`, one invocation per output, for
-//!   `h·Bᵀ` and `dh·A`;
-//! - `lora_weight_grad`: `G(j, k) = scale·Σ_t u[t, j]·v[t, k]`, a sum over tokens done in two passes
-//!   (partials per block of tokens, then a sum over blocks) for `dB` and `dA`.
+//! The products through `r` are tiled GEMMs ([`crate::linear`]): `x·Aᵀ`, `s·h·Bᵀ`, `dy·B` and
+//! `s·dh·A`. The weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`) sum over
+//! tokens in two passes: partials per block of tokens (each invocation keeps `r` sums in
+//! registers and reads `u` once), then a sum over blocks — no float atomics.
 
+use hesper_dsl::LocalArray;
 use hesper_dsl::prelude::*;
-use hesper_dsl::{LocalArray, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
+use crate::linear::{self, Product, Tile, Weights};
 use crate::{expect_len, expect_u32};
 
 /// Tokens per partial sum in the first pass of the weight gradients.
@@ -55,135 +53,6 @@ impl Layout {
     }
 }
 
-/// Workgroup of `lora_project`: its reduction scratch (`r × WG` floats) must fit 32 KiB.
-fn project_workgroup(r: u32) -> u32 {
-    (8192 / r.max(1))
-        .clamp(32, 256)
-        .next_power_of_two()
-        .min(256)
-}
-
-fn project_key(n: u32, r: u32, layout: Layout, features: Features) -> KernelKey {
-    KernelKey::new("lora_project")
-        .workgroup_size(project_workgroup(r))
-        .shape("n", n)
-        .shape("rank", r)
-        .shape("rank_minor", layout.shape())
-        .features(features & Features::SUBGROUPS)
-}
-
-/// `out[t, k] = scale·Σ_i a[t, i]·W(i, k)` for `k < r`: each invocation strides over `i`
-/// keeping `r` partial sums, then the workgroup reduces all `r` together.
-fn project(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
-    let wg = k.invocations();
-    let a = k.storage::<f32>("a");
-    let w = k.storage::<f32>("w");
-    let out = k.storage_rw::<f32>("out");
-    let tokens = k.param::<u32>("tokens");
-    let scale = k.param::<f32>("scale");
-    let scratch: WorkgroupArray<f32> = k.workgroup_array("partial", r * wg);
-    let token = k.let_(
-        "token",
-        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
-    );
-    let lid = k.let_("lid", k.local_index());
-    // Every invocation of a workgroup has the same token: the early exit keeps barriers uniform.
-    k.if_(token.ge(&tokens), |k| k.return_());
-    // `acc` is indexed by Rust constants only (loops over `r` unrolled here), so it stays in
-    // registers on every driver.
-    let acc: LocalArray<f32> = k.var_array("acc", r);
-    let base = k.let_("base", &token * n);
-    k.for_step("i", &lid, n, wg, |k, i| {
-        let x = k.let_("x", a.at(&base + &i));
-        for j in 0..r {
-            k.store_op(&acc, j, BinaryOp::Add, &x * w.at(layout.at(&i, j, n, r)));
-        }
-    });
-    if k.has_feature(Features::SUBGROUPS) {
-        // Each subgroup sums its lanes; then `r` invocations add the subgroups' partials.
-        let per_j = wg.div_ceil(4); // WGSL's smallest subgroup size is 4
-        let lane = k.subgroup_invocation_id();
-        let sg = k.subgroup_id();
-        let sums: Vec<Expr<f32>> = (0..r).map(|j| k.subgroup_add(acc.at(j))).collect();
-        k.if_(lane.eq(0u32), |k| {
-            for (j, sum) in sums.iter().enumerate() {
-                k.store(&scratch, &sg + j as u32 * per_j, sum);
-            }
-        });
-        k.workgroup_barrier();
-        k.if_(lid.lt(r), |k| {
-            let total = k.var("total", 0.0f32);
-            let count = k.num_subgroups();
-            k.for_range("s", 0u32, count, |k, s| {
-                k.add_assign(&total, scratch.at(&lid * per_j + s))
-            });
-            k.store(&out, &token * r + &lid, &scale * total.get());
-        });
-        return;
-    }
-    for j in 0..r {
-        k.store(&scratch, &lid + j * wg, acc.at(j));
-    }
-    k.workgroup_barrier();
-    k.for_loop(
-        "stride",
-        wg / 2,
-        |s| s.gt(0u32),
-        BinaryOp::Shr,
-        1u32,
-        |k, stride| {
-            k.if_(lid.lt(&stride), |k| {
-                k.for_range("j", 0u32, r, |k, j| {
-                    let at = k.let_("at", &lid + &j * wg);
-                    k.store_op(&scratch, &at, BinaryOp::Add, scratch.at(&at + &stride));
-                });
-            });
-            k.workgroup_barrier();
-        },
-    );
-    k.if_(lid.lt(r), |k| {
-        k.store(&out, &token * r + &lid, &scale * scratch.at(&lid * wg));
-    });
-}
-
-fn expand_key(n: u32, r: u32, layout: Layout, accumulate: bool) -> KernelKey {
-    KernelKey::new("lora_expand")
-        .workgroup_size(WG)
-        .shape("n", n)
-        .shape("rank", r)
-        .shape("rank_minor", layout.shape())
-        .shape("accumulate", accumulate)
-}
-
-/// `out[t, j] (+)= scale·Σ_k v[t, k]·W(j, k)`, one invocation per output element.
-fn expand(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
-    let accumulate = k.shape::<bool>("accumulate");
-    let v = k.storage::<f32>("v");
-    let w = k.storage::<f32>("w");
-    let out = k.storage_rw::<f32>("out");
-    let tokens = k.param::<u32>("tokens");
-    let scale = k.param::<f32>("scale");
-    let i = k.global_index();
-    k.if_(i.lt(&tokens * n), |k| {
-        let t = k.let_("t", &i / n);
-        let j = k.let_("j", &i % n);
-        let acc = k.var("acc", 0.0f32);
-        k.for_range("k", 0u32, r, |k, kk| {
-            k.add_assign(&acc, v.at(&t * r + &kk) * w.at(layout.at(&j, &kk, n, r)));
-        });
-        let value = &scale * acc.get();
-        if accumulate {
-            k.store_op(&out, &i, BinaryOp::Add, value);
-        } else {
-            k.store(&out, &i, value);
-        }
-    });
-}
-
 fn partials_key(n: u32, r: u32) -> KernelKey {
     KernelKey::new("lora_weight_grad_partials")
         .workgroup_size(WG)
@@ -198,7 +67,10 @@ fn weight_grad_partials(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
     let per_block = k.shape::<u32>("tokens_per_block");
     let u = k.storage::<f32>("u");
-    let v = k.storage::<f32>("v");
+    // `v`'s rows of `r` values are read as `r/4` vec4s when `r` allows (one load for four sums).
+    let lanes = if r.is_multiple_of(4) { 4 } else { 1 };
+    let v4 = (lanes == 4).then(|| k.storage::<Vec4<f32>>("v"));
+    let v1 = (lanes == 1).then(|| k.storage::<f32>("v"));
     let partials = k.storage_rw::<f32>("partials");
     let tokens = k.param::<u32>("tokens");
     let blocks = k.param::<u32>("blocks");
@@ -206,18 +78,28 @@ fn weight_grad_partials(k: &mut KernelBuilder) {
     k.if_(i.lt(&blocks * n), |k| {
         let block = k.let_("block", &i / n);
         let j = k.let_("j", &i % n);
+        // Indexed by Rust constants only (unrolled over `r`), so `acc` stays in registers.
         let acc: LocalArray<f32> = k.var_array("acc", r);
         let first = k.let_("first", &block * per_block);
         let end = k.let_("end", (&first + per_block).min(&tokens));
         k.for_range("t", &first, &end, |k, t| {
             let x = k.let_("x", u.at(&t * n + &j));
-            k.for_range("k", 0u32, r, |k, kk| {
-                k.store_op(&acc, &kk, BinaryOp::Add, &x * v.at(&t * r + &kk));
-            });
+            if let Some(v) = &v4 {
+                for q in 0..r / 4 {
+                    let vq = k.let_("vq", v.at(&t * (r / 4) + q));
+                    for (c, lane) in [vq.x(), vq.y(), vq.z(), vq.w()].into_iter().enumerate() {
+                        k.store_op(&acc, 4 * q + c as u32, BinaryOp::Add, &x * lane);
+                    }
+                }
+            } else if let Some(v) = &v1 {
+                for kk in 0..r {
+                    k.store_op(&acc, kk, BinaryOp::Add, &x * v.at(&t * r + kk));
+                }
+            }
         });
-        k.for_range("k", 0u32, r, |k, kk| {
-            k.store(&partials, &i * r + &kk, acc.at(&kk))
-        });
+        for kk in 0..r {
+            k.store(&partials, &i * r + kk, acc.at(kk));
+        }
     });
 }
 
@@ -252,11 +134,6 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
 /// The WGSL of this module's kernels at representative shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
-        Kernel::build(
-            &project_key(2560, 16, Layout::RankMajor, Features::SUBGROUPS),
-            project,
-        )?,
-        Kernel::build(&expand_key(2560, 16, Layout::RankMinor, true), expand)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
         Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
     ])
@@ -302,48 +179,6 @@ fn adapter(
     ))
 }
 
-/// `out = scale·a·W(·, k)` over `n` inputs, `[T, r]`.
-fn launch_project(
-    rec: &mut Recorder<'_>,
-    (a, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
-    (tokens, n, r): (u32, u32, u32),
-    layout: Layout,
-    scale: f32,
-) -> Result<(), ExecError> {
-    let key = project_key(n, r, layout, rec.gpu().kernel_features());
-    let kernel = rec.gpu().kernel(&key, project)?;
-    let wg = project_workgroup(r);
-    let args = Args::new()
-        .buffer("a", a)
-        .buffer("w", w)
-        .buffer("out", out)
-        .param("tokens", tokens)
-        .param("scale", scale);
-    rec.launch(&kernel, &args, Grid::Threads(tokens as u64 * wg as u64))
-}
-
-/// `out (+)= scale·v·W(j, ·)` over `n` outputs, `[T, n]`.
-#[allow(clippy::too_many_arguments)]
-fn launch_expand(
-    rec: &mut Recorder<'_>,
-    (v, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
-    (tokens, n, r): (u32, u32, u32),
-    layout: Layout,
-    scale: f32,
-    accumulate: bool,
-) -> Result<(), ExecError> {
-    let kernel = rec
-        .gpu()
-        .kernel(&expand_key(n, r, layout, accumulate), expand)?;
-    let args = Args::new()
-        .buffer("v", v)
-        .buffer("w", w)
-        .buffer("out", out)
-        .param("tokens", tokens)
-        .param("scale", scale);
-    rec.launch(&kernel, &args, Grid::Threads(tokens as u64 * n as u64))
-}
-
 /// `grad(j, k) = scale·Σ_t u[t, j]·v[t, k]` for `u: [T, n]`, `v: [T, r]`, through `scratch`.
 fn launch_weight_grad(
     rec: &mut Recorder<'_>,
@@ -371,9 +206,13 @@ fn launch_weight_grad(
         let kernel = rec
             .gpu()
             .kernel(&partials_key(n, r), weight_grad_partials)?;
-        let args = Args::new()
-            .buffer("u", u)
-            .buffer("v", v)
+        let args = Args::new().buffer("u", u);
+        let args = if r.is_multiple_of(4) {
+            args.buffer_vec4("v", v)
+        } else {
+            args.buffer("v", v)
+        };
+        let args = args
             .buffer("partials", scratch)
             .param("tokens", tokens)
             .param("blocks", blocks);
@@ -415,15 +254,17 @@ pub fn execute_lora_forward(
     if t == 0 {
         return Ok(());
     }
-    launch_project(rec, (x, a, h), (t, input, r), Layout::RankMajor, 1.0)?;
-    launch_expand(
-        rec,
-        (h, b, y),
-        (t, output, r),
-        Layout::RankMinor,
-        scale,
-        true,
-    )
+    let (t, input, output, r) = (t as usize, input as usize, output as usize, r as usize);
+    linear::execute_matmul_nt(rec, x, a, h, t, r, input, false)?;
+    let gemm = linear::Gemm {
+        product: Product::Nt,
+        m: t,
+        n: output,
+        k: r,
+        accumulate: true,
+        tile: Tile::for_shape(t, output),
+    };
+    linear::execute_gemm(rec, &gemm, h, Weights::ScaledDense { w: b, scale }, y)
 }
 
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
@@ -441,7 +282,16 @@ pub fn execute_grad_dh(
     if t == 0 {
         return Ok(());
     }
-    launch_project(rec, (dy, b, dh), (t, output, r), Layout::RankMinor, 1.0)
+    linear::execute_matmul_nn(
+        rec,
+        dy,
+        b,
+        dh,
+        t as usize,
+        output as usize,
+        r as usize,
+        false,
+    )
 }
 
 /// `dB = s·dyᵀ·h` (`[out, r]`, overwritten), summed over tokens through `scratch`
@@ -508,14 +358,16 @@ pub fn execute_input_grad(
     if t == 0 {
         return Ok(());
     }
-    launch_expand(
-        rec,
-        (dh, a, dx),
-        (t, input, r),
-        Layout::RankMajor,
-        scale,
-        true,
-    )
+    let (t, input, r) = (t as usize, input as usize, r as usize);
+    let gemm = linear::Gemm {
+        product: Product::Nn,
+        m: t,
+        n: r,
+        k: input,
+        accumulate: true,
+        tile: Tile::for_shape(t, input),
+    };
+    linear::execute_gemm(rec, &gemm, dh, Weights::ScaledDense { w: a, scale }, dx)
 }
 
 /// The buffers of one projection's LoRA backward.
@@ -620,54 +472,5 @@ pub mod reference {
             }
         }
         (da, db, dx)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::testing::{Rng, assert_close, f64s, gpu};
-
-    /// The shared-memory tree (devices without subgroups) gives what the reference gives;
-    /// the public tests exercise the subgroup path on devices that have one.
-    #[test]
-    fn projection_without_subgroups_matches_reference() {
-        let g = gpu();
-        let (t, n, r) = (5usize, 300usize, 4usize);
-        let mut rng = Rng::new(1);
-        let (a, w) = (rng.vec(t * n, 1.0), rng.vec(r * n, 1.0));
-        let (ab, wb) = (g.upload(&a).unwrap(), g.upload(&w).unwrap());
-        let out = g.filled(t * r, f32::NAN).unwrap();
-        let key = project_key(n as u32, r as u32, Layout::RankMajor, Features::NONE);
-        let kernel = g.kernel(&key, project).unwrap();
-        let args = Args::new()
-            .buffer("a", &ab)
-            .buffer("w", &wb)
-            .buffer("out", &out)
-            .param("tokens", t as u32)
-            .param("scale", 0.5f32);
-        let mut rec = g.recorder();
-        rec.launch(
-            &kernel,
-            &args,
-            Grid::Threads((t as u32 * key.invocations()) as u64),
-        )
-        .unwrap();
-        rec.submit().unwrap();
-        let (a64, w64) = (f64s(&a), f64s(&w));
-        let want: Vec<f64> = (0..t * r)
-            .map(|i| {
-                0.5 * (0..n)
-                    .map(|c| a64[(i / r) * n + c] * w64[(i % r) * n + c])
-                    .sum::<f64>()
-            })
-            .collect();
-        assert_close(
-            "lora_project (tree)",
-            &out.read(g).unwrap(),
-            &want,
-            1e-5,
-            1e-5,
-        );
     }
 }
