@@ -847,6 +847,14 @@ impl KernelBuilder {
     /// `target op= value;` through the untyped path; `target` must be a `var`, a writable buffer
     /// or array element, or one component of a `var` vector (checked at `finish`).
     pub fn assign_op_any(&mut self, target: &AnyExpr, op: Option<BinaryOp>, value: &AnyExpr) {
+        if let Some(op) = op
+            && !op.is_compound()
+        {
+            self.error(ErrorKind::InvalidExpression {
+                message: format!("`{}=` is not a WGSL compound assignment", op.wgsl()),
+            });
+            return;
+        }
         let result = match op {
             Some(op) => crate::expr::binary_type(op, target.ty(), value.ty()),
             None => Ok(value.ty().clone()),

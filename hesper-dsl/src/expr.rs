@@ -168,6 +168,10 @@ impl BinaryOp {
             Or => "||",
         }
     }
+    /// Whether `op=` exists in WGSL (arithmetic, bit and shift operators).
+    pub fn is_compound(self) -> bool {
+        !self.is_comparison() && !matches!(self, BinaryOp::And | BinaryOp::Or)
+    }
     fn is_arithmetic(self) -> bool {
         matches!(
             self,

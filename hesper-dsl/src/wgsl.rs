@@ -394,10 +394,7 @@ impl Writer<'_> {
                 let mut right = self.operand(b, class, false);
                 // WGSL reads `name < x >> y` as the template `name<x>`: keep `>` out of the
                 // right side of `<` (see WGSL's template-list discovery).
-                if matches!(op, BinaryOp::Lt | BinaryOp::Le)
-                    && right.contains('>')
-                    && !right.starts_with('(')
-                {
+                if matches!(op, BinaryOp::Lt | BinaryOp::Le) && has_top_level_gt(&right) {
                     right = format!("({right})");
                 }
                 let text = format!("{} {} {right}", self.operand(a, class, true), op.wgsl());
@@ -441,6 +438,28 @@ impl Writer<'_> {
             }
         }
     }
+}
+
+/// Whether `text` has a `>` outside all parentheses and brackets (which would close a template
+/// list opened by a `<` before it). A `<…>` pair inside (a type like `vec4<f32>`) does not count.
+fn has_top_level_gt(text: &str) -> bool {
+    let (mut depth, mut angle) = (0i32, 0i32);
+    for c in text.chars() {
+        match c {
+            '(' | '[' => depth += 1,
+            ')' | ']' => depth -= 1,
+            '<' if depth == 0 => angle += 1,
+            '>' if depth == 0 => {
+                if angle > 0 {
+                    angle -= 1;
+                } else {
+                    return true;
+                }
+            }
+            _ => {}
+        }
+    }
+    false
 }
 
 /// The WGSL of hesper's helper functions.

@@ -270,3 +270,24 @@ fn functions_cannot_see_the_entry_points_locals_or_builtins() {
         "{err}"
     );
 }
+
+/// `a < (b + c) >> 1` must not read as a template `a<…>`: the right side is parenthesised.
+#[test]
+fn less_than_a_shift_is_not_a_template() {
+    let k = Kernel::build(&KernelKey::new("tmpl"), |k| {
+        let out = k.storage_rw::<u32>("out");
+        let n = k.param::<u32>("n");
+        let i = k.local_index();
+        k.if_(i.lt((&n + 1u32) >> 1u32), |k| k.store(&out, 0u32, 1u32));
+        k.if_(i.le(vec2(1u32, 2u32).x() >> 1u32), |k| {
+            k.store(&out, 1u32, 1u32)
+        });
+    })
+    .unwrap();
+    assert!(
+        k.wgsl()
+            .contains("if local_index < ((params.n + 1u) >> 1u) {"),
+        "{}",
+        k.wgsl()
+    );
+}

@@ -243,6 +243,15 @@ fn control_flow_misuse() {
         });
     });
     assert!(err.to_string().contains("loop counter i"), "{err}");
+    let err = build_err(&key(), |k| {
+        let flag = k.var("flag", true);
+        k.update(&flag, BinaryOp::And, false);
+    });
+    assert!(
+        err.to_string()
+            .contains("`&&=` is not a WGSL compound assignment"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -146,7 +146,9 @@ impl Gen<'_> {
             0 => lit(self.pick(2) == 1),
             1 => self.local(|s| &s.b).unwrap_or_else(|| lit(true)),
             2 => self.f32(k, d - 1).lt(self.f32(k, d - 1)),
-            3 => self.u32(k, d - 1).ge(self.u32(k, d - 1)),
+            3 => self
+                .u32(k, d - 1)
+                .lt(self.u32(k, d - 1) >> self.u32(k, d - 1)),
             4 => self.i32(k, d - 1).ne(self.i32(k, d - 1)),
             5 => self.bool(k, d - 1).and(self.bool(k, d - 1)),
             6 => self.bool(k, d - 1).or(self.bool(k, d - 1)),

@@ -138,8 +138,18 @@ impl Gpu {
         len: usize,
         label: &str,
     ) -> Result<GpuBuffer<T>, ExecError> {
-        let bytes = (len * size_of::<T>()) as u64;
-        let padded = bytes.next_multiple_of(16).max(16);
+        let too_big = || ExecError::Buffer {
+            buffer: label.into(),
+            message: format!(
+                "{len} elements of {} bytes do not fit in memory",
+                size_of::<T>()
+            ),
+        };
+        let bytes = len.checked_mul(size_of::<T>()).ok_or_else(too_big)? as u64;
+        let padded = bytes
+            .checked_next_multiple_of(16)
+            .ok_or_else(too_big)?
+            .max(16);
         let max = self.wgpu_limits().max_storage_buffer_binding_size;
         if padded > max {
             return Err(ExecError::Buffer {

@@ -158,6 +158,9 @@ struct UniformChunk {
 
 const UNIFORM_CHUNK: u64 = 64 * 1024;
 
+/// Launches one timed recorder can time: wgpu's query sets hold at most 4096 queries.
+pub const MAX_TIMED_LAUNCHES: u32 = 2048;
+
 /// Per-launch GPU time from timestamp queries.
 #[derive(Clone, Debug, PartialEq)]
 pub struct LaunchTiming {
@@ -201,6 +204,11 @@ impl Gpu {
 
     /// A recorder that times each of up to `capacity` launches with timestamp queries.
     pub fn timed_recorder(&self, capacity: u32) -> Result<Recorder<'_>, ExecError> {
+        if capacity > MAX_TIMED_LAUNCHES {
+            return Err(ExecError::Device(format!(
+                "a timed recorder holds at most {MAX_TIMED_LAUNCHES} launches (wgpu's 4096 queries, two each); {capacity} asked for"
+            )));
+        }
         if !self.supports_timestamps() {
             return Err(ExecError::Device(format!(
                 "{} has no TIMESTAMP_QUERY: launches cannot be timed",

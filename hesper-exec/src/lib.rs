@@ -16,4 +16,4 @@ pub use buffer::{Element, GpuBuffer, HostElement};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
-pub use launch::{Args, Grid, LaunchTiming, ParamValue, Recorder};
+pub use launch::{Args, Grid, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};

@@ -96,8 +96,16 @@ pub fn bench(
             "bench `{label}` recorded no launch"
         )));
     }
-    let mut rec = gpu.timed_recorder((launches * config.reps) as u32)?;
-    for _ in 0..config.reps {
+    // As many repetitions as asked for that fit one timed recorder.
+    let max = crate::launch::MAX_TIMED_LAUNCHES as usize;
+    if launches > max {
+        return Err(ExecError::Device(format!(
+            "bench `{label}` records {launches} launches per repetition; at most {max} can be timed"
+        )));
+    }
+    let reps = config.reps.clamp(1, max / launches);
+    let mut rec = gpu.timed_recorder((launches * reps) as u32)?;
+    for _ in 0..reps {
         record(&mut rec)?;
     }
     let times = rec.submit_timed()?;

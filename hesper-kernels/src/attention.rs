@@ -270,7 +270,7 @@ pub struct DecodeInputs<'a> {
 
 /// Workspace and outputs of [`execute_attention_backward`].
 pub struct DecodeGrads<'a> {
-    /// Workspace `[H, L]` (at least): `dA`, then `dS`.
+    /// Workspace of exactly `[H, L]` (`L = pos + 1`): `dA`, then `dS`.
     pub d_attn: &'a mut GpuBuffer<f32>,
     pub d_scores: &'a mut GpuBuffer<f32>,
     /// `dQ` `[H, hd]`, overwritten, un-rotated (the gradient of the pre-RoPE query).
@@ -467,6 +467,52 @@ pub fn execute_attention_backward(
     inputs: &DecodeInputs<'_>,
     grads: DecodeGrads<'_>,
 ) -> Result<(), ExecError> {
+    // Check every buffer before recording anything: an error must not leave half a backward
+    // in the caller's recorder.
+    let name = "attention_backward";
+    shape.check(name)?;
+    let (scores, per_head) = (shape.heads * shape.len(), shape.heads * shape.head_dim);
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    for (binding, buf, len, what) in [
+        ("q", inputs.q, per_head, "[heads, head_dim]"),
+        ("attn", inputs.attn, scores, "[heads, pos + 1]"),
+        ("d_out", inputs.d_out, per_head, "[heads, head_dim]"),
+        (
+            "k_cache",
+            inputs.k_cache,
+            cache,
+            "[kv_heads, max_seq, head_dim]",
+        ),
+        (
+            "v_cache",
+            inputs.v_cache,
+            cache,
+            "[kv_heads, max_seq, head_dim]",
+        ),
+        (
+            "inv_freq",
+            inputs.inv_freq,
+            shape.head_dim / 2,
+            "head_dim / 2",
+        ),
+        ("d_attn", &*grads.d_attn, scores, "[heads, pos + 1]"),
+        ("d_scores", &*grads.d_scores, scores, "[heads, pos + 1]"),
+        ("d_q", &*grads.d_q, per_head, "[heads, head_dim]"),
+        (
+            "d_k_cache",
+            &*grads.d_k_cache,
+            cache,
+            "[kv_heads, max_seq, head_dim]",
+        ),
+        (
+            "d_v_cache",
+            &*grads.d_v_cache,
+            cache,
+            "[kv_heads, max_seq, head_dim]",
+        ),
+    ] {
+        expect_len(name, binding, buf, len, what)?;
+    }
     execute_apply_backward(rec, shape, inputs.d_out, inputs.v_cache, grads.d_attn)?;
     execute_softmax_backward(rec, inputs.attn, grads.d_attn, shape.len(), grads.d_scores)?;
     execute_score_backward_q(rec, shape, grads.d_scores, inputs.k_cache, grads.d_q)?;

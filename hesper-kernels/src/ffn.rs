@@ -374,7 +374,8 @@ pub struct FfnLayer<'a> {
     pub up: &'a GpuBuffer<f32>,
 }
 
-/// Scratch of [`execute_ffn_backward`]: `[T, I]` × 4 and `[T, D]` × 1.
+/// Scratch of [`execute_ffn_backward`]: `d_h`, `d_gate`, `d_up` `[T, I]`, `d_norm` `[T, D]`, and
+/// for BitNet `d_h_norm` `[T, I]` (any one-element buffer otherwise: it is not used).
 pub struct FfnScratch<'a> {
     pub d_h: &'a mut GpuBuffer<f32>,
     pub d_h_norm: &'a mut GpuBuffer<f32>,
@@ -409,6 +410,34 @@ pub fn execute_ffn_backward(
     expect_len(name, "w_up", layer.w_up, i * d, "[I, D]")?;
     expect_len(name, "w_down", layer.w_down, d * i, "[D, I]")?;
     expect_len(name, "dx", dx, t * d, "[T, D]")?;
+    // Check every buffer before recording anything: an error must not leave half a backward
+    // in the caller's recorder.
+    for (binding, buf, len, what) in [
+        ("x_rstd", layer.x_rstd, t, "[T]"),
+        ("gate", layer.gate, t * i, "[T, I]"),
+        ("up", layer.up, t * i, "[T, I]"),
+        ("d_h", &*scratch.d_h, t * i, "[T, I]"),
+        ("d_gate", &*scratch.d_gate, t * i, "[T, I]"),
+        ("d_up", &*scratch.d_up, t * i, "[T, I]"),
+        ("d_norm", &*scratch.d_norm, t * d, "[T, D]"),
+    ] {
+        expect_len(name, binding, buf, len, what)?;
+    }
+    if let FfnStyle::BitNet {
+        sub_norm_gamma,
+        h,
+        h_rstd,
+    } = layer.style
+    {
+        for (binding, buf, len, what) in [
+            ("sub_norm_gamma", sub_norm_gamma, i, "[I]"),
+            ("h", h, t * i, "[T, I]"),
+            ("h_rstd", h_rstd, t, "[T]"),
+            ("d_h_norm", &*scratch.d_h_norm, t * i, "[T, I]"),
+        ] {
+            expect_len(name, binding, buf, len, what)?;
+        }
+    }
     // d(h·W_downᵀ) = dx·W_down: the gradient of the down projection's input.
     let FfnScratch {
         d_h,

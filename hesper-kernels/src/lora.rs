@@ -249,8 +249,8 @@ pub fn execute_lora_forward(
     let (r, input) = adapter(name, "a", a, rank)?;
     let (_, output) = adapter(name, "b", b, rank)?;
     let t = rows(name, "x", x, input as usize, "in")?;
-    expect_len(name, "h", h, (t * r) as usize, "[tokens, rank]")?;
-    expect_len(name, "y", y, (t * output) as usize, "[tokens, out]")?;
+    expect_len(name, "h", h, t as usize * r as usize, "[tokens, rank]")?;
+    expect_len(name, "y", y, t as usize * output as usize, "[tokens, out]")?;
     if t == 0 {
         return Ok(());
     }
@@ -278,7 +278,7 @@ pub fn execute_grad_dh(
     let name = "grad_dh";
     let (r, output) = adapter(name, "b", b, rank)?;
     let t = rows(name, "dy", dy, output as usize, "out")?;
-    expect_len(name, "dh", dh, (t * r) as usize, "[tokens, rank]")?;
+    expect_len(name, "dh", dh, t as usize * r as usize, "[tokens, rank]")?;
     if t == 0 {
         return Ok(());
     }
@@ -308,7 +308,7 @@ pub fn execute_grad_b(
     let name = "grad_b";
     let (r, output) = adapter(name, "db", db, rank)?;
     let t = rows(name, "dy", dy, output as usize, "out")?;
-    expect_len(name, "h", h, (t * r) as usize, "[tokens, rank]")?;
+    expect_len(name, "h", h, t as usize * r as usize, "[tokens, rank]")?;
     launch_weight_grad(
         rec,
         (dy, h, scratch, db),
@@ -332,7 +332,7 @@ pub fn execute_grad_a(
     let name = "grad_a";
     let (r, input) = adapter(name, "da", da, rank)?;
     let t = rows(name, "x", x, input as usize, "in")?;
-    expect_len(name, "dh", dh, (t * r) as usize, "[tokens, rank]")?;
+    expect_len(name, "dh", dh, t as usize * r as usize, "[tokens, rank]")?;
     launch_weight_grad(
         rec,
         (x, dh, scratch, da),
@@ -354,7 +354,7 @@ pub fn execute_input_grad(
     let name = "input_grad";
     let (r, input) = adapter(name, "a", a, rank)?;
     let t = rows(name, "dh", dh, r as usize, "rank")?;
-    expect_len(name, "dx", dx, (t * input) as usize, "[tokens, in]")?;
+    expect_len(name, "dx", dx, t as usize * input as usize, "[tokens, in]")?;
     if t == 0 {
         return Ok(());
     }
@@ -398,6 +398,32 @@ pub fn execute_lora_backward(
     db: &mut GpuBuffer<f32>,
     dx: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
+    // Check every buffer before recording anything: an error must not leave half a backward
+    // in the caller's recorder.
+    let name = "lora_backward";
+    let (_, input) = adapter(name, "a", inputs.a, rank)?;
+    let (_, output) = adapter(name, "b", inputs.b, rank)?;
+    let t = rows(name, "x", inputs.x, input as usize, "in")? as usize;
+    let (input, output) = (input as usize, output as usize);
+    for (binding, buf, len, what) in [
+        ("dy", inputs.dy, t * output, "[tokens, out]"),
+        ("h", inputs.h, t * rank, "[tokens, rank]"),
+        ("dh", &*dh, t * rank, "[tokens, rank]"),
+        ("da", &*da, rank * input, "[rank, in]"),
+        ("db", &*db, output * rank, "[out, rank]"),
+        ("dx", &*dx, t * input, "[tokens, in]"),
+    ] {
+        expect_len(name, binding, buf, len, what)?;
+    }
+    let need = lora_scratch_len(t, input.max(output), rank);
+    if scratch.len() < need {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "scratch".into(),
+            expected: format!("at least {need} elements (lora_scratch_len)"),
+            given: format!("{} elements", scratch.len()),
+        });
+    }
     execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
     execute_grad_b(rec, inputs.dy, inputs.h, rank, scale, scratch, db)?;
     execute_grad_a(rec, dh, inputs.x, rank, scale, scratch, da)?;

@@ -209,6 +209,38 @@ fn bad_shapes_name_kernel_and_buffer() {
         "kernel `lora_forward`, binding `a`: expected a non-empty multiple of the rank (3) of elements, given 20 elements"
     );
     assert!(rec.is_empty());
+    // The fused backward checks every buffer before it records any launch.
+    let (dy, mut dh) = (g.zeros::<f32>(6).unwrap(), g.zeros::<f32>(4).unwrap());
+    let mut scratch = g.zeros::<f32>(lora::lora_scratch_len(2, 10, 2)).unwrap();
+    let (mut da, mut db, mut dx_short) = (
+        g.zeros::<f32>(20).unwrap(),
+        g.zeros::<f32>(6).unwrap(),
+        g.zeros::<f32>(19).unwrap(),
+    );
+    let inputs = LoraBackward {
+        x: &x,
+        a: &a,
+        b: &b,
+        h: &h,
+        dy: &dy,
+    };
+    let err = lora::execute_lora_backward(
+        &mut rec,
+        &inputs,
+        2,
+        1.0,
+        &mut dh,
+        &mut scratch,
+        &mut da,
+        &mut db,
+        &mut dx_short,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `lora_backward`, binding `dx`: expected 20 elements ([tokens, in]), given 19 elements"
+    );
+    assert!(rec.is_empty(), "nothing recorded before the error");
 }
 
 #[test]
