@@ -211,6 +211,11 @@ fn timed_launches_report_each_kernel() {
         rec.launch(&kernel, &args, Grid::Threads(4096)).is_err(),
         "over capacity"
     );
+    // wgpu's query sets hold 4096 queries: more launches than that is an error, not a panic.
+    assert!(
+        g.timed_recorder(hesper::exec::MAX_TIMED_LAUNCHES + 1)
+            .is_err()
+    );
     let times = rec.submit_timed().unwrap();
     assert_eq!(times.len(), 3);
     for t in &times {
