@@ -52,8 +52,8 @@ fn rms_norm_forward(
 /// columns go as `vec4`s; subgroups speed the row reduction up where the device has them.
 fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
     let lanes = if cols.is_multiple_of(4) { 4 } else { 1 };
-    // Enough invocations to keep a few elements each in registers, at least 64.
-    let wg = ((cols / lanes).next_power_of_two() / 2).clamp(64, 256);
+    // A few elements per invocation kept in registers (2–4 vec4s), at least one NVIDIA warp.
+    let wg = ((cols / lanes).next_power_of_two() / 4).clamp(32, 256);
     KernelKey::new("rms_norm_backward")
         .workgroup_size(wg)
         .shape("cols", cols)
