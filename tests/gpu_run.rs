@@ -39,7 +39,7 @@ fn elementwise_backward_matches_reference() {
     }
     for (seed, n) in [(1u64, 1usize), (2, 255), (3, 1000), (4, 4099)] {
         let mut rng = Rng::new(seed);
-        let (gate, up, dh) = (rng.vec(n), rng.vec(n), rng.vec(n));
+        let (gate, up, dh) = (rng.vec(n, 1.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
         let r = |i: usize| (gate[i] as f64).max(0.0);
         let want_gate: Vec<f64> = (0..n)
             .map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i))
@@ -83,7 +83,7 @@ fn workgroup_reduce_matches_reference() {
     }
     let (rows, cols) = (7usize, 1000usize);
     let mut rng = Rng::new(11);
-    let x = rng.vec(rows * cols);
+    let x = rng.vec(rows * cols, 1.0);
     let want_sum: Vec<f64> = x
         .chunks(cols)
         .map(|r| r.iter().map(|v| *v as f64).sum())
@@ -247,7 +247,7 @@ fn f16_kernel_runs() {
     }
     let n = 777usize;
     let mut rng = Rng::new(9);
-    let x = rng.vec(n);
+    let x = rng.vec(n, 1.0);
     let key = KernelKey::new("f16_square").workgroup_size(64);
     let kernel = Kernel::build(&key, |k| {
         let x = k.storage::<f32>("x");
@@ -373,7 +373,7 @@ fn subgroup_operations() {
     .unwrap();
     let n = (wg * groups) as usize;
     let mut rng = Rng::new(21);
-    let x = rng.vec(n);
+    let x = rng.vec(n, 1.0);
     let xb = g.upload(&x).unwrap();
     let out = g.filled(n, [f32::NAN; 4]).unwrap();
     let ids = g.filled(n, [u32::MAX; 2]).unwrap();

@@ -215,7 +215,7 @@ fn typed_launcher_runs_the_macro_kernel() {
     let g = gpu();
     let n = 777usize;
     let mut rng = Rng::new(77);
-    let (gate, up, dh) = (rng.vec(n), rng.vec(n), rng.vec(n));
+    let (gate, up, dh) = (rng.vec(n, 1.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
     let (gb, ub, db) = (
         g.upload(&gate).unwrap(),
         g.upload(&up).unwrap(),

@@ -251,17 +251,15 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
         let s = ident.to_string();
         match p {
             Param::Shape(_) => {}
-            Param::Read(elem) => {
-                decls.push(quote_spanned!(elem.span()=> let #ident = __k.storage::<#elem>(#s);));
-                tr.declare(ident, Kind::Buffer { writable: false });
-                if let Some(exec) = &exec {
-                    launch_args.push(quote_spanned!(elem.span()=> #ident: &#exec::GpuBuffer<<#elem as #exec::HostElement>::Host>));
-                    bind_buffers.push(quote!(.buffer(#s, #ident)));
-                }
-            }
-            Param::Write(elem) => {
-                decls.push(quote_spanned!(elem.span()=> let #ident = __k.storage_rw::<#elem>(#s);));
-                tr.declare(ident, Kind::Buffer { writable: true });
+            Param::Read(elem) | Param::Write(elem) => {
+                let writable = matches!(p, Param::Write(_));
+                let declare = if writable {
+                    quote!(storage_rw)
+                } else {
+                    quote!(storage)
+                };
+                decls.push(quote_spanned!(elem.span()=> let #ident = __k.#declare::<#elem>(#s);));
+                tr.declare(ident, Kind::Buffer { writable });
                 if let Some(exec) = &exec {
                     launch_args.push(quote_spanned!(elem.span()=> #ident: &#exec::GpuBuffer<<#elem as #exec::HostElement>::Host>));
                     bind_buffers.push(quote!(.buffer(#s, #ident)));
