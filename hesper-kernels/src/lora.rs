@@ -7,8 +7,9 @@
 //! - `grad_a`:     `dA = s·dhᵀ·x`              `[r, in]`
 //! - `input_grad`: `dx += s·dh·A`              `[T, in]` (added: `dx` also gets `dy·W`)
 //!
-//! The products through `r` are tiled GEMMs ([`crate::linear`]): `x·Aᵀ`, `s·h·Bᵀ`, `dy·B` and
-//! `s·dh·A`. The weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`) sum over
+//! The products into `r` (`x·Aᵀ`, `dy·B`, only `r` wide) go through `lora_down`, which shares each
+//! weight read among several tokens; those out of `r` (`s·h·Bᵀ`, `s·dh·A`) are tiled GEMMs
+//! ([`crate::linear`]). The weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`) sum over
 //! tokens in two passes: partials per block of tokens (each invocation keeps `r` sums in
 //! registers and reads `u` once), then a sum over blocks — no float atomics.
 
@@ -50,6 +51,117 @@ impl Layout {
             Layout::RankMajor => k.into_expr() * n + j,
             Layout::RankMinor => j * r + k.into_expr(),
         }
+    }
+}
+
+/// `lora_down`'s layout: `SLICES` invocations share each token's row of `n` inputs, and each
+/// invocation keeps `TOKENS` tokens × `r` sums, so one read of a weight serves `TOKENS` tokens.
+const SLICES: u32 = 64;
+const TOKENS: u32 = 4;
+/// Tokens per `lora_down` workgroup.
+const DOWN_TOKENS: u32 = (WG / SLICES) * TOKENS;
+/// Ranks up to this go through `lora_down` (its `TOKENS·r` sums live in registers); larger ones
+/// through the tiled GEMM.
+const DOWN_MAX_RANK: u32 = 32;
+/// Sums reduced per round in `lora_down`'s workgroup memory.
+const DOWN_CHUNK: u32 = 8;
+
+fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+    KernelKey::new("lora_down")
+        .workgroup_size(WG)
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("rank_minor", layout.shape())
+}
+
+/// `out[t, k] = Σ_i a[t, i]·W(i, k)` for `k < r` — a product whose output is only `r` wide
+/// (`x·Aᵀ`, `dy·B`), too narrow for the GEMM's tiles. Invocation `(group, slice)` walks
+/// `i = slice, slice + SLICES, …` for the group's `TOKENS` tokens; the `SLICES` partial sums of
+/// each output are then added in workgroup memory, `DOWN_CHUNK` outputs per round.
+fn down(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let a = k.storage::<f32>("a");
+    let w = k.storage::<f32>("w");
+    let out = k.storage_rw::<f32>("out");
+    let tokens = k.param::<u32>("tokens");
+    let scratch = k.workgroup_array::<f32>("partial", WG * DOWN_CHUNK);
+    let lid = k.let_("lid", k.local_index());
+    let group = k.let_("group", &lid / SLICES);
+    let slice = k.let_("slice", &lid % SLICES);
+    let block = k.let_(
+        "block",
+        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
+    );
+    let first = k.let_("first", &block * DOWN_TOKENS + &group * TOKENS);
+    // Rows past the last token read row 0 (in range) and are never stored.
+    let rows: Vec<Expr<u32>> = (0..TOKENS)
+        .map(|q| {
+            k.let_(
+                "row",
+                select((&first + q).lt(&tokens), (&first + q) * n, 0u32),
+            )
+        })
+        .collect();
+    // Indexed by Rust constants only, so the sums stay in registers.
+    let acc = k.var_array::<f32>("acc", TOKENS * r);
+    k.for_step("i", &slice, n, SLICES, |k, i| {
+        let xs: Vec<Expr<f32>> = rows.iter().map(|row| k.let_("x", a.at(row + &i))).collect();
+        for kk in 0..r {
+            let wk = k.let_("w", w.at(layout.at(&i, kk, n, r)));
+            for (q, x) in xs.iter().enumerate() {
+                k.store_op(&acc, q as u32 * r + kk, BinaryOp::Add, x * &wk);
+            }
+        }
+    });
+    for chunk in 0..(TOKENS * r).div_ceil(DOWN_CHUNK) {
+        let outputs =
+            (chunk * DOWN_CHUNK..((chunk + 1) * DOWN_CHUNK).min(TOKENS * r)).collect::<Vec<_>>();
+        for (c, o) in outputs.iter().enumerate() {
+            k.store(&scratch, &lid * DOWN_CHUNK + c as u32, acc.at(*o));
+        }
+        k.workgroup_barrier();
+        // One invocation per (group, output of the chunk) adds the group's SLICES partials.
+        let per_round = (WG / SLICES) * outputs.len() as u32;
+        k.if_(lid.lt(per_round), |k| {
+            let g = k.let_("g", &lid / outputs.len() as u32);
+            let c = k.let_("c", &lid % outputs.len() as u32);
+            let total = k.var("total", 0.0f32);
+            k.for_range("s", 0u32, SLICES, |k, s| {
+                k.add_assign(&total, scratch.at((&g * SLICES + s) * DOWN_CHUNK + &c));
+            });
+            // Output `o = chunk·DOWN_CHUNK + c` is token `o / r` of the group, rank `o % r`.
+            let o = k.let_("o", &c + chunk * DOWN_CHUNK);
+            let token = k.let_("token", &block * DOWN_TOKENS + &g * TOKENS + &o / r);
+            k.if_(token.lt(&tokens), |k| {
+                k.store(&out, &token * r + &o % r, total.get())
+            });
+        });
+        k.workgroup_barrier();
+    }
+}
+
+/// `out = a·W(·, k)` for `a: [T, n]`: through `lora_down` for small ranks, else the GEMM.
+fn project(
+    rec: &mut Recorder<'_>,
+    (a, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &mut GpuBuffer<f32>),
+    (t, n, r): (u32, u32, u32),
+    layout: Layout,
+) -> Result<(), ExecError> {
+    if r <= DOWN_MAX_RANK {
+        let kernel = rec.gpu().kernel(&down_key(n, r, layout), down)?;
+        let args = Args::new()
+            .buffer("a", a)
+            .buffer("w", w)
+            .buffer("out", out)
+            .param("tokens", t);
+        let groups = t.div_ceil(DOWN_TOKENS);
+        return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * WG as u64));
+    }
+    let (t, n, r) = (t as usize, n as usize, r as usize);
+    match layout {
+        Layout::RankMajor => linear::execute_matmul_nt(rec, a, w, out, t, r, n, false),
+        Layout::RankMinor => linear::execute_matmul_nn(rec, a, w, out, t, n, r, false),
     }
 }
 
@@ -134,6 +246,7 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
 /// The WGSL of this module's kernels at representative shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
+        Kernel::build(&down_key(2560, 16, Layout::RankMinor), down)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
         Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
     ])
@@ -255,7 +368,12 @@ pub fn execute_lora_forward(
         return Ok(());
     }
     let (t, input, output, r) = (t as usize, input as usize, output as usize, r as usize);
-    linear::execute_matmul_nt(rec, x, a, h, t, r, input, false)?;
+    project(
+        rec,
+        (x, a, h),
+        (t as u32, input as u32, r as u32),
+        Layout::RankMajor,
+    )?;
     let gemm = linear::Gemm {
         product: Product::Nt,
         m: t,
@@ -282,16 +400,7 @@ pub fn execute_grad_dh(
     if t == 0 {
         return Ok(());
     }
-    linear::execute_matmul_nn(
-        rec,
-        dy,
-        b,
-        dh,
-        t as usize,
-        output as usize,
-        r as usize,
-        false,
-    )
+    project(rec, (dy, b, dh), (t, output, r), Layout::RankMinor)
 }
 
 /// `dB = s·dyᵀ·h` (`[out, r]`, overwritten), summed over tokens through `scratch`
