@@ -82,7 +82,10 @@ fn down(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
     let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
     let a = k.storage::<f32>("a");
-    let w = k.storage::<f32>("w");
+    // `B`'s rows of `r` values are read as `r/4` vec4s (four sums per load).
+    let vec4_rows = layout == Layout::RankMinor && r.is_multiple_of(4);
+    let w4 = vec4_rows.then(|| k.storage::<Vec4<f32>>("w"));
+    let w1 = (!vec4_rows).then(|| k.storage::<f32>("w"));
     let out = k.storage_rw::<f32>("out");
     let tokens = k.param::<u32>("tokens");
     let scratch = k.workgroup_array::<f32>("partial", WG * DOWN_CHUNK);
@@ -107,10 +110,22 @@ fn down(k: &mut KernelBuilder) {
     let acc = k.var_array::<f32>("acc", TOKENS * r);
     k.for_step("i", &slice, n, SLICES, |k, i| {
         let xs: Vec<Expr<f32>> = rows.iter().map(|row| k.let_("x", a.at(row + &i))).collect();
-        for kk in 0..r {
-            let wk = k.let_("w", w.at(layout.at(&i, kk, n, r)));
+        let add = |k: &mut KernelBuilder, kk: u32, wk: &Expr<f32>| {
             for (q, x) in xs.iter().enumerate() {
-                k.store_op(&acc, q as u32 * r + kk, BinaryOp::Add, x * &wk);
+                k.store_op(&acc, q as u32 * r + kk, BinaryOp::Add, x * wk);
+            }
+        };
+        if let Some(w) = &w4 {
+            for quad in 0..r / 4 {
+                let wq = k.let_("w", w.at(&i * (r / 4) + quad));
+                for (c, lane) in [wq.x(), wq.y(), wq.z(), wq.w()].iter().enumerate() {
+                    add(k, 4 * quad + c as u32, lane);
+                }
+            }
+        } else if let Some(w) = &w1 {
+            for kk in 0..r {
+                let wk = k.let_("w", w.at(layout.at(&i, kk, n, r)));
+                add(k, kk, &wk);
             }
         }
     });
@@ -152,9 +167,13 @@ fn project(
         let kernel = rec.gpu().kernel(&down_key(n, r, layout), down)?;
         let args = Args::new()
             .buffer("a", a)
-            .buffer("w", w)
             .buffer("out", out)
             .param("tokens", t);
+        let args = if layout == Layout::RankMinor && r.is_multiple_of(4) {
+            args.buffer_vec4("w", w)
+        } else {
+            args.buffer("w", w)
+        };
         let groups = t.div_ceil(DOWN_TOKENS);
         return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * WG as u64));
     }
