@@ -1,5 +1,5 @@
 //! GPU timing: per-launch times from timestamp queries ([`crate::Gpu::timed_recorder`]), and
-//! [`bench`], which warms the GPU up (the H200's clock falls within a second of idling and takes
+//! [`bench()`], which warms the GPU up (the H200's clock falls within a second of idling and takes
 //! over a second to climb), repeats, and reports the median against the bytes or flops moved.
 
 use std::time::{Duration, Instant};
