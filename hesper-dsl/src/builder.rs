@@ -408,6 +408,7 @@ impl KernelBuilder {
         debug_assert_eq!(self.scopes.len(), 1, "scopes are balanced by construction");
         let body = self.scopes.pop().unwrap_or_default();
         let found = check::check(&self, &body).map_err(|kind| DslError::new(&name, kind))?;
+        crate::uniform::check(&self, &body).map_err(|kind| DslError::new(&name, kind))?;
         let mut kernel = Kernel {
             key: self.key,
             bindings: self.bindings,

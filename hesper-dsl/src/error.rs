@@ -33,6 +33,9 @@ pub enum ErrorKind {
     MissingShape { name: String, expected: String },
     /// A local used outside the scope that declared it, or a name from another kernel.
     OutOfScope { name: String },
+    /// A barrier or subgroup operation where the workgroup's invocations may not all arrive
+    /// together (under a condition, loop or early exit that can differ between invocations).
+    NonUniformBarrier { op: String },
     /// `break` or `continue` outside a loop.
     NotInLoop { statement: String },
     /// An assignment to something that cannot be assigned (a `let`, a read-only buffer).
@@ -85,6 +88,11 @@ impl fmt::Display for DslError {
                 "`{name}` is used outside the scope that declares it (or comes from another kernel)"
             ),
             ErrorKind::NotInLoop { statement } => write!(f, "`{statement}` outside a loop"),
+            ErrorKind::NonUniformBarrier { op } => write!(
+                f,
+                "`{op}` is in control flow that may differ between invocations (a condition, loop \
+                 or early exit on a per-invocation value): every invocation must reach it together"
+            ),
             ErrorKind::NotAssignable { target } => write!(f, "`{target}` cannot be assigned"),
             ErrorKind::WorkgroupMemory { used, limit } => write!(
                 f,

@@ -105,6 +105,7 @@ mod kernel;
 pub mod macro_support;
 mod names;
 pub mod ty;
+mod uniform;
 pub mod validate;
 mod wgsl;
 

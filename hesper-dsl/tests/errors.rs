@@ -268,3 +268,65 @@ fn missing_shape_parameter() {
     });
     assert!(matches!(err.kind, ErrorKind::MissingShape { .. }), "{err}");
 }
+
+/// Barriers and subgroup operations must be reached by every invocation together.
+#[test]
+fn barriers_in_non_uniform_control_flow() {
+    let non_uniform = |f: &dyn Fn(&mut KernelBuilder)| {
+        let key = KernelKey::new("sync")
+            .workgroup_size(64)
+            .features(Features::SUBGROUPS);
+        let err = build_err(&key, f);
+        assert!(
+            matches!(err.kind, ErrorKind::NonUniformBarrier { .. }),
+            "{err}"
+        );
+    };
+    // Under a per-invocation condition.
+    non_uniform(&|k| k.if_(k.local_index().lt(32u32), |k| k.workgroup_barrier()));
+    // A reduction under a condition on data read from a read-write buffer.
+    non_uniform(&|k| {
+        let x = k.storage_rw::<f32>("x");
+        k.if_(x.at(0u32).gt(0.0f32), |k| {
+            let s = k.workgroup_reduce(1.0f32, Reduce::Sum);
+            k.store(&x, 0u32, s);
+        });
+    });
+    // After an early return that only some invocations take.
+    non_uniform(&|k| {
+        k.if_(k.local_index().eq(3u32), |k| k.return_());
+        k.workgroup_barrier();
+    });
+    // In a loop some invocations leave early (even before the break, on later iterations).
+    non_uniform(&|k| {
+        k.for_range("i", 0u32, 4u32, |k, i| {
+            k.workgroup_barrier();
+            k.break_if(i.eq(k.local_index()));
+        });
+    });
+    // A subgroup operation under a per-invocation condition.
+    non_uniform(&|k| {
+        let x = k.storage_rw::<f32>("x");
+        k.if_(k.subgroup_invocation_id().eq(0u32), |k| {
+            let s = k.subgroup_add(1.0f32);
+            k.store(&x, 0u32, s);
+        });
+    });
+
+    // Uniform: conditions on workgroup ids, runtime scalars and read-only data at uniform
+    // indices; loops with uniform bounds; exits every invocation takes together.
+    let key = KernelKey::new("sync_ok").workgroup_size(64);
+    Kernel::build(&key, |k| {
+        let labels = k.storage::<u32>("labels");
+        let out = k.storage_rw::<f32>("out");
+        let rows = k.param::<u32>("rows");
+        let row = k.let_("row", k.workgroup_id().x());
+        k.if_(row.ge(&rows), |k| k.return_());
+        k.if_(labels.at(&row).lt(10u32), |k| {
+            k.for_range("i", 0u32, &rows, |k, _| k.workgroup_barrier());
+            let s = k.workgroup_reduce(1.0f32, Reduce::Sum);
+            k.store(&out, &row, s);
+        });
+    })
+    .unwrap();
+}
