@@ -18,6 +18,8 @@ use hesper::kernels::{attention, ffn, linear, lora, loss, norm, optim};
 const COPY_GBS: f64 = 4250.0;
 
 struct Row {
+    /// Least bytes moved, for the same-size copy column (0 for compute-bound rows).
+    bytes: f64,
     kernel: String,
     shape: String,
     m: Measurement,
@@ -46,6 +48,7 @@ fn filled(gpu: &Gpu, n: usize, seed: u32) -> Result<GpuBuffer<f32>, ExecError> {
 fn bandwidth(kernel: &str, shape: String, m: Measurement, bytes: f64, target: &'static str) -> Row {
     let gbs = m.gb_per_s(bytes);
     Row {
+        bytes,
         kernel: kernel.into(),
         shape,
         rate: format!("{gbs:.0} GB/s"),
@@ -307,6 +310,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 let tf = m_.tflop_per_s(flops);
                 rows.push(Row {
+                    bytes: 0.0,
                     kernel: format!("{name} (tile {label})"),
                     shape: format!("{m}×{n}×{k}"),
                     rate: format!("{tf:.1} TFLOP/s"),
@@ -359,6 +363,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let flops = 3.0 * 2.0 * (t * d * i) as f64;
         let tf = m.tflop_per_s(flops);
         rows.push(Row {
+            bytes: 0.0,
             kernel: "ffn_backward (SwiGLU, whole layer)".into(),
             shape: format!("T={t} D={d} I={i}"),
             rate: format!("{tf:.1} TFLOP/s"),
@@ -379,17 +384,34 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         println!("  {}: {}", r.kernel, parts.join(", "));
     }
     println!();
-    println!("| kernel | shape | median | min | rate | fraction | target |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
-    for r in rows {
+    // A compute copy moving the same bytes: small kernels pay a fixed launch and tail cost that
+    // a copy of their size pays too.
+    let mut same_size = vec![];
+    for r in &rows {
+        if r.bytes == 0.0 {
+            same_size.push(String::new());
+            continue;
+        }
+        let n = (r.bytes / 8.0) as usize;
+        let (src, dst) = (filled(&gpu, n, 99)?, gpu.zeros::<f32>(n)?);
+        let m = bench(&gpu, "copy", config, |rec| rec.copy(&src, &dst))?;
+        same_size.push(format!(
+            "{:.2}",
+            r.m.gb_per_s(r.bytes) / m.gb_per_s(r.bytes)
+        ));
+    }
+    println!("| kernel | shape | median | min | rate | fraction | of a same-size copy | target |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    for (r, same) in rows.iter().zip(same_size) {
         println!(
-            "| {} | {} | {:.1} µs | {:.1} µs | {} | {} | {} |",
+            "| {} | {} | {:.1} µs | {:.1} µs | {} | {} | {} | {} |",
             r.kernel,
             r.shape,
             r.m.median_ns() / 1e3,
             r.m.min_ns() / 1e3,
             r.rate,
             r.fraction,
+            same,
             r.target
         );
     }
