@@ -254,11 +254,19 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
     k.if_(i.lt(n * r), |k| {
         let j = k.let_("j", &i / r);
         let kk = k.let_("k", &i % r);
-        let acc = k.var("acc", 0.0f32);
-        k.for_range("b", 0u32, &blocks, |k, b| {
-            k.add_assign(&acc, partials.at(&b * (n * r) + &i));
+        // Four independent sums, so four loads are in flight per step; a block past the last
+        // reads the last one (in range) and adds nothing.
+        let accs: Vec<_> = (0..4).map(|_| k.var("acc", 0.0f32)).collect();
+        let last = k.let_("last", &blocks - 1u32);
+        k.for_step("b", 0u32, &blocks, 4u32, |k, b| {
+            for (q, acc) in accs.iter().enumerate() {
+                let bq = k.let_("bq", (&b + q as u32).min(&last));
+                let live = (&b + q as u32).lt(&blocks);
+                k.add_assign(acc, select(live, partials.at(&bq * (n * r) + &i), 0.0f32));
+            }
         });
-        k.store(&grad, layout.at(&j, &kk, n, r), &scale * acc.get());
+        let total = accs[0].get() + accs[1].get() + accs[2].get() + accs[3].get();
+        k.store(&grad, layout.at(&j, &kk, n, r), &scale * total);
     });
 }
 
