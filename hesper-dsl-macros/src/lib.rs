@@ -423,6 +423,7 @@ struct Translator {
 /// Builder methods a body calls as functions; those in `BINDS` bind their result already.
 const BUILDER_CALLS: &[&str] = &[
     "global_index",
+    "workgroup_index",
     "total_invocations",
     "local_index",
     "global_id",

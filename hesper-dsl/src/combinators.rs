@@ -77,12 +77,18 @@ impl KernelBuilder {
     /// `(workgroup_id.y * num_workgroups.x + workgroup_id.x) * WG + local_index`.
     /// Right for any number of workgroups up to 65535², given a 2-D dispatch.
     pub fn global_index(&mut self) -> Expr<u32> {
-        let wid = self.workgroup_id();
-        let nwg = self.num_workgroups();
         let lid = self.local_index();
         let wg = self.invocations();
-        let group = wid.y() * nwg.x() + wid.x();
+        let group = self.workgroup_index();
         self.let_("index", group * wg + lid)
+    }
+
+    /// This workgroup's flat index over a 1-D grid of workgroups,
+    /// `workgroup_id.y * num_workgroups.x + workgroup_id.x` (for one workgroup per row: the
+    /// executor lays more than 65535 out 2-D). Not bound: the caller names it.
+    pub fn workgroup_index(&self) -> Expr<u32> {
+        let wid = self.workgroup_id();
+        wid.y() * self.num_workgroups().x() + wid.x()
     }
 
     /// All invocations of the dispatch: `num_workgroups.x * num_workgroups.y * WG`, bound once.

@@ -55,10 +55,7 @@ where
     let ds = k.storage_rw::<E>("ds");
     let rows = k.param::<u32>("rows");
     let width = k.param::<u32>("width");
-    let row = k.let_(
-        "row",
-        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
-    );
+    let row = k.let_("row", k.workgroup_index());
     // The whole workgroup leaves together (same row): the barrier in the reduction stays uniform.
     k.if_(row.ge(&rows), |k| k.return_());
     let base = k.let_("base", &row * &width);
@@ -253,6 +250,20 @@ impl DecodeShape {
         }
         Ok(())
     }
+
+    /// The shape checked and as the kernels take it (`u32`s).
+    fn dims(&self, kernel: &str) -> Result<DecodeDims, ExecError> {
+        self.check(kernel)?;
+        let u = |what: &str, v: usize| expect_u32(kernel, what, v);
+        Ok(DecodeDims {
+            head_dim: u("head_dim", self.head_dim)?,
+            group: u("group", self.group())?,
+            heads: u("heads", self.heads)?,
+            kv_heads: u("kv_heads", self.kv_heads)?,
+            len: u("len", self.len())?,
+            max_seq: u("max_seq", self.max_seq)?,
+        })
+    }
 }
 
 /// The buffers of one decoded token's attention backward.
@@ -266,6 +277,16 @@ pub struct DecodeInputs<'a> {
     pub v_cache: &'a GpuBuffer<f32>,
     /// RoPE's `base^(−2i/hd)`, `[hd/2]`.
     pub inv_freq: &'a GpuBuffer<f32>,
+}
+
+/// [`DecodeShape`] in the kernels' `u32`s.
+struct DecodeDims {
+    head_dim: u32,
+    group: u32,
+    heads: u32,
+    kv_heads: u32,
+    len: u32,
+    max_seq: u32,
 }
 
 /// Workspace and outputs of [`execute_attention_backward`].
@@ -312,10 +333,14 @@ pub fn execute_apply_backward(
         shape.heads * shape.len(),
         "[heads, pos + 1]",
     )?;
-    let (hd, group) = (
-        expect_u32(name, "head_dim", shape.head_dim)?,
-        expect_u32(name, "group", shape.group())?,
-    );
+    let DecodeDims {
+        head_dim: hd,
+        group,
+        heads,
+        len,
+        max_seq,
+        ..
+    } = shape.dims(name)?;
     let kernel = rec
         .gpu()
         .kernel(&apply_backward::key(hd, group), apply_backward::body)?;
@@ -323,9 +348,9 @@ pub fn execute_apply_backward(
         .buffer("d_out", d_out)
         .buffer("v_cache", v_cache)
         .buffer("d_attn", d_attn)
-        .param("heads", expect_u32(name, "heads", shape.heads)?)
-        .param("len", expect_u32(name, "len", shape.len())?)
-        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+        .param("heads", heads)
+        .param("len", len)
+        .param("max_seq", max_seq);
     rec.launch(
         &kernel,
         &args,
@@ -365,10 +390,14 @@ pub fn execute_score_backward_q(
         shape.heads * shape.head_dim,
         "[heads, head_dim]",
     )?;
-    let (hd, group) = (
-        expect_u32(name, "head_dim", shape.head_dim)?,
-        expect_u32(name, "group", shape.group())?,
-    );
+    let DecodeDims {
+        head_dim: hd,
+        group,
+        heads,
+        len,
+        max_seq,
+        ..
+    } = shape.dims(name)?;
     let kernel = rec.gpu().kernel(
         &score_backward_q::key(hd, group, shape.tau()),
         score_backward_q::body,
@@ -377,9 +406,9 @@ pub fn execute_score_backward_q(
         .buffer("d_scores", d_scores)
         .buffer("k_cache", k_cache)
         .buffer("d_q", d_q)
-        .param("heads", expect_u32(name, "heads", shape.heads)?)
-        .param("len", expect_u32(name, "len", shape.len())?)
-        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+        .param("heads", heads)
+        .param("len", len)
+        .param("max_seq", max_seq);
     rec.launch(
         &kernel,
         &args,
@@ -434,10 +463,14 @@ pub fn execute_cache_backward(
         cache,
         "[kv_heads, max_seq, head_dim]",
     )?;
-    let (hd, group) = (
-        expect_u32(name, "head_dim", shape.head_dim)?,
-        expect_u32(name, "group", shape.group())?,
-    );
+    let DecodeDims {
+        head_dim: hd,
+        group,
+        kv_heads,
+        len,
+        max_seq,
+        ..
+    } = shape.dims(name)?;
     let kernel = rec.gpu().kernel(
         &cache_backward::key(hd, group, shape.tau()),
         cache_backward::body,
@@ -449,9 +482,9 @@ pub fn execute_cache_backward(
         .buffer("d_out", d_out)
         .buffer("d_k_cache", d_k_cache)
         .buffer("d_v_cache", d_v_cache)
-        .param("kv_heads", expect_u32(name, "kv_heads", shape.kv_heads)?)
-        .param("len", expect_u32(name, "len", shape.len())?)
-        .param("max_seq", expect_u32(name, "max_seq", shape.max_seq)?);
+        .param("kv_heads", kv_heads)
+        .param("len", len)
+        .param("max_seq", max_seq);
     rec.launch(
         &kernel,
         &args,

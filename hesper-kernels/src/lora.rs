@@ -92,10 +92,7 @@ fn down(k: &mut KernelBuilder) {
     let lid = k.let_("lid", k.local_index());
     let group = k.let_("group", &lid / SLICES);
     let slice = k.let_("slice", &lid % SLICES);
-    let block = k.let_(
-        "block",
-        k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x(),
-    );
+    let block = k.let_("block", k.workgroup_index());
     let first = k.let_("first", &block * DOWN_TOKENS + &group * TOKENS);
     // Rows past the last token read row 0 (in range) and are never stored.
     let rows: Vec<Expr<u32>> = (0..TOKENS)

@@ -80,7 +80,7 @@ fn cross_entropy(
     #[shape] vocab: u32,
 ) {
     // Past 65535 tokens the workgroups are laid out 2-D.
-    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    let row = workgroup_index();
     if row >= tokens {
         return;
     }
@@ -123,7 +123,7 @@ fn cross_entropy_forward(
     #[runtime] tokens: u32,
     #[shape] vocab: u32,
 ) {
-    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    let row = workgroup_index();
     if row >= tokens {
         return;
     }

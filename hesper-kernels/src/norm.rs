@@ -29,7 +29,7 @@ fn rms_norm_forward(
     #[runtime] rows: u32,
 ) {
     // Rows past 65535 arrive as a 2-D grid of workgroups.
-    let row = workgroup_id().y * num_workgroups().x + workgroup_id().x;
+    let row = workgroup_index();
     if row < rows {
         let base = row * cols;
         let mut sum_sq = 0.0;
@@ -61,12 +61,6 @@ fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
         .features(features & Features::SUBGROUPS)
 }
 
-/// The row of a workgroup (2-D past 65535 rows).
-fn row_index(k: &mut KernelBuilder) -> Expr<u32> {
-    let row = k.workgroup_id().y() * k.num_workgroups().x() + k.workgroup_id().x();
-    k.let_("row", row)
-}
-
 /// `dx = r·m − (r³/n)·(Σ m·x)·x` with `m = dy·γ`. Each invocation loads its share of the row
 /// once into registers (`x` and `m`), so the row is read once and written once.
 fn backward_body(k: &mut KernelBuilder) {
@@ -94,7 +88,7 @@ where
     let dy = k.storage::<E>("dy");
     let dx = k.storage_rw::<E>("dx");
     let rows = k.param::<u32>("rows");
-    let row = row_index(k);
+    let row = k.let_("row", k.workgroup_index());
     // The whole workgroup leaves together (same row): the barriers below stay uniform.
     k.if_(row.ge(&rows), |k| k.return_());
     let lid = k.let_("lid", k.local_index());
