@@ -248,7 +248,7 @@ struct Slot {
 }
 
 /// `e + c`, without a `+ 0u`.
-fn offset(e: &Expr<u32>, c: u32) -> Expr<u32> {
+pub(crate) fn offset(e: &Expr<u32>, c: u32) -> Expr<u32> {
     if c == 0 { e.clone() } else { e + c }
 }
 

@@ -13,15 +13,14 @@
 //! tokens in two passes: partials per block of tokens (each invocation keeps `r` sums in
 //! registers and reads `u` once), then a sum over blocks — no float atomics.
 
-use hesper_dsl::LocalArray;
 use hesper_dsl::prelude::*;
+use hesper_dsl::ty::{HostShareable, Numeric};
+use hesper_dsl::{LocalArray, ReadBuffer};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::linear::{self, Product, Tile, Weights};
+use crate::linear::{self, Product, Tile, Weights, offset};
 use crate::{expect_len, expect_u32};
 
-/// Tokens per partial sum in the first pass of the weight gradients.
-const TOKENS_PER_BLOCK: u32 = 64;
 /// Elementwise kernels' workgroup.
 const WG: u32 = 256;
 
@@ -54,17 +53,101 @@ impl Layout {
     }
 }
 
-/// `lora_down`'s layout: `SLICES` invocations share each token's row of `n` inputs, and each
-/// invocation keeps `TOKENS` tokens × `r` sums, so one read of a weight serves `TOKENS` tokens.
-const SLICES: u32 = 64;
-const TOKENS: u32 = 4;
-/// Tokens per `lora_down` workgroup.
-const DOWN_TOKENS: u32 = (WG / SLICES) * TOKENS;
-/// Ranks up to this go through `lora_down` (its `TOKENS·r` sums live in registers); larger ones
-/// through the tiled GEMM.
+/// The columns an invocation of the streaming kernels owns: a `vec4` of four when the width is a
+/// multiple of 4 (one wide load), else one.
+trait Columns: Numeric<Elem = f32> + HostShareable + Sized {
+    const N: u32;
+    fn lanes(v: &Expr<Self>) -> Vec<Expr<f32>>;
+    fn gather(lanes: Vec<Expr<f32>>) -> Expr<Self>;
+    fn splat(x: Expr<f32>) -> Expr<Self>;
+}
+
+impl Columns for f32 {
+    const N: u32 = 1;
+    fn lanes(v: &Expr<f32>) -> Vec<Expr<f32>> {
+        vec![v.clone()]
+    }
+    fn gather(lanes: Vec<Expr<f32>>) -> Expr<f32> {
+        lanes[0].clone()
+    }
+    fn splat(x: Expr<f32>) -> Expr<f32> {
+        x
+    }
+}
+
+impl Columns for Vec4<f32> {
+    const N: u32 = 4;
+    fn lanes(v: &Expr<Vec4<f32>>) -> Vec<Expr<f32>> {
+        vec![v.x(), v.y(), v.z(), v.w()]
+    }
+    fn gather(l: Vec<Expr<f32>>) -> Expr<Vec4<f32>> {
+        vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone())
+    }
+    fn splat(x: Expr<f32>) -> Expr<Vec4<f32>> {
+        Expr::<Vec4<f32>>::splat(x)
+    }
+}
+
+/// Whether rows of width `n` are read as vec4s.
+fn wide(n: u32) -> bool {
+    n.is_multiple_of(4)
+}
+
+/// Rows of `r` values (`h`, `dh`: `[T, r]`), read as `r/4` vec4s when `r` allows.
+enum RankRows {
+    Vec4(ReadBuffer<Vec4<f32>>),
+    Scalar(ReadBuffer<f32>),
+}
+
+impl RankRows {
+    fn declare(k: &mut KernelBuilder, name: &str, r: u32) -> Self {
+        if wide(r) {
+            RankRows::Vec4(k.storage(name))
+        } else {
+            RankRows::Scalar(k.storage(name))
+        }
+    }
+    /// The `r` values of row `t`, bound to names.
+    fn row(&self, k: &mut KernelBuilder, t: &Expr<u32>, r: u32) -> Vec<Expr<f32>> {
+        match self {
+            RankRows::Vec4(v) => (0..r / 4)
+                .flat_map(|q| {
+                    let quad = k.let_("v", v.at(t * (r / 4) + q));
+                    <Vec4<f32> as Columns>::lanes(&quad)
+                })
+                .collect(),
+            RankRows::Scalar(v) => (0..r).map(|kk| k.let_("v", v.at(t * r + kk))).collect(),
+        }
+    }
+}
+
+fn bind_rank_rows<'a>(args: Args<'a>, name: &'a str, buf: &'a GpuBuffer<f32>, r: u32) -> Args<'a> {
+    if wide(r) {
+        args.buffer_vec4(name, buf)
+    } else {
+        args.buffer(name, buf)
+    }
+}
+
+fn bind_columns<'a>(args: Args<'a>, name: &'a str, buf: &'a GpuBuffer<f32>, n: u32) -> Args<'a> {
+    if wide(n) {
+        args.buffer_vec4(name, buf)
+    } else {
+        args.buffer(name, buf)
+    }
+}
+
+/// Ranks up to this go through `lora_down` and `lora_up` (their sums and weights live in
+/// registers); larger ones through the tiled GEMM.
 const DOWN_MAX_RANK: u32 = 32;
-/// Sums reduced per round in `lora_down`'s workgroup memory.
-const DOWN_CHUNK: u32 = 8;
+/// `lora_down`'s tile: `DOWN_TQ` invocations along the tokens (four tokens each) times
+/// `DOWN_KS` along the columns (four columns each per step).
+const DOWN_TQ: u32 = 8;
+const DOWN_KS: u32 = 32;
+const DOWN_TOKENS: u32 = 4 * DOWN_TQ;
+const DOWN_STEP: u32 = 4 * DOWN_KS;
+/// Partial sums per invocation per round of `lora_down`'s final reduction.
+const DOWN_ROUND: u32 = 8;
 
 fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
     KernelKey::new("lora_down")
@@ -75,76 +158,139 @@ fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
 }
 
 /// `out[t, k] = Σ_i a[t, i]·W(i, k)` for `k < r` — a product whose output is only `r` wide
-/// (`x·Aᵀ`, `dy·B`), too narrow for the GEMM's tiles. Invocation `(group, slice)` walks
-/// `i = slice, slice + SLICES, …` for the group's `TOKENS` tokens; the `SLICES` partial sums of
-/// each output are then added in workgroup memory, `DOWN_CHUNK` outputs per round.
+/// (`x·Aᵀ`, `dy·B`), too narrow for the GEMM's tiles. A workgroup owns `DOWN_TOKENS` tokens and
+/// walks their rows `DOWN_STEP` columns a step: the step's slice of `a` is read with wide,
+/// coalesced loads (the next step's while this one computes) and staged transposed in workgroup
+/// memory; invocation `(ks, tq)` then multiplies four of its columns into its four tokens × `r`
+/// sums, reading `W` rows that its neighbours share. The `DOWN_KS` partial sums of each output
+/// are added in workgroup memory at the end.
 fn down(k: &mut KernelBuilder) {
+    if wide(k.shape::<u32>("n")) {
+        down_with::<Vec4<f32>>(k)
+    } else {
+        down_with::<f32>(k)
+    }
+}
+
+fn down_with<C: Columns>(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
     let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
-    let a = k.storage::<f32>("a");
-    // `B`'s rows of `r` values are read as `r/4` vec4s (four sums per load).
-    let vec4_rows = layout == Layout::RankMinor && r.is_multiple_of(4);
-    let w4 = vec4_rows.then(|| k.storage::<Vec4<f32>>("w"));
-    let w1 = (!vec4_rows).then(|| k.storage::<f32>("w"));
+    let groups = n / C::N;
+    let a = k.storage::<C>("a");
+    // `B`'s rows of `r` values are read as vec4s; `A`'s columns element by element.
+    let w = if layout == Layout::RankMinor {
+        RankRows::declare(k, "w", r)
+    } else {
+        RankRows::Scalar(k.storage("w"))
+    };
     let out = k.storage_rw::<f32>("out");
     let tokens = k.param::<u32>("tokens");
-    let scratch = k.workgroup_array::<f32>("partial", WG * DOWN_CHUNK);
+    // Column-major slice: `DOWN_TOKENS` + 1 floats per column keep the transposing stores
+    // of consecutive invocations in distinct banks.
+    let pitch = DOWN_TOKENS + 1;
+    let slice = k.workgroup_array::<f32>("slice", DOWN_STEP * pitch);
+    let partial = k.workgroup_array::<f32>("partial", WG * DOWN_ROUND);
     let lid = k.let_("lid", k.local_index());
-    let group = k.let_("group", &lid / SLICES);
-    let slice = k.let_("slice", &lid % SLICES);
-    let block = k.let_("block", k.workgroup_index());
-    let first = k.let_("first", &block * DOWN_TOKENS + &group * TOKENS);
-    // Rows past the last token read row 0 (in range) and are never stored.
-    let rows: Vec<Expr<u32>> = (0..TOKENS)
-        .map(|q| {
-            k.let_(
-                "row",
-                select((&first + q).lt(&tokens), (&first + q) * n, 0u32),
-            )
+    let ks = k.let_("ks", &lid / DOWN_TQ);
+    let tq = k.let_("tq", &lid % DOWN_TQ);
+    let t0 = k.let_("t0", k.workgroup_index() * DOWN_TOKENS);
+    let last = k.let_("last", &tokens - 1u32);
+
+    // The loads of a step: invocation `lid` reads element `lid + j·WG` of the slice's
+    // `DOWN_TOKENS × DOWN_STEP/N` wide elements. Rows past the last token read the last one
+    // (their sums are never stored); columns past `n` read zero.
+    let per_row = DOWN_STEP / C::N;
+    let loads = DOWN_TOKENS * per_row / WG;
+    let slots: Vec<(Expr<u32>, Expr<u32>, Expr<u32>)> = (0..loads)
+        .map(|j| {
+            let e = k.let_("e", &lid + j * WG);
+            let tr = k.let_("tr", &e / per_row);
+            let cq = k.let_("cq", &e % per_row);
+            let row = k.let_("row", (&t0 + &tr).min(&last) * groups);
+            (tr, cq, row)
         })
         .collect();
-    // Indexed by Rust constants only, so the sums stay in registers.
-    let acc = k.var_array::<f32>("acc", TOKENS * r);
-    k.for_step("i", &slice, n, SLICES, |k, i| {
-        let xs: Vec<Expr<f32>> = rows.iter().map(|row| k.let_("x", a.at(row + &i))).collect();
-        let add = |k: &mut KernelBuilder, kk: u32, wk: &Expr<f32>| {
-            for (q, x) in xs.iter().enumerate() {
-                k.store_op(&acc, q as u32 * r + kk, BinaryOp::Add, x * wk);
+    let next: Vec<_> = (0..loads)
+        .map(|_| k.var("next", C::splat(lit(0.0f32))))
+        .collect();
+    let fetch = |k: &mut KernelBuilder, step: &Expr<u32>| {
+        for ((_, cq, row), next) in slots.iter().zip(&next) {
+            let g = k.let_("g", step * per_row + cq);
+            if n.is_multiple_of(DOWN_STEP) {
+                k.assign(next, a.at(row + &g));
+            } else {
+                let value = a.at(row + g.min(groups - 1));
+                k.assign(next, select(g.lt(groups), value, C::splat(lit(0.0f32))));
             }
-        };
-        if let Some(w) = &w4 {
-            for quad in 0..r / 4 {
-                let wq = k.let_("w", w.at(&i * (r / 4) + quad));
-                for (c, lane) in [wq.x(), wq.y(), wq.z(), wq.w()].iter().enumerate() {
-                    add(k, 4 * quad + c as u32, lane);
+        }
+    };
+    let stage = |k: &mut KernelBuilder| {
+        for ((tr, cq, _), next) in slots.iter().zip(&next) {
+            for (c, lane) in C::lanes(&next.get()).into_iter().enumerate() {
+                k.store(&slice, (cq * C::N + c as u32) * pitch + tr, lane);
+            }
+        }
+    };
+    // Indexed by Rust constants only, so the sums stay in registers: token `j`, rank `kk` at
+    // `j·r + kk`.
+    let acc: LocalArray<f32> = k.var_array("acc", 4 * r);
+    for o in 0..4 * r {
+        k.store(&acc, o, 0.0f32);
+    }
+    let steps = n.div_ceil(DOWN_STEP);
+    fetch(k, &lit(0u32));
+    stage(k);
+    k.workgroup_barrier();
+    k.for_range("step", 0u32, steps, |k, step| {
+        let more = k.let_("more", (&step + 1u32).lt(steps));
+        k.comment("Read the next step's slice into registers while this one computes.");
+        k.if_(&more, |k| fetch(k, &(&step + 1u32)));
+        for c in 0..4u32 {
+            let col = k.let_("col", &ks * 4u32 + c);
+            let i = k.let_("i", (&step * DOWN_STEP + &col).min(n - 1));
+            let xs: Vec<Expr<f32>> = (0..4u32)
+                .map(|j| k.let_("x", slice.at(&col * pitch + &tq * 4u32 + j)))
+                .collect();
+            let ws = match (&w, layout) {
+                (w, Layout::RankMinor) => w.row(k, &i, r),
+                (RankRows::Scalar(w), Layout::RankMajor) => (0..r)
+                    .map(|kk| k.let_("w", w.at(layout.at(&i, kk, n, r))))
+                    .collect(),
+                (RankRows::Vec4(_), Layout::RankMajor) => unreachable!("A is read by element"),
+            };
+            for (kk, wk) in ws.iter().enumerate() {
+                for (j, x) in xs.iter().enumerate() {
+                    k.store_op(&acc, j as u32 * r + kk as u32, BinaryOp::Add, x * wk);
                 }
             }
-        } else if let Some(w) = &w1 {
-            for kk in 0..r {
-                let wk = k.let_("w", w.at(layout.at(&i, kk, n, r)));
-                add(k, kk, &wk);
-            }
-        }
-    });
-    for chunk in 0..(TOKENS * r).div_ceil(DOWN_CHUNK) {
-        let outputs =
-            (chunk * DOWN_CHUNK..((chunk + 1) * DOWN_CHUNK).min(TOKENS * r)).collect::<Vec<_>>();
-        for (c, o) in outputs.iter().enumerate() {
-            k.store(&scratch, &lid * DOWN_CHUNK + c as u32, acc.at(*o));
         }
         k.workgroup_barrier();
-        // One invocation per (group, output of the chunk) adds the group's SLICES partials.
-        let per_round = (WG / SLICES) * outputs.len() as u32;
-        k.if_(lid.lt(per_round), |k| {
-            let g = k.let_("g", &lid / outputs.len() as u32);
-            let c = k.let_("c", &lid % outputs.len() as u32);
+        k.if_(&more, stage);
+        k.workgroup_barrier();
+    });
+    k.comment("Add the column slices' partial sums, DOWN_ROUND per invocation a round.");
+    for round in 0..(4 * r).div_ceil(DOWN_ROUND) {
+        let outputs: Vec<u32> =
+            (round * DOWN_ROUND..((round + 1) * DOWN_ROUND).min(4 * r)).collect();
+        let len = outputs.len() as u32;
+        for (c, o) in outputs.iter().enumerate() {
+            k.store(
+                &partial,
+                (&ks * DOWN_TQ + &tq) * DOWN_ROUND + c as u32,
+                acc.at(*o),
+            );
+        }
+        k.workgroup_barrier();
+        k.if_(lid.lt(DOWN_TQ * len), |k| {
+            let otq = k.let_("otq", &lid / len);
+            let c = k.let_("c", &lid % len);
             let total = k.var("total", 0.0f32);
-            k.for_range("s", 0u32, SLICES, |k, s| {
-                k.add_assign(&total, scratch.at((&g * SLICES + s) * DOWN_CHUNK + &c));
+            k.for_range("s", 0u32, DOWN_KS, |k, s| {
+                k.add_assign(&total, partial.at((&s * DOWN_TQ + &otq) * DOWN_ROUND + &c));
             });
-            // Output `o = chunk·DOWN_CHUNK + c` is token `o / r` of the group, rank `o % r`.
-            let o = k.let_("o", &c + chunk * DOWN_CHUNK);
-            let token = k.let_("token", &block * DOWN_TOKENS + &g * TOKENS + &o / r);
+            // Output `o` of the round is token `o / r` of the invocation's four, rank `o % r`.
+            let o = k.let_("o", &c + round * DOWN_ROUND);
+            let token = k.let_("token", &t0 + &otq * 4u32 + &o / r);
             k.if_(token.lt(&tokens), |k| {
                 k.store(&out, &token * r + &o % r, total.get())
             });
@@ -162,12 +308,11 @@ fn project(
 ) -> Result<(), ExecError> {
     if r <= DOWN_MAX_RANK {
         let kernel = rec.gpu().kernel(&down_key(n, r, layout), down)?;
-        let args = Args::new()
-            .buffer("a", a)
+        let args = bind_columns(Args::new(), "a", a, n)
             .buffer("out", out)
             .param("tokens", t);
-        let args = if layout == Layout::RankMinor && r.is_multiple_of(4) {
-            args.buffer_vec4("w", w)
+        let args = if layout == Layout::RankMinor {
+            bind_rank_rows(args, "w", w, r)
         } else {
             args.buffer("w", w)
         };
@@ -181,54 +326,222 @@ fn project(
     }
 }
 
-fn partials_key(n: u32, r: u32) -> KernelKey {
-    KernelKey::new("lora_weight_grad_partials")
+/// Tokens per invocation of `lora_up`, and how many of them it reads before computing.
+const UP_TOKENS: u32 = 16;
+const UP_UNROLL: u32 = 4;
+
+fn up_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+    KernelKey::new("lora_up")
         .workgroup_size(WG)
         .shape("n", n)
         .shape("rank", r)
-        .shape("tokens_per_block", TOKENS_PER_BLOCK)
+        .shape("rank_minor", layout.shape())
 }
 
-/// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`, one invocation per
-/// (block, j) keeping `r` sums (`u` is read once).
-fn weight_grad_partials(k: &mut KernelBuilder) {
+/// `out[t, c] += scale·Σ_k v[t, k]·W(k, c)` — a product out of `r` (`s·h·Bᵀ`, `s·dh·A`) that
+/// reads and writes each output once. An invocation keeps its columns' `r` weights (times
+/// `scale`) in registers and walks `UP_TOKENS` tokens, `UP_UNROLL` output reads in flight.
+fn up(k: &mut KernelBuilder) {
+    if wide(k.shape::<u32>("n")) {
+        up_with::<Vec4<f32>>(k)
+    } else {
+        up_with::<f32>(k)
+    }
+}
+
+fn up_with<C: Columns>(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let per_block = k.shape::<u32>("tokens_per_block");
-    let u = k.storage::<f32>("u");
-    // `v`'s rows of `r` values are read as `r/4` vec4s when `r` allows (one load for four sums).
-    let lanes = if r.is_multiple_of(4) { 4 } else { 1 };
-    let v4 = (lanes == 4).then(|| k.storage::<Vec4<f32>>("v"));
-    let v1 = (lanes == 1).then(|| k.storage::<f32>("v"));
-    let partials = k.storage_rw::<f32>("partials");
+    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let groups = n / C::N;
+    let w = k.storage::<f32>("w");
+    let v = RankRows::declare(k, "v", r);
+    let out = k.storage_rw::<C>("out");
     let tokens = k.param::<u32>("tokens");
     let blocks = k.param::<u32>("blocks");
+    let scale = k.param::<f32>("scale");
     let i = k.global_index();
-    k.if_(i.lt(&blocks * n), |k| {
-        let block = k.let_("block", &i / n);
-        let j = k.let_("j", &i % n);
-        // Indexed by Rust constants only (unrolled over `r`), so `acc` stays in registers.
-        let acc: LocalArray<f32> = k.var_array("acc", r);
-        let first = k.let_("first", &block * per_block);
-        let end = k.let_("end", (&first + per_block).min(&tokens));
-        k.for_range("t", &first, &end, |k, t| {
-            let x = k.let_("x", u.at(&t * n + &j));
-            if let Some(v) = &v4 {
-                for q in 0..r / 4 {
-                    let vq = k.let_("vq", v.at(&t * (r / 4) + q));
-                    for (c, lane) in [vq.x(), vq.y(), vq.z(), vq.w()].into_iter().enumerate() {
-                        k.store_op(&acc, 4 * q + c as u32, BinaryOp::Add, &x * lane);
-                    }
-                }
-            } else if let Some(v) = &v1 {
-                for kk in 0..r {
-                    k.store_op(&acc, kk, BinaryOp::Add, &x * v.at(&t * r + kk));
+    k.if_(i.lt(&blocks * groups), |k| {
+        let g = k.let_("g", &i % groups);
+        let block = k.let_("block", &i / groups);
+        let weights: Vec<Expr<C>> = (0..r)
+            .map(|kk| {
+                let lanes = (0..C::N)
+                    .map(|c| w.at(layout.at(&(&g * C::N + c), kk, n, r)))
+                    .collect();
+                k.let_("w", C::gather(lanes) * C::splat(scale.clone()))
+            })
+            .collect();
+        let first = k.let_("first", &block * UP_TOKENS);
+        let end = k.let_("end", (&first + UP_TOKENS).min(&tokens));
+        let full = k.let_("full", &first + (&end - &first) / UP_UNROLL * UP_UNROLL);
+        let tokens_at = |k: &mut KernelBuilder, t: &Expr<u32>, count: u32| {
+            let at: Vec<Expr<u32>> = (0..count)
+                .map(|j| k.let_("at", offset(t, j) * groups + &g))
+                .collect();
+            let old: Vec<Expr<C>> = at.iter().map(|at| k.let_("old", out.at(at))).collect();
+            for (j, (at, old)) in at.iter().zip(old).enumerate() {
+                let hs = v.row(k, &offset(t, j as u32), r);
+                let sum = weights
+                    .iter()
+                    .zip(hs)
+                    .fold(old, |sum, (wk, h)| sum + wk * C::splat(h));
+                k.store(&out, at, sum);
+            }
+        };
+        k.for_step("t", &first, &full, UP_UNROLL, |k, t| {
+            tokens_at(k, &t, UP_UNROLL)
+        });
+        k.for_range("t", &full, &end, |k, t| tokens_at(k, &t, 1));
+    });
+}
+
+/// `out (+)= scale·v·W(k, ·)` for `v: [T, r]`: through `lora_up` for small ranks, else the GEMM.
+fn project_up(
+    rec: &mut Recorder<'_>,
+    (v, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &mut GpuBuffer<f32>),
+    (t, n, r): (u32, u32, u32),
+    layout: Layout,
+    scale: f32,
+) -> Result<(), ExecError> {
+    if r <= DOWN_MAX_RANK {
+        let kernel = rec.gpu().kernel(&up_key(n, r, layout), up)?;
+        let blocks = t.div_ceil(UP_TOKENS);
+        let args = bind_rank_rows(Args::new(), "v", v, r).buffer("w", w);
+        let args = bind_columns(args, "out", out, n)
+            .param("tokens", t)
+            .param("blocks", blocks)
+            .param("scale", scale);
+        let threads = blocks as u64 * (n / if wide(n) { 4 } else { 1 }) as u64;
+        return rec.launch(&kernel, &args, Grid::Threads(threads));
+    }
+    let (t, n, r) = (t as usize, n as usize, r as usize);
+    let gemm = linear::Gemm {
+        product: match layout {
+            Layout::RankMinor => Product::Nt,
+            Layout::RankMajor => Product::Nn,
+        },
+        m: t,
+        n: match layout {
+            Layout::RankMinor => n,
+            Layout::RankMajor => r,
+        },
+        k: match layout {
+            Layout::RankMinor => r,
+            Layout::RankMajor => n,
+        },
+        accumulate: true,
+        tile: Tile::for_shape(t, n),
+    };
+    linear::execute_gemm(rec, &gemm, v, Weights::ScaledDense { w, scale }, out)
+}
+
+/// The weight gradients' first pass: a workgroup is `GRAD_COLS` invocations along the columns
+/// times `GRAD_LANES` along the tokens, each lane summing `GRAD_TOKENS` tokens.
+const GRAD_COLS: u32 = 32;
+const GRAD_LANES: u32 = 4;
+const GRAD_TOKENS: u32 = 64;
+/// Tokens per partial sum (one workgroup row of lanes).
+const TOKENS_PER_BLOCK: u32 = GRAD_LANES * GRAD_TOKENS;
+/// Token rows read before computing, and sums per invocation per round of the lanes' reduction.
+const GRAD_UNROLL: u32 = 4;
+const GRAD_ROUND: u32 = 16;
+
+fn partials_key(n: u32, r: u32) -> KernelKey {
+    KernelKey::new("lora_weight_grad_partials")
+        .workgroup_size(GRAD_COLS * GRAD_LANES)
+        .shape("n", n)
+        .shape("rank", r)
+}
+
+/// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`. Invocation
+/// `(lane, c)` keeps its columns' `r` sums in registers over its `GRAD_TOKENS` tokens of the
+/// block (`u` read wide, `GRAD_UNROLL` rows in flight); the lanes' sums are added in workgroup
+/// memory.
+fn weight_grad_partials(k: &mut KernelBuilder) {
+    if wide(k.shape::<u32>("n")) {
+        weight_grad_partials_with::<Vec4<f32>>(k)
+    } else {
+        weight_grad_partials_with::<f32>(k)
+    }
+}
+
+fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let groups = n / C::N;
+    let u = k.storage::<C>("u");
+    let v = RankRows::declare(k, "v", r);
+    let partials = k.storage_rw::<f32>("partials");
+    let tokens = k.param::<u32>("tokens");
+    let sums = k.workgroup_array::<f32>("sums", GRAD_LANES * GRAD_COLS * GRAD_ROUND);
+    let lid = k.let_("lid", k.local_index());
+    let lane = k.let_("lane", &lid / GRAD_COLS);
+    let c = k.let_("c", &lid % GRAD_COLS);
+    let wg = k.let_("wg", k.workgroup_index());
+    let col_groups = groups.div_ceil(GRAD_COLS);
+    let block = k.let_("block", &wg / col_groups);
+    let g0 = k.let_("g0", (&wg % col_groups) * GRAD_COLS);
+    // Columns past the last read the last (their sums are never stored).
+    let g = k.let_("g", (&g0 + &c).min(groups - 1));
+    // Indexed by Rust constants only: column `cc` of the invocation's, rank `kk` at `cc·r + kk`.
+    let acc: LocalArray<f32> = k.var_array("acc", C::N * r);
+    for o in 0..C::N * r {
+        k.store(&acc, o, 0.0f32);
+    }
+    let first = k.let_("first", (&block * GRAD_LANES + &lane) * GRAD_TOKENS);
+    let end = k.let_("end", (&first + GRAD_TOKENS).min(&tokens).max(&first));
+    let full = k.let_("full", &first + (&end - &first) / GRAD_UNROLL * GRAD_UNROLL);
+    let rows_at = |k: &mut KernelBuilder, t: &Expr<u32>, count: u32| {
+        let xs: Vec<Expr<C>> = (0..count)
+            .map(|j| k.let_("x", u.at(offset(t, j) * groups + &g)))
+            .collect();
+        for (j, x) in xs.iter().enumerate() {
+            let vs = v.row(k, &offset(t, j as u32), r);
+            for (cc, xc) in C::lanes(x).iter().enumerate() {
+                for (kk, vk) in vs.iter().enumerate() {
+                    let o = cc as u32 * r + kk as u32;
+                    k.store_op(&acc, o, BinaryOp::Add, xc * vk);
                 }
             }
-        });
-        for kk in 0..r {
-            k.store(&partials, &i * r + kk, acc.at(kk));
         }
+    };
+    k.for_step("t", &first, &full, GRAD_UNROLL, |k, t| {
+        rows_at(k, &t, GRAD_UNROLL)
     });
+    k.for_range("t", &full, &end, |k, t| rows_at(k, &t, 1));
+    k.comment("Add the lanes' sums, GRAD_ROUND per invocation a round.");
+    let total_outputs = C::N * r;
+    for round in 0..total_outputs.div_ceil(GRAD_ROUND) {
+        let base = round * GRAD_ROUND;
+        let len = GRAD_ROUND.min(total_outputs - base);
+        for o in 0..len {
+            k.store(
+                &sums,
+                (&lane * GRAD_COLS + &c) * GRAD_ROUND + o,
+                acc.at(base + o),
+            );
+        }
+        k.workgroup_barrier();
+        let threads = GRAD_COLS * GRAD_LANES;
+        for part in 0..(GRAD_COLS * len).div_ceil(threads) {
+            let e = k.let_("e", offset(&lid, part * threads));
+            k.if_(e.lt(GRAD_COLS * len), |k| {
+                let ec = k.let_("ec", &e / len);
+                let eo = k.let_("eo", &e % len);
+                let total = k.var("total", 0.0f32);
+                for l in 0..GRAD_LANES {
+                    k.add_assign(&total, sums.at((l * GRAD_COLS + &ec) * GRAD_ROUND + &eo));
+                }
+                let eg = k.let_("eg", &g0 + &ec);
+                k.if_(eg.lt(groups), |k| {
+                    // Output `base + eo` is column `cc` of the invocation's, rank `kk`.
+                    let o = k.let_("o", &eo + base);
+                    let col = k.let_("col", &eg * C::N + &o / r);
+                    k.store(&partials, (&block * n + &col) * r + &o % r, total.get());
+                });
+            });
+        }
+        k.workgroup_barrier();
+    }
 }
 
 fn sum_key(n: u32, r: u32, layout: Layout) -> KernelKey {
@@ -271,6 +584,7 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
         Kernel::build(&down_key(2560, 16, Layout::RankMinor), down)?,
+        Kernel::build(&up_key(2560, 16, Layout::RankMajor), up)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
         Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
     ])
@@ -343,17 +657,14 @@ fn launch_weight_grad(
         let kernel = rec
             .gpu()
             .kernel(&partials_key(n, r), weight_grad_partials)?;
-        let args = Args::new().buffer("u", u);
-        let args = if r.is_multiple_of(4) {
-            args.buffer_vec4("v", v)
-        } else {
-            args.buffer("v", v)
-        };
-        let args = args
+        let args = bind_columns(Args::new(), "u", u, n);
+        let args = bind_rank_rows(args, "v", v, r)
             .buffer("partials", scratch)
-            .param("tokens", tokens)
-            .param("blocks", blocks);
-        rec.launch(&kernel, &args, Grid::Threads(blocks as u64 * n as u64))?;
+            .param("tokens", tokens);
+        let groups = n / if wide(n) { 4 } else { 1 };
+        let workgroups = blocks as u64 * groups.div_ceil(GRAD_COLS) as u64;
+        let threads = workgroups * (GRAD_COLS * GRAD_LANES) as u64;
+        rec.launch(&kernel, &args, Grid::Threads(threads))?;
     }
     let kernel = rec.gpu().kernel(&sum_key(n, r, layout), weight_grad_sum)?;
     let args = Args::new()
@@ -391,22 +702,8 @@ pub fn execute_lora_forward(
     if t == 0 {
         return Ok(());
     }
-    let (t, input, output, r) = (t as usize, input as usize, output as usize, r as usize);
-    project(
-        rec,
-        (x, a, h),
-        (t as u32, input as u32, r as u32),
-        Layout::RankMajor,
-    )?;
-    let gemm = linear::Gemm {
-        product: Product::Nt,
-        m: t,
-        n: output,
-        k: r,
-        accumulate: true,
-        tile: Tile::for_shape(t, output),
-    };
-    linear::execute_gemm(rec, &gemm, h, Weights::ScaledDense { w: b, scale }, y)
+    project(rec, (x, a, h), (t, input, r), Layout::RankMajor)?;
+    project_up(rec, (h, b, y), (t, output, r), Layout::RankMinor, scale)
 }
 
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
@@ -491,16 +788,7 @@ pub fn execute_input_grad(
     if t == 0 {
         return Ok(());
     }
-    let (t, input, r) = (t as usize, input as usize, r as usize);
-    let gemm = linear::Gemm {
-        product: Product::Nn,
-        m: t,
-        n: r,
-        k: input,
-        accumulate: true,
-        tile: Tile::for_shape(t, input),
-    };
-    linear::execute_gemm(rec, &gemm, dh, Weights::ScaledDense { w: a, scale }, dx)
+    project_up(rec, (dh, a, dx), (t, input, r), Layout::RankMajor, scale)
 }
 
 /// The buffers of one projection's LoRA backward.

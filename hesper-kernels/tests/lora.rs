@@ -4,13 +4,18 @@
 use hesper_kernels::lora::{self, LoraBackward, reference};
 use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
 
-/// (tokens, in, out, rank): tokens past one block of 64, widths not multiples of 256.
-/// The last has a rank past `lora_down`'s limit (32): its products go through the GEMM.
-const SHAPES: [(usize, usize, usize, usize); 5] = [
+/// (tokens, in, out, rank): widths that are and are not multiples of 4 (wide or scalar
+/// loads), of `lora_down`'s 128-column step (a ragged last step), ranks that are not multiples
+/// of 4 or of its rounds of 8; tokens past one `lora_down` tile (32), one weight-gradient block
+/// (256) and not a multiple of either. The last has a rank past the register kernels' limit (32):
+/// its products go through the GEMM.
+const SHAPES: [(usize, usize, usize, usize); 7] = [
     (1, 7, 5, 1),
     (5, 100, 130, 4),
     (37, 256, 96, 16),
     (130, 64, 300, 8),
+    (300, 644, 131, 12),
+    (531, 384, 260, 6),
     (5, 64, 48, 40),
 ];
 const SCALE: f32 = 2.0; // α/r with α = 2r: a scale of 0 (entrenar's bug) would fail every check
