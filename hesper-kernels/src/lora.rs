@@ -146,6 +146,8 @@ const DOWN_TQ: u32 = 8;
 const DOWN_KS: u32 = 32;
 const DOWN_TOKENS: u32 = 4 * DOWN_TQ;
 const DOWN_STEP: u32 = 4 * DOWN_KS;
+/// Floats per column of `lora_down`'s staged slice (see `down_with`).
+const DOWN_PITCH: u32 = 34;
 /// Partial sums per invocation per round of `lora_down`'s final reduction.
 const DOWN_ROUND: u32 = 8;
 
@@ -185,27 +187,31 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
     };
     let out = k.storage_rw::<f32>("out");
     let tokens = k.param::<u32>("tokens");
-    // Column-major slice: `DOWN_TOKENS` + 1 floats per column keep the transposing stores
-    // of consecutive invocations in distinct banks.
-    let pitch = DOWN_TOKENS + 1;
+    // Column-major slice, `DOWN_PITCH` floats per column: with `4·pitch ≡ 8 (mod 32)` the
+    // reads of a step's 8 × 4 invocations of a subgroup fall in distinct banks.
+    let pitch = DOWN_PITCH;
     let slice = k.workgroup_array::<f32>("slice", DOWN_STEP * pitch);
     let partial = k.workgroup_array::<f32>("partial", WG * DOWN_ROUND);
     let lid = k.let_("lid", k.local_index());
+    // Invocation `(ks, tq)` owns tokens `tq + 8·j` (j < 4) and columns `4·ks .. 4·ks + 4` of a step.
     let ks = k.let_("ks", &lid / DOWN_TQ);
     let tq = k.let_("tq", &lid % DOWN_TQ);
     let t0 = k.let_("t0", k.workgroup_index() * DOWN_TOKENS);
     let last = k.let_("last", &tokens - 1u32);
 
-    // The loads of a step: invocation `lid` reads element `lid + j·WG` of the slice's
-    // `DOWN_TOKENS × DOWN_STEP/N` wide elements. Rows past the last token read the last one
-    // (their sums are never stored); columns past `n` read zero.
+    // The loads of a step: the slice's `DOWN_TOKENS × DOWN_STEP/N` wide elements, shared out
+    // 32 at a time as 4 tokens × 8 consecutive elements (whole 128-byte rows of memory when
+    // wide, and transposing stores in distinct banks). Rows past the last token read the last
+    // one (their sums are never stored); columns past `n` read zero.
     let per_row = DOWN_STEP / C::N;
     let loads = DOWN_TOKENS * per_row / WG;
     let slots: Vec<(Expr<u32>, Expr<u32>, Expr<u32>)> = (0..loads)
         .map(|j| {
             let e = k.let_("e", &lid + j * WG);
-            let tr = k.let_("tr", &e / per_row);
-            let cq = k.let_("cq", &e % per_row);
+            let (chunk, lane) = (k.let_("chunk", &e / 32u32), k.let_("lane", &e % 32u32));
+            let across = per_row / 8;
+            let tr = k.let_("tr", &lane / 8u32 + (&chunk / across) * 4u32);
+            let cq = k.let_("cq", &lane % 8u32 + (&chunk % across) * 8u32);
             let row = k.let_("row", (&t0 + &tr).min(&last) * groups);
             (tr, cq, row)
         })
@@ -249,7 +255,7 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
             let col = k.let_("col", &ks * 4u32 + c);
             let i = k.let_("i", (&step * DOWN_STEP + &col).min(n - 1));
             let xs: Vec<Expr<f32>> = (0..4u32)
-                .map(|j| k.let_("x", slice.at(&col * pitch + &tq * 4u32 + j)))
+                .map(|j| k.let_("x", slice.at(&col * pitch + offset(&tq, DOWN_TQ * j))))
                 .collect();
             let ws = match (&w, layout) {
                 (w, Layout::RankMinor) => w.row(k, &i, r),
@@ -290,7 +296,7 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
             });
             // Output `o` of the round is token `o / r` of the invocation's four, rank `o % r`.
             let o = k.let_("o", &c + round * DOWN_ROUND);
-            let token = k.let_("token", &t0 + &otq * 4u32 + &o / r);
+            let token = k.let_("token", &t0 + &otq + &o / r * DOWN_TQ);
             k.if_(token.lt(&tokens), |k| {
                 k.store(&out, &token * r + &o % r, total.get())
             });
@@ -353,7 +359,9 @@ fn up_with<C: Columns>(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
     let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
     let groups = n / C::N;
-    let w = k.storage::<f32>("w");
+    // `A`'s rows are read as the invocation's columns at once; `B`'s element by element.
+    let w_rows = (layout == Layout::RankMajor).then(|| k.storage::<C>("w"));
+    let w = (layout == Layout::RankMinor).then(|| k.storage::<f32>("w"));
     let v = RankRows::declare(k, "v", r);
     let out = k.storage_rw::<C>("out");
     let tokens = k.param::<u32>("tokens");
@@ -365,10 +373,18 @@ fn up_with<C: Columns>(k: &mut KernelBuilder) {
         let block = k.let_("block", &i / groups);
         let weights: Vec<Expr<C>> = (0..r)
             .map(|kk| {
-                let lanes = (0..C::N)
-                    .map(|c| w.at(layout.at(&(&g * C::N + c), kk, n, r)))
-                    .collect();
-                k.let_("w", C::gather(lanes) * C::splat(scale.clone()))
+                let row = match &w_rows {
+                    Some(rows) => rows.at(&g + kk * groups),
+                    None => {
+                        let w = w.as_ref().expect("B is bound when A is not");
+                        C::gather(
+                            (0..C::N)
+                                .map(|c| w.at(layout.at(&(&g * C::N + c), kk, n, r)))
+                                .collect(),
+                        )
+                    }
+                };
+                k.let_("w", row * C::splat(scale.clone()))
             })
             .collect();
         let first = k.let_("first", &block * UP_TOKENS);
@@ -406,7 +422,11 @@ fn project_up(
     if r <= DOWN_MAX_RANK {
         let kernel = rec.gpu().kernel(&up_key(n, r, layout), up)?;
         let blocks = t.div_ceil(UP_TOKENS);
-        let args = bind_rank_rows(Args::new(), "v", v, r).buffer("w", w);
+        let args = bind_rank_rows(Args::new(), "v", v, r);
+        let args = match layout {
+            Layout::RankMajor => bind_columns(args, "w", w, n),
+            Layout::RankMinor => args.buffer("w", w),
+        };
         let args = bind_columns(args, "out", out, n)
             .param("tokens", t)
             .param("blocks", blocks)
