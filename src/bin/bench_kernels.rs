@@ -5,7 +5,11 @@
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_kernels                          # full sizes (H200)
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_kernels     # small, lavapipe
+//! HESPER_BENCH_ONLY=lora,norm scripts/with-gpu cargo run --release --bin bench_kernels  # some groups
 //! ```
+//!
+//! Groups (for `HESPER_BENCH_ONLY`, comma-separated): elementwise, norm, softmax, lora,
+//! cross_entropy, adamw, gemm, ffn.
 
 use std::time::Duration;
 
@@ -72,67 +76,74 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     };
     let t = if quick { 64 } else { 4096 };
     let mut rows: Vec<Row> = vec![];
+    let only = std::env::var("HESPER_BENCH_ONLY").ok();
+    let wanted = |group: &str| {
+        only.as_deref()
+            .is_none_or(|only| only.split(',').any(|g| g.trim() == group))
+    };
 
     // --- elementwise FFN backward: 3 reads, 2 writes
-    for (name, width, target) in [
-        ("relu_sqr_mul_backward", 6912, "≥ 0.95"),
-        ("swiglu_backward", 6912, "≥ 0.95"),
-        ("relu_sqr_mul_backward", 1536, "≥ 0.85"),
-        ("swiglu_backward", 1536, "≥ 0.85"),
-    ] {
-        let n = t * width;
-        let (g, u, d) = (
-            filled(&gpu, n, 1)?,
-            filled(&gpu, n, 2)?,
-            filled(&gpu, n, 3)?,
-        );
-        let (mut dg, mut du) = (gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?);
-        let m = bench(&gpu, name, config, |rec: &mut Recorder<'_>| {
-            if name == "swiglu_backward" {
-                ffn::execute_swiglu_backward(rec, &g, &u, &d, &mut dg, &mut du)
-            } else {
-                ffn::execute_relu_sqr_mul_backward(rec, &g, &u, &d, &mut dg, &mut du)
-            }
-        })?;
-        rows.push(bandwidth(
-            name,
-            format!("{t}×{width}"),
-            m,
-            5.0 * 4.0 * n as f64,
-            target,
-        ));
+    if wanted("elementwise") {
+        for (name, width, target) in [
+            ("relu_sqr_mul_backward", 6912, "≥ 0.95"),
+            ("swiglu_backward", 6912, "≥ 0.95"),
+            ("relu_sqr_mul_backward", 1536, "≥ 0.85"),
+            ("swiglu_backward", 1536, "≥ 0.85"),
+        ] {
+            let n = t * width;
+            let (g, u, d) = (
+                filled(&gpu, n, 1)?,
+                filled(&gpu, n, 2)?,
+                filled(&gpu, n, 3)?,
+            );
+            let (mut dg, mut du) = (gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?);
+            let m = bench(&gpu, name, config, |rec: &mut Recorder<'_>| {
+                if name == "swiglu_backward" {
+                    ffn::execute_swiglu_backward(rec, &g, &u, &d, &mut dg, &mut du)
+                } else {
+                    ffn::execute_relu_sqr_mul_backward(rec, &g, &u, &d, &mut dg, &mut du)
+                }
+            })?;
+            rows.push(bandwidth(
+                name,
+                format!("{t}×{width}"),
+                m,
+                5.0 * 4.0 * n as f64,
+                target,
+            ));
+        }
     }
-
     // --- RMSNorm backward (dx): reads x, dy, writes dx (γ and rstd are small)
-    for (cols, target) in [(2560, "≥ 0.85"), (576, "≥ 0.70")] {
-        let n = t * cols;
-        let (x, gamma, dy) = (
-            filled(&gpu, n, 4)?,
-            filled(&gpu, cols, 5)?,
-            filled(&gpu, n, 6)?,
-        );
-        let (mut y, mut rstd, mut dx) = (
-            gpu.zeros::<f32>(n)?,
-            gpu.zeros::<f32>(t)?,
-            gpu.zeros::<f32>(n)?,
-        );
-        let mut rec = gpu.recorder();
-        norm::execute_rms_norm_forward(&mut rec, &x, &gamma, &mut y, &mut rstd, 1e-5)?;
-        rec.submit()?;
-        let m = bench(&gpu, "rms_norm_backward", config, |rec| {
-            norm::execute_rms_norm_backward(rec, &x, &gamma, &rstd, &dy, &mut dx, false)
-        })?;
-        rows.push(bandwidth(
-            "rms_norm_backward (dx)",
-            format!("{t}×{cols}"),
-            m,
-            3.0 * 4.0 * n as f64,
-            target,
-        ));
+    if wanted("norm") {
+        for (cols, target) in [(2560, "≥ 0.85"), (576, "≥ 0.70")] {
+            let n = t * cols;
+            let (x, gamma, dy) = (
+                filled(&gpu, n, 4)?,
+                filled(&gpu, cols, 5)?,
+                filled(&gpu, n, 6)?,
+            );
+            let (mut y, mut rstd, mut dx) = (
+                gpu.zeros::<f32>(n)?,
+                gpu.zeros::<f32>(t)?,
+                gpu.zeros::<f32>(n)?,
+            );
+            let mut rec = gpu.recorder();
+            norm::execute_rms_norm_forward(&mut rec, &x, &gamma, &mut y, &mut rstd, 1e-5)?;
+            rec.submit()?;
+            let m = bench(&gpu, "rms_norm_backward", config, |rec| {
+                norm::execute_rms_norm_backward(rec, &x, &gamma, &rstd, &dy, &mut dx, false)
+            })?;
+            rows.push(bandwidth(
+                "rms_norm_backward (dx)",
+                format!("{t}×{cols}"),
+                m,
+                3.0 * 4.0 * n as f64,
+                target,
+            ));
+        }
     }
-
     // --- softmax backward 8×20×512×512
-    {
+    if wanted("softmax") {
         let (rows_n, cols) = (if quick { 64 } else { 8 * 20 * 512 }, 512);
         let n = rows_n * cols;
         let (p, dp) = (filled(&gpu, n, 7)?, filled(&gpu, n, 8)?);
@@ -150,7 +161,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- LoRA backward, one projection, r = 16, 4096 × 2560 → 2560
-    {
+    if wanted("lora") {
         let (d, r) = (2560usize, 16usize);
         let (x, a, b, dy) = (
             filled(&gpu, t * d, 9)?,
@@ -197,7 +208,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- cross-entropy forward+backward, SmolLM2's vocabulary
-    {
+    if wanted("cross_entropy") {
         let (tokens, vocab) = (if quick { 16 } else { 4096 }, 49152usize);
         let z = filled(&gpu, tokens * vocab, 14)?;
         let labels = gpu.upload(
@@ -230,7 +241,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- AdamW on 16M parameters: reads θ, g, m, v; writes θ, m, v
-    {
+    if wanted("adamw") {
         let n = if quick { 1 << 16 } else { 16 << 20 };
         let g = filled(&gpu, n, 15)?;
         let (mut theta, mut m_state, mut v_state) = (
@@ -257,7 +268,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- f32 GEMM at 4096×2560×6912 (BitNet 2B's FFN): forward NT and backward NN, by tile
-    {
+    if wanted("gemm") {
         let (m, n, k) = if quick {
             (64, 256, 128)
         } else {
@@ -323,7 +334,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- one layer's whole FFN backward (SwiGLU), T × 2560 → 6912
-    {
+    if wanted("ffn") {
         let (d, i) = if quick { (64, 96) } else { (2560, 6912) };
         let (x, gamma, rstd) = (
             filled(&gpu, t * d, 20)?,
