@@ -142,14 +142,16 @@ fn bind_columns<'a>(args: Args<'a>, name: &'a str, buf: &'a GpuBuffer<f32>, n: u
 const DOWN_MAX_RANK: u32 = 32;
 /// `lora_down`'s tile: `DOWN_TQ` invocations along the tokens (four tokens each) times
 /// `DOWN_KS` along the columns (four columns each per step).
-const DOWN_TQ: u32 = 8;
-const DOWN_KS: u32 = 32;
+const DOWN_TQ: u32 = 4;
+const DOWN_KS: u32 = 64;
 const DOWN_TOKENS: u32 = 4 * DOWN_TQ;
 const DOWN_STEP: u32 = 4 * DOWN_KS;
 /// Floats per column of `lora_down`'s staged slice (see `down_with`).
-const DOWN_PITCH: u32 = 34;
-/// Partial sums per invocation per round of `lora_down`'s final reduction.
+const DOWN_PITCH: u32 = 18;
+/// Partial sums per invocation per round of `lora_down`'s final reduction, and column slices
+/// added by one invocation in its first level.
 const DOWN_ROUND: u32 = 8;
+const DOWN_SPAN: u32 = 8;
 
 fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
     KernelKey::new("lora_down")
@@ -188,12 +190,15 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
     let out = k.storage_rw::<f32>("out");
     let tokens = k.param::<u32>("tokens");
     // Column-major slice, `DOWN_PITCH` floats per column: with `4·pitch ≡ 8 (mod 32)` the
-    // reads of a step's 8 × 4 invocations of a subgroup fall in distinct banks.
+    // reads of a subgroup (8 slices × 4 tokens) fall in at most two invocations a bank.
     let pitch = DOWN_PITCH;
     let slice = k.workgroup_array::<f32>("slice", DOWN_STEP * pitch);
     let partial = k.workgroup_array::<f32>("partial", WG * DOWN_ROUND);
+    let group_sums =
+        k.workgroup_array::<f32>("group_sums", DOWN_KS / DOWN_SPAN * DOWN_TQ * DOWN_ROUND);
     let lid = k.let_("lid", k.local_index());
-    // Invocation `(ks, tq)` owns tokens `tq + 8·j` (j < 4) and columns `4·ks .. 4·ks + 4` of a step.
+    // Invocation `(ks, tq)` owns tokens `tq + DOWN_TQ·j` (j < 4) and columns `4·ks .. 4·ks + 4`
+    // of a step.
     let ks = k.let_("ks", &lid / DOWN_TQ);
     let tq = k.let_("tq", &lid % DOWN_TQ);
     let t0 = k.let_("t0", k.workgroup_index() * DOWN_TOKENS);
@@ -275,10 +280,13 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
         k.workgroup_barrier();
     });
     k.comment("Add the column slices' partial sums, DOWN_ROUND per invocation a round.");
+    // Two levels, so that every invocation helps: groups of DOWN_SPAN slices, then the groups.
+    let groups = DOWN_KS / DOWN_SPAN;
     for round in 0..(4 * r).div_ceil(DOWN_ROUND) {
         let outputs: Vec<u32> =
             (round * DOWN_ROUND..((round + 1) * DOWN_ROUND).min(4 * r)).collect();
         let len = outputs.len() as u32;
+        let count = DOWN_TQ * len;
         for (c, o) in outputs.iter().enumerate() {
             k.store(
                 &partial,
@@ -287,15 +295,27 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
             );
         }
         k.workgroup_barrier();
-        k.if_(lid.lt(DOWN_TQ * len), |k| {
-            let otq = k.let_("otq", &lid / len);
-            let c = k.let_("c", &lid % len);
+        k.if_(lid.lt(groups * count), |k| {
+            let group = k.let_("group", &lid / count);
+            let at = k.let_("at", &lid % count);
+            let otq = k.let_("otq", &at / len);
+            let c = k.let_("c", &at % len);
             let total = k.var("total", 0.0f32);
-            k.for_range("s", 0u32, DOWN_KS, |k, s| {
+            for q in 0..DOWN_SPAN {
+                let s = k.let_("s", &group * DOWN_SPAN + q);
                 k.add_assign(&total, partial.at((&s * DOWN_TQ + &otq) * DOWN_ROUND + &c));
-            });
+            }
+            k.store(&group_sums, &group * count + &at, total.get());
+        });
+        k.workgroup_barrier();
+        k.if_(lid.lt(count), |k| {
+            let total = k.var("total", 0.0f32);
+            for g in 0..groups {
+                k.add_assign(&total, group_sums.at(offset(&lid, g * count)));
+            }
             // Output `o` of the round is token `o / r` of the invocation's four, rank `o % r`.
-            let o = k.let_("o", &c + round * DOWN_ROUND);
+            let otq = k.let_("otq", &lid / len);
+            let o = k.let_("o", &lid % len + round * DOWN_ROUND);
             let token = k.let_("token", &t0 + &otq + &o / r * DOWN_TQ);
             k.if_(token.lt(&tokens), |k| {
                 k.store(&out, &token * r + &o % r, total.get())
@@ -465,6 +485,8 @@ const TOKENS_PER_BLOCK: u32 = GRAD_LANES * GRAD_TOKENS;
 /// Token rows read before computing, and sums per invocation per round of the lanes' reduction.
 const GRAD_UNROLL: u32 = 4;
 const GRAD_ROUND: u32 = 16;
+/// Blocks the second pass reads per step.
+const SUM_LOADS: u32 = 16;
 
 fn partials_key(n: u32, r: u32) -> KernelKey {
     KernelKey::new("lora_weight_grad_partials")
@@ -584,18 +606,23 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
     k.if_(i.lt(n * r), |k| {
         let j = k.let_("j", &i / r);
         let kk = k.let_("k", &i % r);
-        // Four independent sums, so four loads are in flight per step; a block past the last
-        // reads the last one (in range) and adds nothing.
-        let accs: Vec<_> = (0..4).map(|_| k.var("acc", 0.0f32)).collect();
+        // SUM_LOADS independent sums, so that many loads are in flight per step (a 4096-token
+        // backward has 16 blocks: one step); a block past the last reads the last one (in
+        // range) and adds nothing.
+        let accs: Vec<_> = (0..SUM_LOADS).map(|_| k.var("acc", 0.0f32)).collect();
         let last = k.let_("last", &blocks - 1u32);
-        k.for_step("b", 0u32, &blocks, 4u32, |k, b| {
+        k.for_step("b", 0u32, &blocks, SUM_LOADS, |k, b| {
             for (q, acc) in accs.iter().enumerate() {
-                let bq = k.let_("bq", (&b + q as u32).min(&last));
-                let live = (&b + q as u32).lt(&blocks);
+                let bq = k.let_("bq", offset(&b, q as u32).min(&last));
+                let live = offset(&b, q as u32).lt(&blocks);
                 k.add_assign(acc, select(live, partials.at(&bq * (n * r) + &i), 0.0f32));
             }
         });
-        let total = accs[0].get() + accs[1].get() + accs[2].get() + accs[3].get();
+        let total = accs
+            .iter()
+            .map(|acc| acc.get())
+            .reduce(|a, b| a + b)
+            .expect("SUM_LOADS > 0");
         k.store(&grad, layout.at(&j, &kk, n, r), &scale * total);
     });
 }

@@ -52,8 +52,13 @@ fn rms_norm_forward(
 /// columns go as `vec4`s; subgroups speed the row reduction up where the device has them.
 fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
     let lanes = if cols.is_multiple_of(4) { 4 } else { 1 };
-    // A few elements per invocation kept in registers (2–4 vec4s), at least one NVIDIA warp.
-    let wg = ((cols / lanes).next_power_of_two() / 4).clamp(32, 256);
+    // At most three elements per invocation, kept in registers, in a multiple of 16
+    // invocations (at 576 columns: 48 × 3 vec4s, no ragged step; 0.69 of copy on the H200
+    // against 0.67 with 64 × 2.25) and at least one NVIDIA warp.
+    let wg = (cols / lanes)
+        .div_ceil(3)
+        .next_multiple_of(16)
+        .clamp(32, 256);
     KernelKey::new("rms_norm_backward")
         .workgroup_size(wg)
         .shape("cols", cols)

@@ -5,8 +5,8 @@ use hesper_kernels::lora::{self, LoraBackward, reference};
 use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
 
 /// (tokens, in, out, rank): widths that are and are not multiples of 4 (wide or scalar
-/// loads), of `lora_down`'s 128-column step (a ragged last step), ranks that are not multiples
-/// of 4 or of its rounds of 8; tokens past one `lora_down` tile (32), one weight-gradient block
+/// loads), of `lora_down`'s 256-column step (a ragged last step), ranks that are not multiples
+/// of 4 or of its rounds of 8; tokens past one `lora_down` tile (16), one weight-gradient block
 /// (256) and not a multiple of either. The last has a rank past the register kernels' limit (32):
 /// its products go through the GEMM.
 const SHAPES: [(usize, usize, usize, usize); 7] = [

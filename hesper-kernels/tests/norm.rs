@@ -4,7 +4,9 @@ use hesper_kernels::norm::{self, reference};
 use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
 
 /// (rows, cols): columns that are and are not multiples of the workgroup (256).
-const SHAPES: [(usize, usize); 5] = [(1, 7), (3, 256), (5, 1000), (33, 2560), (70, 96)];
+/// (rows, cols): scalar and vec4 rows, one to three elements per invocation, with and without
+/// a ragged last step (576: 48 invocations × 3 vec4s exactly).
+const SHAPES: [(usize, usize); 6] = [(1, 7), (3, 256), (5, 1000), (33, 2560), (70, 96), (4, 576)];
 const EPS: f32 = 1e-5;
 
 #[test]
