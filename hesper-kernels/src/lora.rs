@@ -7,11 +7,17 @@
 //! - `grad_a`:     `dA = s·dhᵀ·x`              `[r, in]`
 //! - `input_grad`: `dx += s·dh·A`              `[T, in]` (added: `dx` also gets `dy·W`)
 //!
-//! The products into `r` (`x·Aᵀ`, `dy·B`, only `r` wide) go through `lora_down`, which shares each
-//! weight read among several tokens; those out of `r` (`s·h·Bᵀ`, `s·dh·A`) are tiled GEMMs
-//! ([`crate::linear`]). The weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`) sum over
-//! tokens in two passes: partials per block of tokens (each invocation keeps `r` sums in
-//! registers and reads `u` once), then a sum over blocks — no float atomics.
+//! Every product here is a stream over a `[T, width]` matrix with a small `r` beside it, so each
+//! kernel keeps its `r`-sized state in registers and reads the big operand once, four columns
+//! at a time when the width allows:
+//! - `lora_down`: the products into `r` (`x·Aᵀ`, `dy·B`), a reduction along each row, through a
+//!   slice of rows staged transposed in workgroup memory;
+//! - `lora_up`: the products out of `r` (`s·h·Bᵀ`, `s·dh·A`), which read and write each output
+//!   once;
+//! - the weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`), summed over tokens
+//!   in two passes: partials per block of 256 tokens, then a sum over blocks (no float atomics).
+//!
+//! Ranks past 32 (more sums than registers) go through the tiled GEMM ([`crate::linear`]).
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::ty::{HostShareable, Numeric};
