@@ -188,6 +188,13 @@ impl Gpu {
         f
     }
 
+    /// The size of every subgroup, when the device has subgroups of one fixed size (NVIDIA: 32,
+    /// lavapipe: 8): kernels that lay data out by lane need it when they are built.
+    pub fn subgroup_size(&self) -> Option<u32> {
+        let (min, max) = (self.info.subgroup_min_size, self.info.subgroup_max_size);
+        (self.features.contains(wgpu::Features::SUBGROUP) && min == max).then_some(min)
+    }
+
     pub fn supports_f16(&self) -> bool {
         self.features.contains(wgpu::Features::SHADER_F16)
     }
