@@ -33,6 +33,9 @@ pub struct GpuOptions {
     /// Rebuild the kernel on every pipeline-cache hit and check that its WGSL is unchanged, so a
     /// kernel whose text depends on something outside its key is caught. On in debug builds.
     pub verify_cache_hits: bool,
+    /// Ask for `SUBGROUP` when the adapter has it (the default). Off, kernels take their paths
+    /// for devices without subgroups: how those paths are tested on a device that has them.
+    pub subgroups: bool,
 }
 
 // Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
@@ -44,6 +47,7 @@ impl Default for GpuOptions {
             cooperative_matrix: false,
             pipeline_cache_file: None,
             verify_cache_hits: cfg!(debug_assertions),
+            subgroups: true,
         }
     }
 }
@@ -107,6 +111,9 @@ impl Gpu {
         let mut wanted = WANTED;
         if options.cooperative_matrix {
             wanted |= wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+        }
+        if !options.subgroups {
+            wanted.remove(wgpu::Features::SUBGROUP);
         }
         let features = adapter.features() & wanted;
         let limits = adapter.limits();

@@ -13,6 +13,22 @@ pub fn gpu() -> &'static Gpu {
     })
 }
 
+/// A second device on the same adapter without subgroups, for the paths of devices that lack
+/// them.
+pub fn gpu_without_subgroups() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let options = hesper_exec::GpuOptions {
+            subgroups: false,
+            ..Default::default()
+        };
+        match Gpu::with_options(options) {
+            Ok(g) => g,
+            Err(e) => panic!("the GPU tests need an adapter: {e}"),
+        }
+    })
+}
+
 /// xorshift64*: fresh, reproducible inputs per seed.
 pub struct Rng(u64);
 

@@ -1,13 +1,25 @@
 //! Single-token attention backward and the softmax backward on the GPU against f64 references;
 //! the references against finite differences.
 
+use hesper_exec::Gpu;
 use hesper_kernels::attention::{self, DecodeGrads, DecodeInputs, DecodeShape, reference};
 use hesper_kernels::rope::{self, reference as rope_ref};
-use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+use hesper_kernels::testing::{
+    Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
+};
 
 #[test]
 fn softmax_backward_matches_reference() {
-    let g = gpu();
+    softmax_backward_matches_reference_on(gpu());
+}
+
+/// The paths for devices without subgroups, on this one.
+#[test]
+fn softmax_backward_matches_reference_without_subgroups() {
+    softmax_backward_matches_reference_on(gpu_without_subgroups());
+}
+
+fn softmax_backward_matches_reference_on(g: &Gpu) {
     for (seed, (rows, cols)) in [(1, 1), (3, 7), (20, 512), (5, 1000)]
         .into_iter()
         .enumerate()

@@ -1,8 +1,11 @@
 //! LoRA forward and backward on the GPU against the f64 reference, and the reference against
 //! finite differences.
 
+use hesper_exec::Gpu;
 use hesper_kernels::lora::{self, LoraBackward, reference};
-use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+use hesper_kernels::testing::{
+    Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
+};
 
 /// (tokens, in, out, rank): widths that are and are not multiples of 4 (wide or scalar
 /// loads), of `lora_down`'s 256-column step (a ragged last step), ranks that are not multiples
@@ -22,7 +25,16 @@ const SCALE: f32 = 2.0; // α/r with α = 2r: a scale of 0 (entrenar's bug) woul
 
 #[test]
 fn forward_and_backward_match_reference() {
-    let g = gpu();
+    forward_and_backward_match_reference_on(gpu());
+}
+
+/// The paths for devices without subgroups, on this one.
+#[test]
+fn forward_and_backward_match_reference_without_subgroups() {
+    forward_and_backward_match_reference_on(gpu_without_subgroups());
+}
+
+fn forward_and_backward_match_reference_on(g: &Gpu) {
     for (seed, (t, input, output, r)) in SHAPES.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 11);
         let x = rng.vec(t * input, 1.0);

@@ -1,7 +1,10 @@
 //! RMSNorm on the GPU against the f64 reference, and the reference against finite differences.
 
+use hesper_exec::Gpu;
 use hesper_kernels::norm::{self, reference};
-use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+use hesper_kernels::testing::{
+    Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
+};
 
 /// (rows, cols): columns that are and are not multiples of the workgroup (256).
 /// (rows, cols): scalar and vec4 rows, one to three elements per invocation, with and without
@@ -42,7 +45,16 @@ fn forward_matches_reference() {
 
 #[test]
 fn backward_matches_reference_and_adds_to_the_residual() {
-    let g = gpu();
+    backward_matches_reference_and_adds_to_the_residual_on(gpu());
+}
+
+/// The paths for devices without subgroups, on this one.
+#[test]
+fn backward_matches_reference_and_adds_to_the_residual_without_subgroups() {
+    backward_matches_reference_and_adds_to_the_residual_on(gpu_without_subgroups());
+}
+
+fn backward_matches_reference_and_adds_to_the_residual_on(g: &Gpu) {
     for (seed, (rows, cols)) in SHAPES.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 50);
         let (x, gamma, dy) = (
