@@ -370,7 +370,7 @@ fn butterfly_steps(size: u32, mut count: u32) -> Vec<(u32, Option<u32>)> {
     let mut steps = vec![];
     let mut mask = size / 2;
     while mask >= 1 {
-        let half = (count > 1).then(|| count / 2);
+        let half = (count > 1).then_some(count / 2);
         count = half.unwrap_or(1);
         steps.push((mask, half));
         mask /= 2;
