@@ -548,8 +548,11 @@ fn project(
     (t, n, r): (u32, u32, u32),
     layout: Layout,
 ) -> Result<(), ExecError> {
+    // Subgroups of 8 to 256 invocations: with fewer, the subgroups' sums of a batch would
+    // outgrow workgroup memory at the largest ranks.
     if r <= DOWN_MAX_RANK
         && let Some(size) = rec.gpu().subgroup_size()
+        && (8..=SG_WG).contains(&size)
     {
         let key = down_subgroups_key(n, r, layout, size);
         let kernel = rec.gpu().kernel(&key, down_subgroups)?;
@@ -1201,5 +1204,97 @@ pub mod reference {
             }
         }
         (da, db, dx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Subgroup sizes, ranks and widths no test device runs: every `lora_down_subgroups` the
+    /// executor may pick must build (naga validates it, workgroup memory within 32 KiB).
+    #[test]
+    fn subgroup_down_builds_for_every_size_it_is_chosen_for() {
+        for size in [8, 16, 32, 64, 128, 256] {
+            for r in [1, 3, 4, 6, 12, 16, 17, 32] {
+                for n in [7, 64, 2560] {
+                    for layout in [Layout::RankMajor, Layout::RankMinor] {
+                        let key = down_subgroups_key(n, r, layout, size);
+                        if let Err(e) = Kernel::build(&key, down_subgroups) {
+                            panic!("size {size}, rank {r}, width {n}, {layout:?}: {e}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The butterfly's bookkeeping against its data movement, on the host: after the
+    /// exchanges `subgroup_butterfly` makes, the invocation whose lane bits are clear in
+    /// `copies` holds, from `first` on, the subgroup's sums of those values.
+    #[test]
+    fn butterfly_ranks_name_the_sums_each_invocation_holds() {
+        for size in [1u32, 2, 4, 8, 16, 32, 64, 128] {
+            for count in [1u32, 2, 4, 8, 16, 32] {
+                let mut vals: Vec<Vec<f64>> = (0..size)
+                    .map(|lane| {
+                        (0..count)
+                            .map(|i| (lane * 1000 + i * 7 + 1) as f64)
+                            .collect()
+                    })
+                    .collect();
+                let steps = butterfly_steps(size, count);
+                for &(mask, half) in &steps {
+                    vals = (0..size as usize)
+                        .map(|lane| {
+                            let partner = lane ^ mask as usize;
+                            match half {
+                                Some(h) => {
+                                    let (h, upper) = (h as usize, lane & mask as usize != 0);
+                                    (0..h)
+                                        .map(|j| {
+                                            // Keep one half, receive the partner's other half.
+                                            let (keep, got) = if upper {
+                                                (vals[lane][j + h], vals[partner][j + h])
+                                            } else {
+                                                (vals[lane][j], vals[partner][j])
+                                            };
+                                            keep + got
+                                        })
+                                        .collect()
+                                }
+                                None => vec![vals[lane][0] + vals[partner][0]],
+                            }
+                        })
+                        .collect();
+                }
+                let copies: u32 = steps
+                    .iter()
+                    .filter(|(_, half)| half.is_none())
+                    .map(|(mask, _)| mask)
+                    .sum();
+                for lane in 0..size {
+                    let first: u32 = steps
+                        .iter()
+                        .filter_map(|&(mask, half)| half.filter(|_| lane & mask != 0))
+                        .sum();
+                    for (q, got) in vals[lane as usize].iter().enumerate() {
+                        let i = first + q as u32;
+                        let want: f64 = (0..size).map(|l| (l * 1000 + i * 7 + 1) as f64).sum();
+                        assert_eq!(
+                            *got, want,
+                            "size {size}, count {count}, lane {lane}, rank {i}"
+                        );
+                    }
+                    // Invocations that differ only in `copies` bits hold the same sums.
+                    let twin = (lane & !copies) as usize;
+                    assert_eq!(
+                        vals[lane as usize], vals[twin],
+                        "size {size}, count {count}"
+                    );
+                }
+                assert_eq!(vals[0].len() as u32, (count / size).max(1));
+            }
+        }
     }
 }
