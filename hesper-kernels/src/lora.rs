@@ -159,12 +159,26 @@ const DOWN_PITCH: u32 = 18;
 const DOWN_ROUND: u32 = 8;
 const DOWN_SPAN: u32 = 8;
 
-fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
-    KernelKey::new("lora_down")
+/// The key of kernel `name` over rows `n` wide, with a rank-`r` weight laid out as `layout`.
+fn adapter_key(name: &str, n: u32, r: u32, layout: Layout) -> KernelKey {
+    KernelKey::new(name)
         .workgroup_size(WG)
         .shape("n", n)
         .shape("rank", r)
         .shape("rank_minor", layout.shape())
+}
+
+/// Builds `body` for the row width `n` of the key: four columns an invocation when it allows.
+fn by_width(k: &mut KernelBuilder, body: fn(&mut KernelBuilder), narrow: fn(&mut KernelBuilder)) {
+    if wide(k.shape::<u32>("n")) {
+        body(k)
+    } else {
+        narrow(k)
+    }
+}
+
+fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
+    adapter_key("lora_down", n, r, layout)
 }
 
 /// `out[t, k] = Σ_i a[t, i]·W(i, k)` for `k < r` — a product whose output is only `r` wide
@@ -175,11 +189,7 @@ fn down_key(n: u32, r: u32, layout: Layout) -> KernelKey {
 /// sums, reading `W` rows that its neighbours share. The `DOWN_KS` partial sums of each output
 /// are added in workgroup memory at the end.
 fn down(k: &mut KernelBuilder) {
-    if wide(k.shape::<u32>("n")) {
-        down_with::<Vec4<f32>>(k)
-    } else {
-        down_with::<f32>(k)
-    }
+    by_width(k, down_with::<Vec4<f32>>, down_with::<f32>)
 }
 
 fn down_with<C: Columns>(k: &mut KernelBuilder) {
@@ -334,15 +344,11 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
 /// `lora_down_subgroups`: tokens per workgroup, invocations per workgroup, and token rows read
 /// before computing.
 const SG_TOKENS: u32 = 16;
-const SG_WG: u32 = 256;
+const SG_WG: u32 = WG;
 const SG_UNROLL: u32 = 4;
 
 fn down_subgroups_key(n: u32, r: u32, layout: Layout, subgroup_size: u32) -> KernelKey {
-    KernelKey::new("lora_down_subgroups")
-        .workgroup_size(SG_WG)
-        .shape("n", n)
-        .shape("rank", r)
-        .shape("rank_minor", layout.shape())
+    adapter_key("lora_down_subgroups", n, r, layout)
         .shape("lanes", subgroup_size)
         .features(Features::SUBGROUPS)
 }
@@ -356,11 +362,11 @@ fn down_subgroups_key(n: u32, r: u32, layout: Layout, subgroup_size: u32) -> Ker
 /// sums in registers over all the chunks instead, with no barrier, measured slower on the H200:
 /// 47 against 43 µs at 4096 × 2560.)
 fn down_subgroups(k: &mut KernelBuilder) {
-    if wide(k.shape::<u32>("n")) {
-        down_subgroups_with::<Vec4<f32>>(k)
-    } else {
-        down_subgroups_with::<f32>(k)
-    }
+    by_width(
+        k,
+        down_subgroups_with::<Vec4<f32>>,
+        down_subgroups_with::<f32>,
+    )
 }
 
 /// The steps of a butterfly over `size` invocations holding `count` (a power of two) values
@@ -591,22 +597,14 @@ const UP_TOKENS: u32 = 16;
 const UP_UNROLL: u32 = 4;
 
 fn up_key(n: u32, r: u32, layout: Layout) -> KernelKey {
-    KernelKey::new("lora_up")
-        .workgroup_size(WG)
-        .shape("n", n)
-        .shape("rank", r)
-        .shape("rank_minor", layout.shape())
+    adapter_key("lora_up", n, r, layout)
 }
 
 /// `out[t, c] += scale·Σ_k v[t, k]·W(k, c)` — a product out of `r` (`s·h·Bᵀ`, `s·dh·A`) that
 /// reads and writes each output once. An invocation keeps its columns' `r` weights (times
 /// `scale`) in registers and walks `UP_TOKENS` tokens, `UP_UNROLL` output reads in flight.
 fn up(k: &mut KernelBuilder) {
-    if wide(k.shape::<u32>("n")) {
-        up_with::<Vec4<f32>>(k)
-    } else {
-        up_with::<f32>(k)
-    }
+    by_width(k, up_with::<Vec4<f32>>, up_with::<f32>)
 }
 
 fn up_with<C: Columns>(k: &mut KernelBuilder) {
@@ -734,11 +732,11 @@ fn partials_key(n: u32, r: u32) -> KernelKey {
 /// block (`u` read wide, `GRAD_UNROLL` rows in flight); the lanes' sums are added in workgroup
 /// memory.
 fn weight_grad_partials(k: &mut KernelBuilder) {
-    if wide(k.shape::<u32>("n")) {
-        weight_grad_partials_with::<Vec4<f32>>(k)
-    } else {
-        weight_grad_partials_with::<f32>(k)
-    }
+    by_width(
+        k,
+        weight_grad_partials_with::<Vec4<f32>>,
+        weight_grad_partials_with::<f32>,
+    )
 }
 
 fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
