@@ -196,7 +196,7 @@ impl Gpu {
     }
 
     /// The size of every subgroup, when the device has subgroups of one fixed size (NVIDIA: 32,
-    /// lavapipe: 8): kernels that lay data out by lane need it when they are built.
+    /// lavapipe: 8 on x86 hosts): kernels that lay data out by lane need it when they are built.
     pub fn subgroup_size(&self) -> Option<u32> {
         let (min, max) = (self.info.subgroup_min_size, self.info.subgroup_max_size);
         (self.features.contains(wgpu::Features::SUBGROUP) && min == max).then_some(min)

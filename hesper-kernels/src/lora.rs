@@ -297,7 +297,7 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
     });
     k.comment("Add the column slices' partial sums, DOWN_ROUND per invocation a round.");
     // Two levels, so that every invocation helps: groups of DOWN_SPAN slices, then the groups.
-    let groups = DOWN_KS / DOWN_SPAN;
+    let slice_groups = DOWN_KS / DOWN_SPAN;
     for round in 0..(4 * r).div_ceil(DOWN_ROUND) {
         let outputs: Vec<u32> =
             (round * DOWN_ROUND..((round + 1) * DOWN_ROUND).min(4 * r)).collect();
@@ -311,7 +311,7 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
             );
         }
         k.workgroup_barrier();
-        k.if_(lid.lt(groups * count), |k| {
+        k.if_(lid.lt(slice_groups * count), |k| {
             let group = k.let_("group", &lid / count);
             let at = k.let_("at", &lid % count);
             let otq = k.let_("otq", &at / len);
@@ -326,7 +326,7 @@ fn down_with<C: Columns>(k: &mut KernelBuilder) {
         k.workgroup_barrier();
         k.if_(lid.lt(count), |k| {
             let total = k.var("total", 0.0f32);
-            for g in 0..groups {
+            for g in 0..slice_groups {
                 k.add_assign(&total, group_sums.at(offset(&lid, g * count)));
             }
             // Output `o` of the round is token `o / r` of the invocation's four, rank `o % r`.
@@ -554,35 +554,33 @@ fn project(
     (t, n, r): (u32, u32, u32),
     layout: Layout,
 ) -> Result<(), ExecError> {
-    // Subgroups of 8 to 256 invocations: with fewer, the subgroups' sums of a batch would
-    // outgrow workgroup memory at the largest ranks.
-    if r <= DOWN_MAX_RANK
-        && let Some(size) = rec.gpu().subgroup_size()
-        && (8..=SG_WG).contains(&size)
-    {
-        let key = down_subgroups_key(n, r, layout, size);
-        let kernel = rec.gpu().kernel(&key, down_subgroups)?;
-        let args = bind_columns(Args::new(), "a", a, n)
-            .buffer("out", out)
-            .param("tokens", t);
-        let args = match layout {
-            Layout::RankMinor => bind_rank_rows(args, "w", w, r),
-            Layout::RankMajor => bind_columns(args, "w", w, n),
-        };
-        let groups = t.div_ceil(SG_TOKENS);
-        return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * SG_WG as u64));
-    }
     if r <= DOWN_MAX_RANK {
-        let kernel = rec.gpu().kernel(&down_key(n, r, layout), down)?;
+        // Subgroups of 8 to 256 invocations: with fewer, the subgroups' sums of a batch would
+        // outgrow workgroup memory at the largest ranks.
+        let subgroups = rec
+            .gpu()
+            .subgroup_size()
+            .filter(|&size| (8..=SG_WG).contains(&size) && SG_WG.is_multiple_of(size));
         let args = bind_columns(Args::new(), "a", a, n)
             .buffer("out", out)
             .param("tokens", t);
-        let args = if layout == Layout::RankMinor {
-            bind_rank_rows(args, "w", w, r)
-        } else {
-            args.buffer("w", w)
+        // `B`'s rows of `r`; `A` wide along its rows in the subgroup kernel, by element else.
+        let args = match (layout, subgroups) {
+            (Layout::RankMinor, _) => bind_rank_rows(args, "w", w, r),
+            (Layout::RankMajor, Some(_)) => bind_columns(args, "w", w, n),
+            (Layout::RankMajor, None) => args.buffer("w", w),
         };
-        let groups = t.div_ceil(DOWN_TOKENS);
+        let (kernel, tokens_per_group) = match subgroups {
+            Some(size) => {
+                let key = down_subgroups_key(n, r, layout, size);
+                (rec.gpu().kernel(&key, down_subgroups)?, SG_TOKENS)
+            }
+            None => (
+                rec.gpu().kernel(&down_key(n, r, layout), down)?,
+                DOWN_TOKENS,
+            ),
+        };
+        let groups = t.div_ceil(tokens_per_group);
         return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * WG as u64));
     }
     let (t, n, r) = (t as usize, n as usize, r as usize);
@@ -806,7 +804,9 @@ fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
                     k.add_assign(&total, sums.at((l * GRAD_COLS + &ec) * GRAD_ROUND + &eo));
                 }
                 let eg = k.let_("eg", &g0 + &ec);
-                k.if_(eg.lt(groups), |k| {
+                // A block past the tokens (a workgroup the 2-D grid rounds up to) stores nothing.
+                let live = eg.lt(groups).and((&block * TOKENS_PER_BLOCK).lt(&tokens));
+                k.if_(live, |k| {
                     // Output `base + eo` is column `cc` of the invocation's, rank `kk`.
                     let o = k.let_("o", &eo + base);
                     let col = k.let_("col", &eg * C::N + &o / r);
@@ -923,15 +923,15 @@ fn launch_weight_grad(
         &GpuBuffer<f32>,
     ),
     (tokens, n, r): (u32, u32, u32),
-    layout: Layout,
-    scale: f32,
+    (layout, scale): (Layout, f32),
+    name: &str,
 ) -> Result<(), ExecError> {
     let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
-    let need = lora_scratch_len(tokens as usize, n.max(1) as usize, r as usize);
+    let need = lora_scratch_len(tokens as usize, n as usize, r as usize);
     if scratch.len() < need {
         return Err(ExecError::Binding {
-            kernel: "lora_weight_grad_partials".into(),
-            binding: "partials".into(),
+            kernel: name.into(),
+            binding: "scratch".into(),
             expected: format!("at least {need} elements (lora_scratch_len)"),
             given: format!("{} elements", scratch.len()),
         });
@@ -958,7 +958,10 @@ fn launch_weight_grad(
     rec.launch(&kernel, &args, Grid::Threads(n as u64 * r as u64))
 }
 
-/// Elements of the scratch buffer the weight gradients need for `tokens` × `max(in, out)` × `r`.
+/// Elements of the scratch buffer the weight gradients need: one partial sum per block of 256
+/// tokens per weight element, `⌈tokens / 256⌉·width·rank`, where `width` is `out` for
+/// [`execute_grad_b`], `in` for [`execute_grad_a`] and the larger of the two for
+/// [`execute_lora_backward`].
 pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
     tokens.div_ceil(TOKENS_PER_BLOCK as usize).max(1) * width * rank
 }
@@ -1026,8 +1029,8 @@ pub fn execute_grad_b(
         rec,
         (dy, h, scratch, db),
         (t, output, r),
-        Layout::RankMinor,
-        scale,
+        (Layout::RankMinor, scale),
+        name,
     )
 }
 
@@ -1050,8 +1053,8 @@ pub fn execute_grad_a(
         rec,
         (x, dh, scratch, da),
         (t, input, r),
-        Layout::RankMajor,
-        scale,
+        (Layout::RankMajor, scale),
+        name,
     )
 }
 

@@ -9,16 +9,19 @@ use hesper_kernels::testing::{
 
 /// (tokens, in, out, rank): widths that are and are not multiples of 4 (wide or scalar
 /// loads), of `lora_down`'s 256-column step (a ragged last step), ranks that are not multiples
-/// of 4 or of its rounds of 8; tokens past one `lora_down` tile (16), one weight-gradient block
+/// of 4 or of its rounds of 8, ranks past 16 (more sums than a subgroup of 8 or 16 has lanes) up
+/// to the register kernels' 32; tokens past one `lora_down` tile (16), one weight-gradient block
 /// (256) and not a multiple of either. The last has a rank past the register kernels' limit (32):
 /// its products go through the GEMM.
-const SHAPES: [(usize, usize, usize, usize); 7] = [
+const SHAPES: [(usize, usize, usize, usize); 9] = [
     (1, 7, 5, 1),
     (5, 100, 130, 4),
     (37, 256, 96, 16),
     (130, 64, 300, 8),
     (300, 644, 131, 12),
     (531, 384, 260, 6),
+    (40, 132, 64, 17),
+    (70, 96, 130, 32),
     (5, 64, 48, 40),
 ];
 const SCALE: f32 = 2.0; // α/r with α = 2r: a scale of 0 (entrenar's bug) would fail every check
@@ -172,7 +175,41 @@ fn pieces_match_reference() {
     let (_, _, want_dx) =
         reference::lora_backward(&f64s(&x), &f64s(&a), &f64s(&b), &f64s(&dy), r, SCALE as f64);
     assert_close("input_grad", &dx.read(g).unwrap(), &want_dx, 1e-5, 1e-5);
-    let _ = xb;
+    // The weight gradients one at a time, each with a scratch buffer of its own width (and
+    // one element short of it: an error naming the function and the buffer).
+    let zeros = vec![0.0; t * output];
+    let (h_ref, _) = reference::lora_forward(&f64s(&x), &f64s(&a), &f64s(&b), &zeros, r, 1.0);
+    let h: Vec<f32> = h_ref.iter().map(|v| *v as f32).collect();
+    let hb = g.upload(&h).unwrap();
+    let (want_da, want_db, _) =
+        reference::lora_backward(&f64s(&x), &f64s(&a), &f64s(&b), &f64s(&dy), r, SCALE as f64);
+    let mut db = g.filled(output * r, f32::NAN).unwrap();
+    let mut da = g.filled(r * input, f32::NAN).unwrap();
+    let mut scratch_b = g
+        .filled(lora::lora_scratch_len(t, output, r), f32::NAN)
+        .unwrap();
+    let mut scratch_a = g
+        .filled(lora::lora_scratch_len(t, input, r), f32::NAN)
+        .unwrap();
+    let mut rec = g.recorder();
+    lora::execute_grad_b(&mut rec, &dyb, &hb, r, SCALE, &mut scratch_b, &mut db).unwrap();
+    lora::execute_grad_a(&mut rec, &dh, &xb, r, SCALE, &mut scratch_a, &mut da).unwrap();
+    rec.submit().unwrap();
+    assert_close("grad_b", &db.read(g).unwrap(), &want_db, 1e-5, 1e-5);
+    assert_close("grad_a", &da.read(g).unwrap(), &want_da, 1e-5, 1e-5);
+    let mut short = g
+        .zeros::<f32>(lora::lora_scratch_len(t, output, r) - 1)
+        .unwrap();
+    let err = lora::execute_grad_b(&mut g.recorder(), &dyb, &hb, r, SCALE, &mut short, &mut db)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "kernel `grad_b`, binding `scratch`: expected at least {} elements (lora_scratch_len), given {} elements",
+            lora::lora_scratch_len(t, output, r),
+            short.len()
+        )
+    );
 }
 
 /// The reference backward is the gradient of `L = Σ dy ⊙ y` with `y = s·(x·Aᵀ)·Bᵀ`.
