@@ -713,7 +713,7 @@ const GRAD_TOKENS: u32 = 64;
 /// Tokens per partial sum (one workgroup row of lanes).
 const TOKENS_PER_BLOCK: u32 = GRAD_LANES * GRAD_TOKENS;
 /// Token rows read before computing, and sums per invocation per round of the lanes' reduction.
-const GRAD_UNROLL: u32 = 4;
+const GRAD_UNROLL: u32 = 8;
 const GRAD_ROUND: u32 = 16;
 /// Blocks the second pass reads per step.
 const SUM_LOADS: u32 = 16;
