@@ -10,8 +10,9 @@
 //! Every product here is a stream over a `[T, width]` matrix with a small `r` beside it, so each
 //! kernel keeps its `r`-sized state in registers and reads the big operand once, four columns
 //! at a time when the width allows:
-//! - `lora_down`: the products into `r` (`x·Aᵀ`, `dy·B`), a reduction along each row, through a
-//!   slice of rows staged transposed in workgroup memory;
+//! - `lora_down_subgroups` / `lora_down`: the products into `r` (`x·Aᵀ`, `dy·B`), a reduction
+//!   along each row: with subgroups of one known size, a butterfly of shuffles over each
+//!   subgroup's columns; else a slice of rows staged transposed in workgroup memory;
 //! - `lora_up`: the products out of `r` (`s·h·Bᵀ`, `s·dh·A`), which read and write each output
 //!   once;
 //! - the weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`), summed over tokens
