@@ -116,7 +116,7 @@ fn run(t: usize) -> Result<bool, Box<dyn std::error::Error>> {
         lora::reference::lora_backward(&lx, &a, &b, &dq, RANK, scale);
     let (want_h, _) = lora::reference::lora_forward(&lx, &a, &b, &vec![0.0; t * D], RANK, scale);
     let (lxb, ab, bb, dqb, hb) = (up(&lx)?, up(&a)?, up(&b)?, up(&dq)?, up(&want_h)?);
-    let (mut dh, mut scratch) = (nan(t * RANK)?, nan(lora::lora_scratch_len(t, D, RANK))?);
+    let (mut dh, mut scratch) = (nan(t * RANK)?, nan(lora::lora_scratch_len(t, D + D, RANK))?);
     let (mut da, mut db, mut dlx) = (nan(RANK * D)?, nan(D * RANK)?, gpu.zeros::<f32>(t * D)?);
 
     // ---- one recorder, one submit

@@ -745,6 +745,8 @@ fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
     let v = RankRows::declare(k, "v", r);
     let partials = k.storage_rw::<f32>("partials");
     let tokens = k.param::<u32>("tokens");
+    // Where this gradient's partials start in `partials` (the fused backward keeps two).
+    let first_partial = k.param::<u32>("base");
     let sums = k.workgroup_array::<f32>("sums", GRAD_LANES * GRAD_COLS * GRAD_ROUND);
     let lid = k.let_("lid", k.local_index());
     let lane = k.let_("lane", &lid / GRAD_COLS);
@@ -811,7 +813,8 @@ fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
                     // Output `base + eo` is column `cc` of the invocation's, rank `kk`.
                     let o = k.let_("o", &eo + base);
                     let col = k.let_("col", &eg * C::N + &o / r);
-                    k.store(&partials, (&block * n + &col) * r + &o % r, total.get());
+                    let at = &first_partial + (&block * n + &col) * r + &o % r;
+                    k.store(&partials, at, total.get());
                 });
             });
         }
@@ -819,36 +822,36 @@ fn weight_grad_partials_with<C: Columns>(k: &mut KernelBuilder) {
     }
 }
 
-fn sum_key(n: u32, r: u32, layout: Layout) -> KernelKey {
-    KernelKey::new("lora_weight_grad_sum")
-        .workgroup_size(WG)
-        .shape("n", n)
-        .shape("rank", r)
-        .shape("rank_minor", layout.shape())
+/// The second pass's key: one gradient `n` wide in `layout`, and, when `second` is not 0, a
+/// second one `second` wide, rank-major (`dA` after `dB` in the fused backward: one launch).
+fn sum_key(n: u32, r: u32, layout: Layout, second: u32) -> KernelKey {
+    adapter_key("lora_weight_grad_sum", n, r, layout).shape("second", second)
 }
 
-/// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout.
+/// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout —
+/// for `grad`, and for `grad2` (whose partials follow `grad`'s) when the key has a second.
 fn weight_grad_sum(k: &mut KernelBuilder) {
     let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
     let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let second = k.shape::<u32>("second");
     let partials = k.storage::<f32>("partials");
     let grad = k.storage_rw::<f32>("grad");
+    let grad2 = (second > 0).then(|| k.storage_rw::<f32>("grad2"));
     let blocks = k.param::<u32>("blocks");
     let scale = k.param::<f32>("scale");
     let i = k.global_index();
-    k.if_(i.lt(n * r), |k| {
-        let j = k.let_("j", &i / r);
-        let kk = k.let_("k", &i % r);
-        // SUM_LOADS independent sums, so that many loads are in flight per step (a 4096-token
-        // backward has 16 blocks: one step); a block past the last reads the last one (in
-        // range) and adds nothing.
+    // SUM_LOADS independent sums, so that many loads are in flight per step (a 4096-token
+    // backward has 16 blocks: one step); a block past the last reads the last one (in range)
+    // and adds nothing.
+    let add_blocks = |k: &mut KernelBuilder, (at, width, base): (Expr<u32>, u32, Expr<u32>)| {
         let accs: Vec<_> = (0..SUM_LOADS).map(|_| k.var("acc", 0.0f32)).collect();
         let last = k.let_("last", &blocks - 1u32);
         k.for_step("b", 0u32, &blocks, SUM_LOADS, |k, b| {
             for (q, acc) in accs.iter().enumerate() {
                 let bq = k.let_("bq", offset(&b, q as u32).min(&last));
                 let live = offset(&b, q as u32).lt(&blocks);
-                k.add_assign(acc, select(live, partials.at(&bq * (n * r) + &i), 0.0f32));
+                let value = partials.at(&base + &bq * (width * r) + &at);
+                k.add_assign(acc, select(live, value, 0.0f32));
             }
         });
         let total = accs
@@ -856,8 +859,24 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
             .map(|acc| acc.get())
             .reduce(|a, b| a + b)
             .expect("SUM_LOADS > 0");
-        k.store(&grad, layout.at(&j, &kk, n, r), &scale * total);
+        &scale * total
+    };
+    k.if_(i.lt(n * r), |k| {
+        let j = k.let_("j", &i / r);
+        let kk = k.let_("k", &i % r);
+        let total = add_blocks(k, (i.clone(), n, lit(0u32)));
+        k.store(&grad, layout.at(&j, &kk, n, r), total);
     });
+    if let Some(grad2) = &grad2 {
+        k.if_(i.ge(n * r).and(i.lt((n + second) * r)), |k| {
+            let at = k.let_("at", &i - n * r);
+            let j = k.let_("j", &at / r);
+            let kk = k.let_("k", &at % r);
+            let base = k.let_("base", &blocks * (n * r));
+            let total = add_blocks(k, (at.clone(), second, base));
+            k.store(grad2, Layout::RankMajor.at(&j, &kk, second, r), total);
+        });
+    }
 }
 
 /// The WGSL of this module's kernels at representative shapes (for snapshots and review).
@@ -870,7 +889,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         )?,
         Kernel::build(&up_key(2560, 16, Layout::RankMajor), up)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
-        Kernel::build(&sum_key(2560, 16, Layout::RankMajor), weight_grad_sum)?,
+        Kernel::build(&sum_key(2560, 16, Layout::RankMinor, 2560), weight_grad_sum)?,
     ])
 }
 
@@ -914,6 +933,31 @@ fn adapter(
     ))
 }
 
+/// The weight gradients' first pass for `u: [T, n]`, `v: [T, r]`, into `scratch` from `base`.
+fn launch_partials(
+    rec: &mut Recorder<'_>,
+    (u, v, scratch): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
+    (tokens, n, r): (u32, u32, u32),
+    base: u32,
+) -> Result<(), ExecError> {
+    let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
+    if blocks == 0 {
+        return Ok(());
+    }
+    let kernel = rec
+        .gpu()
+        .kernel(&partials_key(n, r), weight_grad_partials)?;
+    let args = bind_columns(Args::new(), "u", u, n);
+    let args = bind_rank_rows(args, "v", v, r)
+        .buffer("partials", scratch)
+        .param("tokens", tokens)
+        .param("base", base);
+    let groups = n / if wide(n) { 4 } else { 1 };
+    let workgroups = blocks as u64 * groups.div_ceil(GRAD_COLS) as u64;
+    let threads = workgroups * (GRAD_COLS * GRAD_LANES) as u64;
+    rec.launch(&kernel, &args, Grid::Threads(threads))
+}
+
 /// `grad(j, k) = scale·Σ_t u[t, j]·v[t, k]` for `u: [T, n]`, `v: [T, r]`, through `scratch`.
 fn launch_weight_grad(
     rec: &mut Recorder<'_>,
@@ -927,7 +971,6 @@ fn launch_weight_grad(
     (layout, scale): (Layout, f32),
     name: &str,
 ) -> Result<(), ExecError> {
-    let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
     let need = lora_scratch_len(tokens as usize, n as usize, r as usize);
     if scratch.len() < need {
         return Err(ExecError::Binding {
@@ -937,32 +980,22 @@ fn launch_weight_grad(
             given: format!("{} elements", scratch.len()),
         });
     }
-    if blocks > 0 {
-        let kernel = rec
-            .gpu()
-            .kernel(&partials_key(n, r), weight_grad_partials)?;
-        let args = bind_columns(Args::new(), "u", u, n);
-        let args = bind_rank_rows(args, "v", v, r)
-            .buffer("partials", scratch)
-            .param("tokens", tokens);
-        let groups = n / if wide(n) { 4 } else { 1 };
-        let workgroups = blocks as u64 * groups.div_ceil(GRAD_COLS) as u64;
-        let threads = workgroups * (GRAD_COLS * GRAD_LANES) as u64;
-        rec.launch(&kernel, &args, Grid::Threads(threads))?;
-    }
-    let kernel = rec.gpu().kernel(&sum_key(n, r, layout), weight_grad_sum)?;
+    launch_partials(rec, (u, v, scratch), (tokens, n, r), 0)?;
+    let kernel = rec
+        .gpu()
+        .kernel(&sum_key(n, r, layout, 0), weight_grad_sum)?;
     let args = Args::new()
         .buffer("partials", scratch)
         .buffer("grad", grad)
-        .param("blocks", blocks)
+        .param("blocks", tokens.div_ceil(TOKENS_PER_BLOCK))
         .param("scale", scale);
     rec.launch(&kernel, &args, Grid::Threads(n as u64 * r as u64))
 }
 
 /// Elements of the scratch buffer the weight gradients need: one partial sum per block of 256
 /// tokens per weight element, `⌈tokens / 256⌉·width·rank`, where `width` is `out` for
-/// [`execute_grad_b`], `in` for [`execute_grad_a`] and the larger of the two for
-/// [`execute_lora_backward`].
+/// [`execute_grad_b`], `in` for [`execute_grad_a`] and `in + out` for
+/// [`execute_lora_backward`] (which keeps both gradients' partials, to add them in one launch).
 pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
     tokens.div_ceil(TOKENS_PER_BLOCK as usize).max(1) * width * rank
 }
@@ -1123,7 +1156,7 @@ pub fn execute_lora_backward(
     ] {
         expect_len(name, binding, buf, len, what)?;
     }
-    let need = lora_scratch_len(t, input.max(output), rank);
+    let need = lora_scratch_len(t, input + output, rank);
     if scratch.len() < need {
         return Err(ExecError::Binding {
             kernel: name.into(),
@@ -1133,8 +1166,21 @@ pub fn execute_lora_backward(
         });
     }
     execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
-    execute_grad_b(rec, inputs.dy, inputs.h, rank, scale, scratch, db)?;
-    execute_grad_a(rec, dh, inputs.x, rank, scale, scratch, da)?;
+    // Both weight gradients' partials, `dB`'s then `dA`'s, and one launch to add them up.
+    let (t, input, output, r) = (t as u32, input as u32, output as u32, rank as u32);
+    let db_len = t.div_ceil(TOKENS_PER_BLOCK) * output * r;
+    launch_partials(rec, (inputs.dy, inputs.h, scratch), (t, output, r), 0)?;
+    launch_partials(rec, (inputs.x, dh, scratch), (t, input, r), db_len)?;
+    let key = sum_key(output, r, Layout::RankMinor, input);
+    let kernel = rec.gpu().kernel(&key, weight_grad_sum)?;
+    let args = Args::new()
+        .buffer("partials", scratch)
+        .buffer("grad", db)
+        .buffer("grad2", da)
+        .param("blocks", t.div_ceil(TOKENS_PER_BLOCK))
+        .param("scale", scale);
+    let outputs = (input + output) as u64 * r as u64;
+    rec.launch(&kernel, &args, Grid::Threads(outputs))?;
     execute_input_grad(rec, dh, inputs.a, rank, scale, dx)
 }
 

@@ -57,7 +57,7 @@ fn forward_and_backward_match_reference_on(g: &Gpu) {
         let mut h = g.filled(t * r, f32::NAN).unwrap();
         let mut dh = g.filled(t * r, f32::NAN).unwrap();
         let mut scratch = g
-            .filled(lora::lora_scratch_len(t, input.max(output), r), f32::NAN)
+            .filled(lora::lora_scratch_len(t, input + output, r), f32::NAN)
             .unwrap();
         let (mut da, mut db) = (
             g.filled(r * input, f32::NAN).unwrap(),
@@ -267,7 +267,9 @@ fn bad_shapes_name_kernel_and_buffer() {
     assert!(rec.is_empty());
     // The fused backward checks every buffer before it records any launch.
     let (dy, mut dh) = (g.zeros::<f32>(6).unwrap(), g.zeros::<f32>(4).unwrap());
-    let mut scratch = g.zeros::<f32>(lora::lora_scratch_len(2, 10, 2)).unwrap();
+    let mut scratch = g
+        .zeros::<f32>(lora::lora_scratch_len(2, 10 + 3, 2))
+        .unwrap();
     let (mut da, mut db, mut dx_short) = (
         g.zeros::<f32>(20).unwrap(),
         g.zeros::<f32>(6).unwrap(),

@@ -176,7 +176,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             gpu.zeros::<f32>(d * r)?,
             gpu.zeros::<f32>(t * d)?,
         );
-        let mut scratch = gpu.zeros::<f32>(lora::lora_scratch_len(t, d, r))?;
+        let mut scratch = gpu.zeros::<f32>(lora::lora_scratch_len(t, d + d, r))?;
         let inputs = lora::LoraBackward {
             x: &x,
             a: &a,
