@@ -41,7 +41,8 @@ enum Layout {
 }
 
 impl Layout {
-    fn shape(self) -> bool {
+    /// The layout as a kernel-key shape.
+    fn is_rank_minor(self) -> bool {
         self == Layout::RankMinor
     }
     fn from_shape(rank_minor: bool) -> Self {
@@ -98,6 +99,11 @@ impl Columns for Vec4<f32> {
 /// Whether rows of width `n` are read as vec4s.
 fn wide(n: u32) -> bool {
     n.is_multiple_of(4)
+}
+
+/// The wide elements of a row of width `n`: vec4s, or single floats.
+fn row_elements(n: u32) -> u32 {
+    if wide(n) { n / 4 } else { n }
 }
 
 /// Rows of `r` values (`h`, `dh`: `[T, r]`), read as `r/4` vec4s when `r` allows.
@@ -166,7 +172,7 @@ fn adapter_key(name: &str, n: u32, r: u32, layout: Layout) -> KernelKey {
         .workgroup_size(WG)
         .shape("n", n)
         .shape("rank", r)
-        .shape("rank_minor", layout.shape())
+        .shape("rank_minor", layout.is_rank_minor())
 }
 
 /// Builds `body` for the row width `n` of the key: four columns an invocation when it allows.
@@ -682,7 +688,7 @@ fn project_up(
             .param("tokens", t)
             .param("blocks", blocks)
             .param("scale", scale);
-        let threads = blocks as u64 * (n / if wide(n) { 4 } else { 1 }) as u64;
+        let threads = blocks as u64 * row_elements(n) as u64;
         return rec.launch(&kernel, &args, Grid::Threads(threads));
     }
     let (t, n, r) = (t as usize, n as usize, r as usize);
@@ -845,6 +851,7 @@ fn weight_grad_sum(k: &mut KernelBuilder) {
     // and adds nothing.
     let add_blocks = |k: &mut KernelBuilder, (at, width, base): (Expr<u32>, u32, Expr<u32>)| {
         let accs: Vec<_> = (0..SUM_LOADS).map(|_| k.var("acc", 0.0f32)).collect();
+        // With no blocks (no tokens) this wraps, unused: the loop below does not run.
         let last = k.let_("last", &blocks - 1u32);
         k.for_step("b", 0u32, &blocks, SUM_LOADS, |k, b| {
             for (q, acc) in accs.iter().enumerate() {
@@ -952,8 +959,7 @@ fn launch_partials(
         .buffer("partials", scratch)
         .param("tokens", tokens)
         .param("base", base);
-    let groups = n / if wide(n) { 4 } else { 1 };
-    let workgroups = blocks as u64 * groups.div_ceil(GRAD_COLS) as u64;
+    let workgroups = blocks as u64 * row_elements(n).div_ceil(GRAD_COLS) as u64;
     let threads = workgroups * (GRAD_COLS * GRAD_LANES) as u64;
     rec.launch(&kernel, &args, Grid::Threads(threads))
 }
