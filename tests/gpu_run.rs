@@ -173,6 +173,72 @@ fn global_index_is_right_past_65535_workgroups() {
     assert_eq!(wrong, 0, "{wrong} of {n} elements wrong");
 }
 
+/// Two kernels side by side in one dispatch: each part's `global_index` counts from 0 over
+/// its own workgroups, the runtime scalar both declare is one, a part may hold barriers (a
+/// workgroup reduction), and workgroups past the parts write nothing.
+#[test]
+fn side_by_side_parts_see_their_own_grids() {
+    let g = gpu();
+    let wg = 64u32;
+    let (n_a, n_b) = (1000usize, 3 * wg as usize);
+    let key = KernelKey::new("side_by_side").workgroup_size(wg);
+    let kernel = Kernel::build(&key, |k| {
+        let groups_a = k.param::<u32>("groups_a");
+        let groups_b = k.param::<u32>("groups_b");
+        k.side_by_side(vec![
+            (
+                groups_a,
+                Box::new(|k: &mut KernelBuilder| {
+                    let out = k.storage_rw::<u32>("a");
+                    let salt = k.param::<u32>("salt");
+                    let i = k.global_index();
+                    k.if_(i.lt(out.len()), |k| k.store(&out, &i, &i * 3u32 + &salt));
+                }),
+            ),
+            (
+                groups_b,
+                Box::new(|k: &mut KernelBuilder| {
+                    let out = k.storage_rw::<u32>("b");
+                    let salt = k.param::<u32>("salt");
+                    // One sum per workgroup: its first index plus `salt`, through a barrier.
+                    let i = k.global_index();
+                    let total = k.workgroup_reduce(i.clone(), Reduce::Max);
+                    let group = k.workgroup_index();
+                    k.if_(k.local_index().eq(0u32), |k| {
+                        k.store(&out, &group, total + &salt)
+                    });
+                }),
+            ),
+        ]);
+    })
+    .unwrap();
+    let (groups_a, groups_b) = (n_a.div_ceil(wg as usize) as u32, 3u32);
+    let a = g.filled(n_a, u32::MAX).unwrap();
+    let b = g.filled(n_b, u32::MAX).unwrap();
+    let args = Args::new()
+        .buffer("a", &a)
+        .buffer("b", &b)
+        .param("groups_a", groups_a)
+        .param("groups_b", groups_b)
+        .param("salt", 7u32);
+    // Two workgroups more than the parts need: they must write nothing.
+    let threads = (groups_a + groups_b + 2) as u64 * wg as u64;
+    g.run(&kernel, &args, Grid::Threads(threads)).unwrap();
+    let want_a: Vec<u32> = (0..n_a as u32).map(|i| i * 3 + 7).collect();
+    assert_eq!(a.read(g).unwrap(), want_a);
+    let got_b = b.read(g).unwrap();
+    let want_b: Vec<u32> = (0..n_b as u32)
+        .map(|i| {
+            if i < groups_b {
+                (i + 1) * wg - 1 + 7
+            } else {
+                u32::MAX
+            }
+        })
+        .collect();
+    assert_eq!(got_b, want_b);
+}
+
 /// bf16 packing on the GPU rounds exactly like the host reference (ties to even, NaN kept).
 #[test]
 fn bf16_pack_matches_host_rounding() {
