@@ -186,33 +186,6 @@ fn too_short_buffers_are_refused_before_dispatch() {
     assert_eq!(x.read(g).unwrap(), vec![5; 10]);
 }
 
-/// A runtime scalar given twice with the same value is one value (the parts of a side-by-side
-/// kernel each set what they share); with different values it is an error naming it.
-#[test]
-fn a_scalar_given_twice_must_agree() {
-    let g = gpu();
-    let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
-    let x = g.filled(16, 5u32).unwrap();
-    let mut rec = g.recorder();
-    let args = Args::new()
-        .buffer("x", &x)
-        .param("step", 1u32)
-        .param("n", 16u32)
-        .param("n", 16u32);
-    rec.launch(&kernel, &args, Grid::Threads(16)).unwrap();
-    let args = Args::new()
-        .buffer("x", &x)
-        .param("step", 1u32)
-        .param("n", 16u32)
-        .param("n", 15u32);
-    let err = rec.launch(&kernel, &args, Grid::Threads(16)).unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "kernel `mul_add_step`, runtime scalar `n`: expected one value, given 2 different values"
-    );
-    rec.submit().unwrap();
-}
-
 #[test]
 fn timed_launches_report_each_kernel() {
     let g = gpu();

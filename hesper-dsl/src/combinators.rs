@@ -104,7 +104,10 @@ impl KernelBuilder {
     /// dispatch and overlap on the device. The parts share the workgroup size; runtime scalars
     /// of the same name and type are one scalar; bindings must have names of their own.
     /// Workgroups past the last part run nothing.
-    pub fn side_by_side(&mut self, parts: Vec<(Expr<u32>, Part<'_>)>) {
+    pub fn side_by_side(
+        &mut self,
+        parts: Vec<(Expr<u32>, Part<'_>)>,
+    ) {
         // Counted within any enclosing part.
         let all = self.workgroup_index();
         let all = self.let_("workgroup", all);

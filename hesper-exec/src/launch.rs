@@ -554,14 +554,7 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
     }
     let mut bytes = vec![0u8; kernel.params_size() as usize];
     for p in kernel.params() {
-        // The same value given again is one value (the parts of a side-by-side kernel each
-        // set the scalars they share).
-        let mut given: Vec<_> = args.params.iter().filter(|(n, _)| *n == p.name).collect();
-        let same =
-            |a: &ParamValue, b: &ParamValue| a.scalar() == b.scalar() && a.bytes() == b.bytes();
-        if given.iter().all(|(_, v)| same(v, &given[0].1)) {
-            given.truncate(1);
-        }
+        let given: Vec<_> = args.params.iter().filter(|(n, _)| *n == p.name).collect();
         match given.as_slice() {
             [] => return Err(err(&p.name, p.ty.wgsl().into(), "no value".into())),
             [(_, v)] if v.scalar() == p.ty => {
@@ -573,7 +566,7 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
                 return Err(err(
                     &p.name,
                     "one value".into(),
-                    format!("{} different values", given.len()),
+                    format!("{} values", given.len()),
                 ));
             }
         }

@@ -22,7 +22,7 @@
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::ty::{HostShareable, Numeric};
-use hesper_dsl::{LocalArray, Part, ReadBuffer};
+use hesper_dsl::{LocalArray, ReadBuffer};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::linear::{self, Product, Tile, Weights, offset};
@@ -554,40 +554,6 @@ fn down_subgroups_with<C: Columns>(k: &mut KernelBuilder) {
     });
 }
 
-/// The subgroup size `lora_down_subgroups` runs with on this device, if any: subgroups of 8 to
-/// 256 invocations (with fewer, the subgroups' sums of a batch would outgrow workgroup memory
-/// at the largest ranks).
-fn down_lanes(gpu: &hesper_exec::Gpu) -> Option<u32> {
-    gpu.subgroup_size()
-        .filter(|&size| (8..=SG_WG).contains(&size) && SG_WG.is_multiple_of(size))
-}
-
-/// `lora_down`'s (or, with `lanes`, `lora_down_subgroups`') bindings for `out = a·W(·, k)`,
-/// and its workgroups.
-fn down_args<'a>(
-    args: Args<'a>,
-    (a, w, out): (&'a GpuBuffer<f32>, &'a GpuBuffer<f32>, &'a GpuBuffer<f32>),
-    (t, n, r): (u32, u32, u32),
-    layout: Layout,
-    lanes: Option<u32>,
-) -> (Args<'a>, u32) {
-    let args = bind_columns(args, "a", a, n)
-        .buffer("out", out)
-        .param("tokens", t);
-    // `B`'s rows of `r`; `A` wide along its rows in the subgroup kernel, by element else.
-    let args = match (layout, lanes) {
-        (Layout::RankMinor, _) => bind_rank_rows(args, "w", w, r),
-        (Layout::RankMajor, Some(_)) => bind_columns(args, "w", w, n),
-        (Layout::RankMajor, None) => args.buffer("w", w),
-    };
-    let tokens_per_group = if lanes.is_some() {
-        SG_TOKENS
-    } else {
-        DOWN_TOKENS
-    };
-    (args, t.div_ceil(tokens_per_group))
-}
-
 /// `out = a·W(·, k)` for `a: [T, n]`: through `lora_down` for small ranks, else the GEMM.
 fn project(
     rec: &mut Recorder<'_>,
@@ -596,14 +562,32 @@ fn project(
     layout: Layout,
 ) -> Result<(), ExecError> {
     if r <= DOWN_MAX_RANK {
-        let lanes = down_lanes(rec.gpu());
-        let kernel = match lanes {
-            Some(size) => rec
-                .gpu()
-                .kernel(&down_subgroups_key(n, r, layout, size), down_subgroups)?,
-            None => rec.gpu().kernel(&down_key(n, r, layout), down)?,
+        // Subgroups of 8 to 256 invocations: with fewer, the subgroups' sums of a batch would
+        // outgrow workgroup memory at the largest ranks.
+        let subgroups = rec
+            .gpu()
+            .subgroup_size()
+            .filter(|&size| (8..=SG_WG).contains(&size) && SG_WG.is_multiple_of(size));
+        let args = bind_columns(Args::new(), "a", a, n)
+            .buffer("out", out)
+            .param("tokens", t);
+        // `B`'s rows of `r`; `A` wide along its rows in the subgroup kernel, by element else.
+        let args = match (layout, subgroups) {
+            (Layout::RankMinor, _) => bind_rank_rows(args, "w", w, r),
+            (Layout::RankMajor, Some(_)) => bind_columns(args, "w", w, n),
+            (Layout::RankMajor, None) => args.buffer("w", w),
         };
-        let (args, groups) = down_args(Args::new(), (a, w, out), (t, n, r), layout, lanes);
+        let (kernel, tokens_per_group) = match subgroups {
+            Some(size) => {
+                let key = down_subgroups_key(n, r, layout, size);
+                (rec.gpu().kernel(&key, down_subgroups)?, SG_TOKENS)
+            }
+            None => (
+                rec.gpu().kernel(&down_key(n, r, layout), down)?,
+                DOWN_TOKENS,
+            ),
+        };
+        let groups = t.div_ceil(tokens_per_group);
         return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * WG as u64));
     }
     let (t, n, r) = (t as usize, n as usize, r as usize);
@@ -611,47 +595,6 @@ fn project(
         Layout::RankMajor => linear::execute_matmul_nt(rec, a, w, out, t, r, n, false),
         Layout::RankMinor => linear::execute_matmul_nn(rec, a, w, out, t, n, r, false),
     }
-}
-
-fn dh_and_db_key(n: u32, r: u32, lanes: Option<u32>) -> KernelKey {
-    let key = adapter_key("lora_dh_and_db_partials", n, r, Layout::RankMinor)
-        .shape("lanes", lanes.unwrap_or(0));
-    match lanes {
-        Some(_) => key.features(Features::SUBGROUPS),
-        None => key,
-    }
-}
-
-/// `lora_down` (or `lora_down_subgroups`, when the key has lanes) for `dh = dy·B` side by
-/// side with the weight-gradient partials of `dB`: one dispatch, both reading `dy`.
-fn dh_and_db(k: &mut KernelBuilder) {
-    let subgroups = k.shape::<u32>("lanes") > 0;
-    let down_groups = k.param::<u32>("down_groups");
-    let partial_groups = k.param::<u32>("partial_groups");
-    let down_body: Part<'_> = if subgroups {
-        Box::new(down_subgroups)
-    } else {
-        Box::new(down)
-    };
-    k.side_by_side(vec![
-        (down_groups, down_body),
-        (partial_groups, Box::new(weight_grad_partials)),
-    ]);
-}
-
-fn da_and_dx_key(n: u32, r: u32) -> KernelKey {
-    adapter_key("lora_da_partials_and_dx", n, r, Layout::RankMajor)
-}
-
-/// The weight-gradient partials of `dA` side by side with `lora_up` for `dx += s·dh·A`: one
-/// dispatch, both reading `dh`.
-fn da_and_dx(k: &mut KernelBuilder) {
-    let partial_groups = k.param::<u32>("partial_groups");
-    let up_groups = k.param::<u32>("up_groups");
-    k.side_by_side(vec![
-        (partial_groups, Box::new(weight_grad_partials)),
-        (up_groups, Box::new(up)),
-    ]);
 }
 
 /// Tokens per invocation of `lora_up`, and how many of them it reads before computing.
@@ -676,7 +619,7 @@ fn up_with<C: Columns>(k: &mut KernelBuilder) {
     // `A`'s rows are read as the invocation's columns at once; `B`'s element by element.
     let w_rows = (layout == Layout::RankMajor).then(|| k.storage::<C>("w"));
     let w = (layout == Layout::RankMinor).then(|| k.storage::<f32>("w"));
-    let v = RankRows::declare(k, "h", r);
+    let v = RankRows::declare(k, "v", r);
     let out = k.storage_rw::<C>("out");
     let tokens = k.param::<u32>("tokens");
     let blocks = k.param::<u32>("blocks");
@@ -725,28 +668,6 @@ fn up_with<C: Columns>(k: &mut KernelBuilder) {
     });
 }
 
-/// `lora_up`'s bindings for `out += scale·v·W(k, ·)`, and its workgroups.
-fn up_args<'a>(
-    args: Args<'a>,
-    (v, w, out): (&'a GpuBuffer<f32>, &'a GpuBuffer<f32>, &'a GpuBuffer<f32>),
-    (t, n, r): (u32, u32, u32),
-    layout: Layout,
-    scale: f32,
-) -> (Args<'a>, u32) {
-    let blocks = t.div_ceil(UP_TOKENS);
-    let args = bind_rank_rows(args, "h", v, r);
-    let args = match layout {
-        Layout::RankMajor => bind_columns(args, "w", w, n),
-        Layout::RankMinor => args.buffer("w", w),
-    };
-    let args = bind_columns(args, "out", out, n)
-        .param("tokens", t)
-        .param("blocks", blocks)
-        .param("scale", scale);
-    let threads = blocks as u64 * row_elements(n) as u64;
-    (args, threads.div_ceil(WG as u64) as u32)
-}
-
 /// `out (+)= scale·v·W(k, ·)` for `v: [T, r]`: through `lora_up` for small ranks, else the GEMM.
 fn project_up(
     rec: &mut Recorder<'_>,
@@ -757,8 +678,18 @@ fn project_up(
 ) -> Result<(), ExecError> {
     if r <= DOWN_MAX_RANK {
         let kernel = rec.gpu().kernel(&up_key(n, r, layout), up)?;
-        let (args, groups) = up_args(Args::new(), (v, w, out), (t, n, r), layout, scale);
-        return rec.launch(&kernel, &args, Grid::Threads(groups as u64 * WG as u64));
+        let blocks = t.div_ceil(UP_TOKENS);
+        let args = bind_rank_rows(Args::new(), "v", v, r);
+        let args = match layout {
+            Layout::RankMajor => bind_columns(args, "w", w, n),
+            Layout::RankMinor => args.buffer("w", w),
+        };
+        let args = bind_columns(args, "out", out, n)
+            .param("tokens", t)
+            .param("blocks", blocks)
+            .param("scale", scale);
+        let threads = blocks as u64 * row_elements(n) as u64;
+        return rec.launch(&kernel, &args, Grid::Threads(threads));
     }
     let (t, n, r) = (t as usize, n as usize, r as usize);
     let gemm = linear::Gemm {
@@ -783,14 +714,14 @@ fn project_up(
 
 /// The weight gradients' first pass: a workgroup is `GRAD_COLS` invocations along the columns
 /// times `GRAD_LANES` along the tokens, each lane summing `GRAD_TOKENS` tokens.
-const GRAD_COLS: u32 = 64;
+const GRAD_COLS: u32 = 32;
 const GRAD_LANES: u32 = 4;
 const GRAD_TOKENS: u32 = 64;
 /// Tokens per partial sum (one workgroup row of lanes).
 const TOKENS_PER_BLOCK: u32 = GRAD_LANES * GRAD_TOKENS;
 /// Token rows read before computing, and sums per invocation per round of the lanes' reduction.
 const GRAD_UNROLL: u32 = 8;
-const GRAD_ROUND: u32 = 4;
+const GRAD_ROUND: u32 = 16;
 /// Blocks the second pass reads per step.
 const SUM_LOADS: u32 = 16;
 
@@ -964,8 +895,6 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
             down_subgroups,
         )?,
         Kernel::build(&up_key(2560, 16, Layout::RankMajor), up)?,
-        Kernel::build(&dh_and_db_key(2560, 16, Some(32)), dh_and_db)?,
-        Kernel::build(&da_and_dx_key(2560, 16), da_and_dx)?,
         Kernel::build(&partials_key(2560, 16), weight_grad_partials)?,
         Kernel::build(&sum_key(2560, 16, Layout::RankMinor, 2560), weight_grad_sum)?,
     ])
@@ -1011,38 +940,27 @@ fn adapter(
     ))
 }
 
-/// The weight gradients' first pass's bindings for `u: [T, n]`, `v: [T, r]`, into `scratch`
-/// from `base`, and its workgroups.
-fn partials_args<'a>(
-    args: Args<'a>,
-    (u, v, scratch): (&'a GpuBuffer<f32>, &'a GpuBuffer<f32>, &'a GpuBuffer<f32>),
-    (tokens, n, r): (u32, u32, u32),
-    base: u32,
-) -> (Args<'a>, u32) {
-    let args = bind_columns(args, "u", u, n);
-    let args = bind_rank_rows(args, "v", v, r)
-        .buffer("partials", scratch)
-        .param("tokens", tokens)
-        .param("base", base);
-    let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
-    (args, blocks * row_elements(n).div_ceil(GRAD_COLS))
-}
-
 /// The weight gradients' first pass for `u: [T, n]`, `v: [T, r]`, into `scratch` from `base`.
 fn launch_partials(
     rec: &mut Recorder<'_>,
-    bufs: (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
+    (u, v, scratch): (&GpuBuffer<f32>, &GpuBuffer<f32>, &GpuBuffer<f32>),
     (tokens, n, r): (u32, u32, u32),
     base: u32,
 ) -> Result<(), ExecError> {
-    if tokens == 0 {
+    let blocks = tokens.div_ceil(TOKENS_PER_BLOCK);
+    if blocks == 0 {
         return Ok(());
     }
     let kernel = rec
         .gpu()
         .kernel(&partials_key(n, r), weight_grad_partials)?;
-    let (args, groups) = partials_args(Args::new(), bufs, (tokens, n, r), base);
-    let threads = groups as u64 * (GRAD_COLS * GRAD_LANES) as u64;
+    let args = bind_columns(Args::new(), "u", u, n);
+    let args = bind_rank_rows(args, "v", v, r)
+        .buffer("partials", scratch)
+        .param("tokens", tokens)
+        .param("base", base);
+    let workgroups = blocks as u64 * row_elements(n).div_ceil(GRAD_COLS) as u64;
+    let threads = workgroups * (GRAD_COLS * GRAD_LANES) as u64;
     rec.launch(&kernel, &args, Grid::Threads(threads))
 }
 
@@ -1253,61 +1171,23 @@ pub fn execute_lora_backward(
             given: format!("{} elements", scratch.len()),
         });
     }
+    execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
+    // Both weight gradients' partials, `dB`'s then `dA`'s, and one launch to add them up.
     let (t, input, output, r) = (t as u32, input as u32, output as u32, rank as u32);
-    let blocks = t.div_ceil(TOKENS_PER_BLOCK);
-    let db_len = blocks * output * r;
-    if r > DOWN_MAX_RANK {
-        // Through the GEMM: one launch after another.
-        execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
-        launch_partials(rec, (inputs.dy, inputs.h, scratch), (t, output, r), 0)?;
-        launch_partials(rec, (inputs.x, dh, scratch), (t, input, r), db_len)?;
-    } else if t > 0 {
-        // Independent launches side by side: `dh = dy·B` with `dB`'s partials (both read
-        // `dy`), then `dA`'s partials with `dx += s·dh·A` (both read `dh`).
-        let lanes = down_lanes(rec.gpu());
-        let kernel = rec
-            .gpu()
-            .kernel(&dh_and_db_key(output, r, lanes), dh_and_db)?;
-        let (args, down_groups) = down_args(
-            Args::new(),
-            (inputs.dy, inputs.b, dh),
-            (t, output, r),
-            Layout::RankMinor,
-            lanes,
-        );
-        let part = (inputs.dy, inputs.h, &*scratch);
-        let (args, partial_groups) = partials_args(args, part, (t, output, r), 0);
-        let args = args
-            .param("down_groups", down_groups)
-            .param("partial_groups", partial_groups);
-        let groups = (down_groups + partial_groups) as u64;
-        rec.launch(&kernel, &args, Grid::Threads(groups * WG as u64))?;
-        let kernel = rec.gpu().kernel(&da_and_dx_key(input, r), da_and_dx)?;
-        let part = (inputs.x, &*dh, &*scratch);
-        let (args, partial_groups) = partials_args(Args::new(), part, (t, input, r), db_len);
-        let up = (&*dh, inputs.a, &*dx);
-        let (args, up_groups) = up_args(args, up, (t, input, r), Layout::RankMajor, scale);
-        let args = args
-            .param("partial_groups", partial_groups)
-            .param("up_groups", up_groups);
-        let groups = (partial_groups + up_groups) as u64;
-        rec.launch(&kernel, &args, Grid::Threads(groups * WG as u64))?;
-    }
-    // Both weight gradients' partials, `dB`'s then `dA`'s, added in one launch.
+    let db_len = t.div_ceil(TOKENS_PER_BLOCK) * output * r;
+    launch_partials(rec, (inputs.dy, inputs.h, scratch), (t, output, r), 0)?;
+    launch_partials(rec, (inputs.x, dh, scratch), (t, input, r), db_len)?;
     let key = sum_key(output, r, Layout::RankMinor, input);
     let kernel = rec.gpu().kernel(&key, weight_grad_sum)?;
     let args = Args::new()
         .buffer("partials", scratch)
         .buffer("grad", db)
         .buffer("grad2", da)
-        .param("blocks", blocks)
+        .param("blocks", t.div_ceil(TOKENS_PER_BLOCK))
         .param("scale", scale);
     let outputs = (input + output) as u64 * r as u64;
     rec.launch(&kernel, &args, Grid::Threads(outputs))?;
-    if r > DOWN_MAX_RANK {
-        execute_input_grad(rec, dh, inputs.a, rank, scale, dx)?;
-    }
-    Ok(())
+    execute_input_grad(rec, dh, inputs.a, rank, scale, dx)
 }
 
 /// f64 references, written as the plain matrix products of KERNELS.md.
