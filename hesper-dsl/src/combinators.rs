@@ -72,9 +72,6 @@ fn combine<T: Reducible>(op: Reduce, a: Expr<T>, b: Expr<T>) -> Expr<T> {
     }
 }
 
-/// One kernel body of [`KernelBuilder::side_by_side`].
-pub type Part<'a> = Box<dyn FnOnce(&mut KernelBuilder) + 'a>;
-
 impl KernelBuilder {
     /// This invocation's flat index over a 1-D problem, bound once:
     /// `(workgroup_id.y * num_workgroups.x + workgroup_id.x) * WG + local_index`.
@@ -106,7 +103,7 @@ impl KernelBuilder {
     /// Workgroups past the last part run nothing.
     pub fn side_by_side(
         &mut self,
-        parts: Vec<(Expr<u32>, Part<'_>)>,
+        parts: Vec<(Expr<u32>, Box<dyn FnOnce(&mut KernelBuilder) + '_>)>,
     ) {
         // Counted within any enclosing part.
         let all = self.workgroup_index();

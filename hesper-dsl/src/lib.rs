@@ -113,7 +113,7 @@ pub use builder::{
     AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, ParamType, ReadBuffer, RwBuffer,
     ShapeType, Var, WorkgroupArray, Writable,
 };
-pub use combinators::{Part, Reduce, Reducible};
+pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind};
 pub use expr::{
     AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
