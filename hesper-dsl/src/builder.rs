@@ -107,9 +107,6 @@ pub struct KernelBuilder {
     in_function: bool,
     pub(crate) functions: Vec<FunctionDef>,
     errors: Vec<ErrorKind>,
-    /// Inside a part of [`KernelBuilder::side_by_side`]: the workgroups before it, which
-    /// `workgroup_index` (and so `global_index`) leaves out.
-    pub(crate) workgroup_offset: Option<Expr<u32>>,
 }
 
 // ---------------------------------------------------------------- handles
@@ -367,7 +364,6 @@ impl KernelBuilder {
             in_function: false,
             functions: vec![],
             errors: vec![],
-            workgroup_offset: None,
         };
         for (name, _) in key.shape_params() {
             if let Err(why) = names::check_user_name(name) {
@@ -564,8 +560,6 @@ impl KernelBuilder {
                 expected: "f32, u32 or i32".into(),
                 found: ty.wgsl().into(),
             });
-        } else if self.params.iter().any(|p| p.name == name && p.ty == ty) {
-            // The same runtime scalar again (parts of a `side_by_side` kernel share them).
         } else if self.declare_name(name) {
             let offset = self.params.len() as u32 * 4;
             self.params.push(Param {

@@ -88,42 +88,7 @@ impl KernelBuilder {
     /// executor lays more than 65535 out 2-D). Not bound: the caller names it.
     pub fn workgroup_index(&self) -> Expr<u32> {
         let wid = self.workgroup_id();
-        let index = wid.y() * self.num_workgroups().x() + wid.x();
-        match &self.workgroup_offset {
-            Some(offset) => index - offset.clone(),
-            None => index,
-        }
-    }
-
-    /// Several kernels in one dispatch, side by side: part `i` runs `parts[i].1` on the next
-    /// `parts[i].0` workgroups (a runtime count), where its `workgroup_index` and
-    /// `global_index` count from 0 as if it ran alone. Independent launches then cost one
-    /// dispatch and overlap on the device. The parts share the workgroup size; runtime scalars
-    /// of the same name and type are one scalar; bindings must have names of their own.
-    /// Workgroups past the last part run nothing.
-    pub fn side_by_side(
-        &mut self,
-        parts: Vec<(Expr<u32>, Box<dyn FnOnce(&mut KernelBuilder) + '_>)>,
-    ) {
-        // Counted within any enclosing part.
-        let all = self.workgroup_index();
-        let all = self.let_("workgroup", all);
-        let outer = self.workgroup_offset.clone();
-        let mut first = lit(0u32);
-        for (count, body) in parts {
-            let end = self.let_("part_end", &first + count);
-            let cond = all.ge(&first).and(all.lt(&end));
-            let offset = match &outer {
-                Some(outer) => outer + &first,
-                None => first.clone(),
-            };
-            self.if_(cond, |k| {
-                k.workgroup_offset = Some(offset);
-                body(k);
-                k.workgroup_offset = outer.clone();
-            });
-            first = end;
-        }
+        wid.y() * self.num_workgroups().x() + wid.x()
     }
 
     /// All invocations of the dispatch: `num_workgroups.x * num_workgroups.y * WG`, bound once.
