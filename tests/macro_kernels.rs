@@ -285,3 +285,60 @@ fn kernel_options_reach_the_key() {
         k.wgsl()
     );
 }
+
+/// Reverses each block of 64 through workgroup memory; its indices are in range by
+/// construction, so it is compiled without bounds checks.
+#[kernel(workgroup_size = 64, assume_in_bounds)]
+fn reverse_blocks(x: &[f32], y: &mut [f32], #[workgroup] tile: &mut [f32; 64], #[runtime] n: u32) {
+    let i = global_index();
+    let lid = local_index();
+    tile[lid] = 0.0;
+    if i < n {
+        tile[lid] = x[i];
+    }
+    workgroup_barrier();
+    let from = workgroup_id().x * 64u32 + 63u32 - lid;
+    if i < n && from < n {
+        y[i] = tile[63u32 - lid];
+    }
+}
+
+#[test]
+fn kernels_assuming_in_bounds_run_with_and_without_bounds_checks() {
+    let k = reverse_blocks::build().unwrap();
+    assert!(k.key().assumes_in_bounds());
+    assert!(
+        k.wgsl()
+            .lines()
+            .next()
+            .unwrap()
+            .ends_with(" assume_in_bounds")
+    );
+    let forced = hesper::exec::Gpu::with_options(hesper::exec::GpuOptions {
+        force_bounds_checks: true,
+        ..Default::default()
+    })
+    .unwrap();
+    let n = 1000usize;
+    let x = Rng::new(5).vec(n, 1.0);
+    // Elements whose mirror lies past `n` (the last, partial block) stay NaN.
+    let want: Vec<f64> = (0..n)
+        .map(|i| {
+            let from = i / 64 * 64 + 63 - i % 64;
+            if from < n { x[from] as f64 } else { f64::NAN }
+        })
+        .collect();
+    for g in [gpu(), &forced] {
+        let (xb, yb) = (g.upload(&x).unwrap(), g.filled(n, f32::NAN).unwrap());
+        let mut rec = g.recorder();
+        reverse_blocks::launch(&mut rec, &xb, &yb, n as u32, Grid::Threads(n as u64)).unwrap();
+        rec.submit().unwrap();
+        let got = yb.read(g).unwrap();
+        for (i, (got, want)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (want.is_nan() && got.is_nan()) || *got as f64 == *want,
+                "element {i}: {got} against {want}"
+            );
+        }
+    }
+}

@@ -22,7 +22,7 @@ use syn::{
 /// dependency — a typed `launch(&mut Recorder, shapes…, buffers…, runtime scalars…, Grid)`.
 ///
 /// ```text
-/// #[kernel(workgroup_size = 256, subgroups, immediates, name = "…")]   // all optional
+/// #[kernel(workgroup_size = 256, subgroups, immediates, assume_in_bounds, name = "…")]  // all optional
 /// fn name(
 ///     x: &[f32],                          // read-only storage buffer  (binding 0)
 ///     y: &mut [Vec4<f32>],                // read-write storage buffer (binding 1)
@@ -112,6 +112,7 @@ struct Options {
     name: Option<String>,
     subgroups: bool,
     immediates: bool,
+    assume_in_bounds: bool,
 }
 
 fn parse_options(attr: Tokens) -> syn::Result<Options> {
@@ -120,12 +121,14 @@ fn parse_options(attr: Tokens) -> syn::Result<Options> {
         name: None,
         subgroups: false,
         immediates: false,
+        assume_in_bounds: false,
     };
     let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
     for m in metas {
         match &m {
             Meta::Path(p) if p.is_ident("subgroups") => o.subgroups = true,
             Meta::Path(p) if p.is_ident("immediates") => o.immediates = true,
+            Meta::Path(p) if p.is_ident("assume_in_bounds") => o.assume_in_bounds = true,
             Meta::NameValue(nv) if nv.path.is_ident("workgroup_size") => {
                 o.workgroup_size = Some(nv.value.clone())
             }
@@ -138,7 +141,8 @@ fn parse_options(attr: Tokens) -> syn::Result<Options> {
             _ => {
                 return err(
                     m.span(),
-                    "expected `workgroup_size = N`, `name = \"…\"`, `subgroups` or `immediates`",
+                    "expected `workgroup_size = N`, `name = \"…\"`, `subgroups`, `immediates` \
+                     or `assume_in_bounds`",
                 );
             }
         }
@@ -291,6 +295,11 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     if options.immediates {
         features = quote!(#features | #dsl::Features::IMMEDIATES);
     }
+    let in_bounds = if options.assume_in_bounds {
+        quote!(.assume_in_bounds())
+    } else {
+        quote!()
+    };
     let doc = format!(
         "The kernel `{kernel_name}` (written with `#[kernel]`): `key`, `body` and `build` make it; \
          `launch` records a typed launch."
@@ -327,7 +336,7 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
 
             /// The key: name, shape parameters, features and workgroup size.
             pub fn key(#(#shape_args),*) -> #dsl::KernelKey {
-                #dsl::KernelKey::new(#kernel_name) #wg #(#key_shapes)* .features(#features)
+                #dsl::KernelKey::new(#kernel_name) #wg #(#key_shapes)* .features(#features) #in_bounds
             }
 
             /// Record the kernel into a builder (shape values are read from its key).

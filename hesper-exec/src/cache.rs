@@ -216,12 +216,17 @@ impl Gpu {
                 bind_group_layouts: &[Some(&layout)],
                 immediate_size,
             });
-        let module = self
-            .device
-            .create_shader_module(wgpu::ShaderModuleDescriptor {
-                label: Some(kernel.name()),
-                source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
-            });
+        let source = wgpu::ShaderModuleDescriptor {
+            label: Some(kernel.name()),
+            source: wgpu::ShaderSource::Wgsl(kernel.wgsl().into()),
+        };
+        let module = match runtime_checks(kernel, self.options.force_bounds_checks) {
+            // SAFETY: the kernel's author vouches that its indices stay in range
+            // (`KernelKey::assume_in_bounds`); only bounds checks are dropped, so every loop
+            // stays bounded, and buffer accesses stay bounded where the driver does it itself.
+            Some(checks) => unsafe { self.device.create_shader_module_trusted(source, checks) },
+            None => self.device.create_shader_module(source),
+        };
         let pipeline = self
             .device
             .create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
@@ -239,5 +244,47 @@ impl Gpu {
             });
         }
         Ok((pipeline, layout))
+    }
+}
+
+/// The runtime checks to compile `kernel` with, when they differ from wgpu's defaults: bounds
+/// checks off for a kernel whose key assumes its indices in bounds, unless `force_bounds_checks`.
+fn runtime_checks(kernel: &Kernel, force_bounds_checks: bool) -> Option<wgpu::ShaderRuntimeChecks> {
+    (kernel.assumes_in_bounds() && !force_bounds_checks).then(|| wgpu::ShaderRuntimeChecks {
+        bounds_checks: false,
+        ..wgpu::ShaderRuntimeChecks::checked()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn build(key: KernelKey) -> Kernel {
+        Kernel::build(&key, |k| {
+            let out = k.storage_rw::<f32>("out");
+            k.store(&out, 0u32, 1.0f32);
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn only_kernels_assuming_in_bounds_drop_bounds_checks() {
+        let checked = build(KernelKey::new("plain"));
+        let trusted = build(KernelKey::new("trusted").assume_in_bounds());
+        assert!(runtime_checks(&checked, false).is_none());
+        assert!(runtime_checks(&checked, true).is_none());
+        assert!(runtime_checks(&trusted, true).is_none());
+        let checks = runtime_checks(&trusted, false).unwrap();
+        assert!(!checks.bounds_checks);
+        assert!(checks.force_loop_bounding, "loops stay bounded");
+        assert!(
+            trusted
+                .wgsl()
+                .lines()
+                .next()
+                .unwrap()
+                .ends_with(" assume_in_bounds")
+        );
     }
 }

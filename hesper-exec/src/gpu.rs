@@ -36,6 +36,10 @@ pub struct GpuOptions {
     /// Ask for `SUBGROUP` when the adapter has it (the default). Off, kernels take their paths
     /// for devices without subgroups: how those paths are tested on a device that has them.
     pub subgroups: bool,
+    /// Compile every kernel with wgpu's runtime bounds checks, also those whose key says
+    /// `assume_in_bounds` (slower): to tell whether a kernel misbehaves because one of its
+    /// indices leaves its range. Off by default.
+    pub force_bounds_checks: bool,
 }
 
 // Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
@@ -48,6 +52,7 @@ impl Default for GpuOptions {
             pipeline_cache_file: None,
             verify_cache_hits: cfg!(debug_assertions),
             subgroups: true,
+            force_bounds_checks: false,
         }
     }
 }

@@ -205,6 +205,9 @@ fn gemm_key(
         .shape("tm", tile.tm)
         .shape("tn", tile.tn)
         .shape("accumulate", accumulate)
+        // Tile indices are in range by construction (`gemm_kernel`), and rows and columns past
+        // the edges are clamped or guarded: no runtime bounds checks (+4% on the H200).
+        .assume_in_bounds()
 }
 
 /// A scalar source of `A` or `W` elements by flat index.

@@ -173,6 +173,9 @@ fn adapter_key(name: &str, n: u32, r: u32, layout: Layout) -> KernelKey {
         .shape("n", n)
         .shape("rank", r)
         .shape("rank_minor", layout.is_rank_minor())
+        // Workgroup and register indices are in range by construction and token and column
+        // indices clamped or guarded (each kernel's comments): no runtime bounds checks.
+        .assume_in_bounds()
 }
 
 /// Builds `body` for the row width `n` of the key: four columns an invocation when it allows.
@@ -730,6 +733,7 @@ fn partials_key(n: u32, r: u32) -> KernelKey {
         .workgroup_size(GRAD_COLS * GRAD_LANES)
         .shape("n", n)
         .shape("rank", r)
+        .assume_in_bounds()
 }
 
 /// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`. Invocation
