@@ -98,6 +98,9 @@ where
     k.if_(row.ge(&rows), |k| k.return_());
     let lid = k.let_("lid", k.local_index());
     let base = k.let_("base", &row * width);
+    // Read before the reduction: after its barriers the load would add a memory latency to
+    // every row's critical path.
+    let r = k.let_("r", rstd.at(&row));
     let xs = k.var_array::<E>("xs", per_invocation);
     let ms = k.var_array::<E>("ms", per_invocation);
     let dot = k.var("dot", E::zero());
@@ -119,7 +122,6 @@ where
         });
     }
     let m_dot_x = k.workgroup_reduce(lane_sum(dot.get()), Reduce::Sum);
-    let r = k.let_("r", rstd.at(&row));
     let coef = k.let_("coef", &r * &r * &r * m_dot_x / cols as f32);
     for j in 0..per_invocation {
         guarded(k, j, &|k| {
