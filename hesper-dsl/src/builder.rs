@@ -380,6 +380,11 @@ impl KernelBuilder {
         &self.key
     }
 
+    /// Whether statements go inside a WGSL loop, or a function (which a loop may call).
+    pub(crate) fn may_repeat(&self) -> bool {
+        self.loop_depth > 0 || self.in_function
+    }
+
     /// Invocations per workgroup (the product of the key's workgroup size).
     pub fn invocations(&self) -> u32 {
         self.key.invocations()

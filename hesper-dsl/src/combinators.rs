@@ -117,7 +117,9 @@ impl KernelBuilder {
     /// Reduce `value` over the whole workgroup; every invocation gets the result. Call it where
     /// all invocations of the workgroup arrive (it has barriers). Uses subgroup operations when
     /// the key asks for `Features::SUBGROUPS`, else a shared-memory tree. Each call has its own
-    /// workgroup scratch and ends with a barrier, so calls in loops do not race.
+    /// workgroup scratch; inside a loop the call ends with a barrier, so that the next
+    /// iteration's call cannot overwrite the scratch before every invocation has read it (out of
+    /// loops that barrier would only delay the invocations that are done).
     pub fn workgroup_reduce<T: Reducible>(
         &mut self,
         value: impl IntoExpr<T>,
@@ -152,7 +154,9 @@ impl KernelBuilder {
             self.for_range("s", 0u32, count, |k, s| {
                 k.assign(&acc, combine(op, acc.get(), scratch.at(s)));
             });
-            self.workgroup_barrier();
+            if self.may_repeat() {
+                self.workgroup_barrier();
+            }
             return self.let_(result_hint, acc.get());
         }
         self.comment(&format!("workgroup_reduce({what}): shared-memory tree"));
@@ -188,7 +192,9 @@ impl KernelBuilder {
             );
         }
         let result = self.let_(result_hint, scratch.at(0u32));
-        self.workgroup_barrier();
+        if self.may_repeat() {
+            self.workgroup_barrier();
+        }
         result
     }
 }

@@ -291,3 +291,33 @@ fn less_than_a_shift_is_not_a_template() {
         k.wgsl()
     );
 }
+
+/// A reduction's scratch is read after its last barrier: in a loop, a closing barrier keeps the
+/// next iteration's reduction from overwriting it early; elsewhere that barrier would only make
+/// finished invocations wait.
+#[test]
+fn workgroup_reduce_closes_with_a_barrier_only_where_it_may_run_again() {
+    for features in [Features::NONE, Features::SUBGROUPS] {
+        let barriers = |in_loop: bool| {
+            let key = KernelKey::new("reduce")
+                .workgroup_size(64)
+                .features(features);
+            let k = Kernel::build(&key, |k| {
+                let out = k.storage_rw::<f32>("out");
+                let v = k.local_index().cast::<f32>();
+                if in_loop {
+                    k.for_range("i", 0u32, 3u32, |k, i| {
+                        let s = k.workgroup_reduce(v.clone(), Reduce::Sum);
+                        k.store(&out, i, s);
+                    });
+                } else {
+                    let s = k.workgroup_reduce(v, Reduce::Sum);
+                    k.store(&out, 0u32, s);
+                }
+            })
+            .unwrap();
+            k.wgsl().matches("workgroupBarrier()").count()
+        };
+        assert_eq!(barriers(true), barriers(false) + 1, "{features:?}");
+    }
+}
