@@ -139,8 +139,9 @@ impl KernelBuilder {
                 Reduce::Sum => self.subgroup_add(value),
                 Reduce::Max => self.subgroup_max(value),
             };
-            // WGSL's smallest subgroup size is 4.
-            let scratch = self.workgroup_array::<T>("partials", wg.div_ceil(4));
+            // One slot per invocation: at most that many subgroups, whatever size the device
+            // runs them at (WGSL promises at least 4, not every driver does).
+            let scratch = self.workgroup_array::<T>("partials", wg);
             let lane = self.subgroup_invocation_id();
             let sg = self.subgroup_id();
             self.if_(lane.eq(0u32), |k| k.store(&scratch, sg, partial));
