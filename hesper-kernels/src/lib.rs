@@ -19,7 +19,52 @@ pub mod optim;
 pub mod rope;
 pub mod testing;
 
+use hesper_dsl::prelude::*;
+use hesper_dsl::ty::{HostShareable, Numeric};
 use hesper_exec::{Element, ExecError, GpuBuffer};
+
+/// The columns an invocation of the streaming kernels owns: a `vec4` of four when the width is a
+/// multiple of 4 (one wide load), else one.
+pub(crate) trait Columns: Numeric<Elem = f32> + HostShareable + Sized {
+    const N: u32;
+    fn lanes(v: &Expr<Self>) -> Vec<Expr<f32>>;
+    fn gather(lanes: Vec<Expr<f32>>) -> Expr<Self>;
+    fn splat(x: Expr<f32>) -> Expr<Self>;
+    /// Lane `i` (a runtime index below `N`).
+    fn lane(v: &Expr<Self>, i: &Expr<u32>) -> Expr<f32>;
+}
+
+impl Columns for f32 {
+    const N: u32 = 1;
+    fn lanes(v: &Expr<f32>) -> Vec<Expr<f32>> {
+        vec![v.clone()]
+    }
+    fn gather(lanes: Vec<Expr<f32>>) -> Expr<f32> {
+        lanes[0].clone()
+    }
+    fn splat(x: Expr<f32>) -> Expr<f32> {
+        x
+    }
+    fn lane(v: &Expr<f32>, _: &Expr<u32>) -> Expr<f32> {
+        v.clone()
+    }
+}
+
+impl Columns for Vec4<f32> {
+    const N: u32 = 4;
+    fn lanes(v: &Expr<Vec4<f32>>) -> Vec<Expr<f32>> {
+        vec![v.x(), v.y(), v.z(), v.w()]
+    }
+    fn gather(l: Vec<Expr<f32>>) -> Expr<Vec4<f32>> {
+        vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone())
+    }
+    fn splat(x: Expr<f32>) -> Expr<Vec4<f32>> {
+        Expr::<Vec4<f32>>::splat(x)
+    }
+    fn lane(v: &Expr<Vec4<f32>>, i: &Expr<u32>) -> Expr<f32> {
+        v.component(i.clone())
+    }
+}
 
 /// `Ok` when `buffer` has exactly `len` elements; else an error naming kernel and binding.
 pub(crate) fn expect_len<T: Element>(

@@ -21,12 +21,11 @@
 //! Ranks past 32 (more sums than registers) go through the tiled GEMM ([`crate::linear`]).
 
 use hesper_dsl::prelude::*;
-use hesper_dsl::ty::{HostShareable, Numeric};
 use hesper_dsl::{LocalArray, ReadBuffer};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::linear::{self, Product, Tile, Weights, offset};
-use crate::{expect_len, expect_u32};
+use crate::{Columns, expect_len, expect_u32};
 
 /// Elementwise kernels' workgroup.
 const WG: u32 = 256;
@@ -58,41 +57,6 @@ impl Layout {
             Layout::RankMajor => k.into_expr() * n + j,
             Layout::RankMinor => j * r + k.into_expr(),
         }
-    }
-}
-
-/// The columns an invocation of the streaming kernels owns: a `vec4` of four when the width is a
-/// multiple of 4 (one wide load), else one.
-trait Columns: Numeric<Elem = f32> + HostShareable + Sized {
-    const N: u32;
-    fn lanes(v: &Expr<Self>) -> Vec<Expr<f32>>;
-    fn gather(lanes: Vec<Expr<f32>>) -> Expr<Self>;
-    fn splat(x: Expr<f32>) -> Expr<Self>;
-}
-
-impl Columns for f32 {
-    const N: u32 = 1;
-    fn lanes(v: &Expr<f32>) -> Vec<Expr<f32>> {
-        vec![v.clone()]
-    }
-    fn gather(lanes: Vec<Expr<f32>>) -> Expr<f32> {
-        lanes[0].clone()
-    }
-    fn splat(x: Expr<f32>) -> Expr<f32> {
-        x
-    }
-}
-
-impl Columns for Vec4<f32> {
-    const N: u32 = 4;
-    fn lanes(v: &Expr<Vec4<f32>>) -> Vec<Expr<f32>> {
-        vec![v.x(), v.y(), v.z(), v.w()]
-    }
-    fn gather(l: Vec<Expr<f32>>) -> Expr<Vec4<f32>> {
-        vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone())
-    }
-    fn splat(x: Expr<f32>) -> Expr<Vec4<f32>> {
-        Expr::<Vec4<f32>>::splat(x)
     }
 }
 

@@ -1,13 +1,17 @@
 //! Cross-entropy on the GPU against the f64 reference, and the reference's gradient against
 //! finite differences of its loss.
 
-use hesper_exec::{ExecError, GpuBuffer};
+use hesper_exec::{ExecError, Gpu, GpuBuffer};
 use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs, reference};
-use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
+use hesper_kernels::testing::{
+    Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
+};
 
-/// `(T, V)`: vocabularies below, at and far past the workgroup (256), none a multiple of it;
-/// 700 tokens make the count and mean kernels stride over more tokens than invocations.
-const SHAPES: [(usize, usize); 10] = [
+/// `(T, V)`: vocabularies below and far past the row kernel's 1024 invocations; multiples of 4
+/// go as vec4s, the others as floats. 40 000 and 20 001 run past whole unrolled strides (8 × 1024
+/// elements) and end in a ragged one, 32 768 fills one exactly. 1500 tokens make the count and
+/// mean kernels (1024 invocations) stride over more tokens than invocations.
+const SHAPES: [(usize, usize); 13] = [
     (1, 7),
     (5, 7),
     (33, 7),
@@ -17,7 +21,10 @@ const SHAPES: [(usize, usize); 10] = [
     (1, 5003),
     (5, 5003),
     (33, 5003),
-    (700, 7),
+    (1500, 7),
+    (3, 40_000),
+    (2, 32_768),
+    (2, 20_001),
 ];
 
 /// Relative tolerance of every comparison: the kernels' `exp` and `log` are accurate to a few
@@ -54,8 +61,7 @@ struct Outputs {
 }
 
 impl Outputs {
-    fn poisoned(t: usize, v: usize) -> Self {
-        let g = gpu();
+    fn poisoned(g: &Gpu, t: usize, v: usize) -> Self {
         Outputs {
             d_logits: g.filled(t * v, f32::NAN).unwrap(),
             token_loss: g.filled(t, f32::NAN).unwrap(),
@@ -73,10 +79,9 @@ impl Outputs {
 }
 
 /// Run the fused kernel (or the forward only) on the GPU.
-fn run(logits: &[f32], labels: &[i32], v: usize, with_grad: bool) -> Outputs {
-    let g = gpu();
+fn run(g: &Gpu, logits: &[f32], labels: &[i32], v: usize, with_grad: bool) -> Outputs {
     let (zb, yb) = (g.upload(logits).unwrap(), g.upload(labels).unwrap());
-    let mut out = Outputs::poisoned(labels.len(), v);
+    let mut out = Outputs::poisoned(g, labels.len(), v);
     let Outputs {
         d_logits,
         token_loss,
@@ -101,8 +106,11 @@ fn run(logits: &[f32], labels: &[i32], v: usize, with_grad: bool) -> Outputs {
 /// Compare the losses and `N` (and `dz`, `with_grad`) with the reference; masked rows must be
 /// exactly 0.
 fn check(what: &str, logits: &[f32], labels: &[i32], v: usize, with_grad: bool) {
-    let g = gpu();
-    let out = run(logits, labels, v, with_grad);
+    check_on(gpu(), what, logits, labels, v, with_grad)
+}
+
+fn check_on(g: &Gpu, what: &str, logits: &[f32], labels: &[i32], v: usize, with_grad: bool) {
+    let out = run(g, logits, labels, v, with_grad);
     let z = f64s(logits);
     let (want_token, want_loss, n) = reference::cross_entropy_forward(&z, labels, v);
     assert_eq!(out.count.read(g).unwrap(), [n as u32], "{what}: N");
@@ -172,6 +180,20 @@ fn cross_entropy_forward_matches_reference() {
     }
 }
 
+/// The row reductions through workgroup memory alone, as on a device without subgroups.
+#[test]
+fn cross_entropy_without_subgroups_matches_reference() {
+    for (seed, (t, v)) in [(5, 1000), (3, 40_000), (2, 20_001)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(seed as u64 + 200);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        let what = format!("cross_entropy without subgroups T={t} V={v}");
+        check_on(gpu_without_subgroups(), &what, &logits, &labels, v, true);
+    }
+}
+
 /// Logits around 1000, where an `exp` without the maximum subtracted overflows f32.
 #[test]
 fn large_logits_subtract_the_row_maximum() {
@@ -200,7 +222,7 @@ fn all_masked_gives_zero_loss_and_gradient() {
     let logits = Rng::new(13).vec(t * v, 4.0);
     let labels = [IGNORE_INDEX, -1, 1000, IGNORE_INDEX, i32::MAX];
     for with_grad in [true, false] {
-        let out = run(&logits, &labels, v, with_grad);
+        let out = run(gpu(), &logits, &labels, v, with_grad);
         assert_eq!(out.count.read(g).unwrap(), [0]);
         assert_eq!(out.loss.read(g).unwrap(), [0.0]);
         assert_eq!(out.token_loss.read(g).unwrap(), [0.0; 5]);
@@ -216,7 +238,7 @@ fn no_tokens_gives_zero_loss() {
     let g = gpu();
     let v = 7;
     for with_grad in [true, false] {
-        let out = run(&[], &[], v, with_grad);
+        let out = run(gpu(), &[], &[], v, with_grad);
         assert_eq!(out.count.read(g).unwrap(), [0]);
         assert_eq!(out.loss.read(g).unwrap(), [0.0]);
     }
@@ -249,7 +271,7 @@ fn mismatched_lengths_name_kernel_and_buffer() {
     let logits = g.zeros::<f32>(t * v).unwrap();
     let labels = g.zeros::<i32>(t).unwrap();
     let mut d_short = g.zeros::<f32>(t * v - 1).unwrap();
-    let mut out = Outputs::poisoned(t, v);
+    let mut out = Outputs::poisoned(gpu(), t, v);
     let mut rec = g.recorder();
 
     let err = loss::execute_cross_entropy(
@@ -272,7 +294,7 @@ fn mismatched_lengths_name_kernel_and_buffer() {
         err.to_string(),
         "kernel `cross_entropy_forward`, binding `logits`: expected 55 elements (labels × vocab), given 50 elements"
     );
-    let mut short_losses = Outputs::poisoned(t - 1, v);
+    let mut short_losses = Outputs::poisoned(gpu(), t - 1, v);
     let err = loss::execute_cross_entropy_forward(
         &mut rec,
         &logits,
@@ -311,7 +333,8 @@ fn mismatched_lengths_name_kernel_and_buffer() {
 
 #[test]
 fn wgsl_snapshots() {
-    for k in loss::kernels().unwrap() {
-        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    // Two row-kernel variants share a name: number the snapshots.
+    for (i, k) in loss::kernels().unwrap().iter().enumerate() {
+        insta::assert_snapshot!(format!("{i}_{}", k.name()), k.wgsl());
     }
 }
