@@ -518,9 +518,12 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
             fetch(k, "a", &a_slots, Some(&first), steps);
             fetch(k, "b", &b_slots, Some(&first), steps);
         });
-        k.for_range("kk", 0u32, tile.bk, |k, kk| {
-            let a_at = k.let_("a_at", &cur * a_size + &kk * a_stride + &ty);
-            let b_at = k.let_("b_at", &cur * b_size + &kk * b_stride + &tx);
+        // Unrolled here, not a WGSL loop: naga's loop bounding (a counter it adds to every
+        // loop) kept the driver from unrolling it, which cost the 64×64×16 tile a quarter of
+        // its speed on the H200 (BENCHMARKS.md, third session).
+        for kk in 0..tile.bk {
+            let a_at = k.let_("a_at", &cur * a_size + kk * a_stride + &ty);
+            let b_at = k.let_("b_at", &cur * b_size + kk * b_stride + &tx);
             let av: Vec<Expr<Vec4<f32>>> = (0..row_blocks)
                 .map(|g| k.let_("a", a_tile.at(offset(&a_at, g * down))))
                 .collect();
@@ -536,7 +539,7 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
                     }
                 }
             }
-        });
+        }
         k.if_(&more, |k| {
             let next = 1u32 - &cur;
             stage(k, &a_slots, &a_tile, Some(&(&next * a_size)), a_stride);
