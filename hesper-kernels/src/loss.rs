@@ -12,7 +12,8 @@
 //! 1. `cross_entropy_count` (one workgroup): `N` from the labels buffer. Counting on the GPU
 //!    keeps one source of truth — the labels the row kernel reads, with the same predicate — and
 //!    needs no host copy of the labels; it reads `T` integers, nothing next to the `T·V` logits.
-//! 2. `cross_entropy` (or `cross_entropy_forward`): one workgroup of 1024 invocations per token.
+//! 2. `cross_entropy` (or `cross_entropy_forward`): one workgroup per token (1024 invocations,
+//!    or the device's most).
 //!    They stride over the row (as `vec4`s when `V` is a multiple of 4), each reading
 //!    `ROW_UNROLL` elements before using them, with an online log-sum-exp (running max and
 //!    rescaled sum, one `exp` per logit); two workgroup reductions combine them, and — with the
@@ -26,7 +27,7 @@
 //! runtime value (the last batch may be shorter).
 
 use hesper_dsl::prelude::*;
-use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
 use hesper_dsl::Var;
 
@@ -35,9 +36,19 @@ use crate::{Columns, expect_len, expect_u32};
 /// The label of a masked token (any label outside `0..vocab` is masked as well).
 pub const IGNORE_INDEX: i32 = -100;
 
-/// Invocations of the one workgroup that counts the labels or averages the token losses: as
-/// many as a workgroup can have, so that each strides over the tokens in few dependent steps.
-const WORKGROUP: u32 = 1024;
+/// Invocations of every workgroup here: 1024, or the device's most if it allows fewer (WebGPU
+/// promises 256). The one-workgroup kernels then stride over the tokens in few dependent steps,
+/// and with few, large row workgroups the rows in flight are few enough that much of a row's
+/// second read comes out of L2.
+fn invocations(gpu: &Gpu) -> u32 {
+    let limits = gpu.kernel_limits();
+    1024u32
+        .min(limits.max_invocations_per_workgroup)
+        .min(limits.max_workgroup_size[0])
+}
+
+/// The invocations the snapshots are taken at.
+const SNAPSHOT_WG: u32 = 1024;
 
 /// Whether `label` is a class of the vocabulary (else the token is masked).
 #[kernel_fn]
@@ -46,12 +57,13 @@ fn is_target(label: i32, vocab: u32) -> bool {
 }
 
 /// `count[0] = N`: one workgroup strides over the labels.
-#[kernel(workgroup_size = WORKGROUP)]
+#[kernel(workgroup_size = wg)]
 fn cross_entropy_count(
     labels: &[i32],
     count: &mut [u32],
     #[runtime] tokens: u32,
     #[shape] vocab: u32,
+    #[shape] wg: u32,
 ) {
     let mut n = 0u32;
     for t in (local_index()..tokens).step_by(invocations()) {
@@ -68,18 +80,15 @@ fn cross_entropy_count(
 /// The row kernels' names: with the gradient, and the loss alone.
 const ROW: &str = "cross_entropy";
 const ROW_FORWARD: &str = "cross_entropy_forward";
-/// Invocations of a row kernel's workgroup. One workgroup reads one row, twice with the
-/// gradient: with fewer rows in flight at once, more of the second read comes out of L2.
-const ROW_WG: u32 = 1024;
 /// Wide elements each invocation reads before using them, in each pass over the row (on the
-/// H200 at 4096 × 49152: 583, 575 and 547 µs for 2, 4 and 8; 256 and 512 invocations were
-/// slower than 1024 at each).
+/// H200 at 4096 × 49152 with 1024 invocations: 583, 575 and 547 µs for 2, 4 and 8; 256 and 512
+/// invocations were slower than 1024 at each).
 const ROW_UNROLL: u32 = 8;
 
 /// A row kernel's key: rows of a vocabulary of a multiple of 4 go as `vec4`s.
-fn row_key(name: &str, vocab: u32, features: Features) -> KernelKey {
+fn row_key(name: &str, vocab: u32, wg: u32, features: Features) -> KernelKey {
     KernelKey::new(name)
-        .workgroup_size(ROW_WG)
+        .workgroup_size(wg)
         .shape("vocab", vocab)
         .features(features & Features::SUBGROUPS)
         // Only storage indices, each below the row's end or clamped: no runtime bounds checks.
@@ -239,8 +248,14 @@ fn logsumexp_step(k: &mut KernelBuilder, (m, s): (&Var<f32>, &Var<f32>), x: Expr
 }
 
 /// `loss[0] = Σ_t token_loss[t] / max(N, 1)` (masked tokens' losses are 0): one workgroup.
-#[kernel(workgroup_size = WORKGROUP)]
-fn cross_entropy_mean(token_loss: &[f32], count: &[u32], loss: &mut [f32], #[runtime] tokens: u32) {
+#[kernel(workgroup_size = wg)]
+fn cross_entropy_mean(
+    token_loss: &[f32],
+    count: &[u32],
+    loss: &mut [f32],
+    #[runtime] tokens: u32,
+    #[shape] wg: u32,
+) {
     let mut sum = 0.0;
     for t in (local_index()..tokens).step_by(invocations()) {
         sum += token_loss[t];
@@ -258,18 +273,21 @@ const SNAPSHOT_FEATURES: Features = Features::SUBGROUPS;
 /// The WGSL of each kernel of this module at a Llama-sized vocabulary (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
-        cross_entropy_count::build(SNAPSHOT_VOCAB)?,
+        cross_entropy_count::build(SNAPSHOT_VOCAB, SNAPSHOT_WG)?,
         Kernel::build(
-            &row_key(ROW, SNAPSHOT_VOCAB, SNAPSHOT_FEATURES),
+            &row_key(ROW, SNAPSHOT_VOCAB, SNAPSHOT_WG, SNAPSHOT_FEATURES),
             row_with_grad,
         )?,
         Kernel::build(
-            &row_key(ROW_FORWARD, SNAPSHOT_VOCAB, SNAPSHOT_FEATURES),
+            &row_key(ROW_FORWARD, SNAPSHOT_VOCAB, SNAPSHOT_WG, SNAPSHOT_FEATURES),
             row_loss_only,
         )?,
         // A vocabulary that is not a multiple of 4 (GPT-2's): scalar rows.
-        Kernel::build(&row_key(ROW, 50_257, SNAPSHOT_FEATURES), row_with_grad)?,
-        cross_entropy_mean::build()?,
+        Kernel::build(
+            &row_key(ROW, 50_257, SNAPSHOT_WG, SNAPSHOT_FEATURES),
+            row_with_grad,
+        )?,
+        cross_entropy_mean::build(SNAPSHOT_WG)?,
     ])
 }
 
@@ -287,10 +305,13 @@ pub struct LossOutputs<'a> {
 struct Sizes {
     tokens: u32,
     vocab: u32,
+    /// Invocations of every workgroup ([`invocations`]).
+    wg: u32,
 }
 
 /// Check every buffer against `T = labels.len()` and `vocab` before anything is recorded.
 fn check(
+    gpu: &Gpu,
     row_kernel: &str,
     logits: &GpuBuffer<f32>,
     labels: &GpuBuffer<i32>,
@@ -314,6 +335,7 @@ fn check(
     Ok(Sizes {
         tokens: expect_u32(row_kernel, "tokens", t)?,
         vocab: expect_u32(row_kernel, "vocab", vocab)?,
+        wg: invocations(gpu),
     })
 }
 
@@ -329,13 +351,13 @@ pub fn execute_cross_entropy(
     out: LossOutputs<'_>,
 ) -> Result<(), ExecError> {
     let name = ROW;
-    let sizes = check(name, logits, labels, vocab, &out)?;
+    let sizes = check(rec.gpu(), name, logits, labels, vocab, &out)?;
     expect_len(name, "d_logits", d_logits, logits.len(), "as logits")?;
     if sizes.tokens == 0 {
         return no_tokens(rec, &out);
     }
     count(rec, labels, &sizes, out.count)?;
-    let key = row_key(ROW, sizes.vocab, rec.gpu().kernel_features());
+    let key = row_key(ROW, sizes.vocab, sizes.wg, rec.gpu().kernel_features());
     let kernel = rec.gpu().kernel(&key, row_with_grad)?;
     let args = bind_rows(Args::new(), "logits", logits, &sizes)
         .buffer("labels", labels)
@@ -356,12 +378,17 @@ pub fn execute_cross_entropy_forward(
     vocab: usize,
     out: LossOutputs<'_>,
 ) -> Result<(), ExecError> {
-    let sizes = check(ROW_FORWARD, logits, labels, vocab, &out)?;
+    let sizes = check(rec.gpu(), ROW_FORWARD, logits, labels, vocab, &out)?;
     if sizes.tokens == 0 {
         return no_tokens(rec, &out);
     }
     count(rec, labels, &sizes, out.count)?;
-    let key = row_key(ROW_FORWARD, sizes.vocab, rec.gpu().kernel_features());
+    let key = row_key(
+        ROW_FORWARD,
+        sizes.vocab,
+        sizes.wg,
+        rec.gpu().kernel_features(),
+    );
     let kernel = rec.gpu().kernel(&key, row_loss_only)?;
     let args = bind_rows(Args::new(), "logits", logits, &sizes)
         .buffer("labels", labels)
@@ -372,7 +399,7 @@ pub fn execute_cross_entropy_forward(
 }
 
 fn one_workgroup_per_token(sizes: &Sizes) -> Grid {
-    Grid::Threads(u64::from(sizes.tokens) * u64::from(ROW_WG))
+    Grid::Threads(u64::from(sizes.tokens) * u64::from(sizes.wg))
 }
 
 /// Bind a `[T, V]` buffer as the row kernels read it: `vec4`s when `V` is a multiple of 4.
@@ -402,7 +429,7 @@ fn count(
     count: &GpuBuffer<u32>,
 ) -> Result<(), ExecError> {
     let kernel = rec.gpu().kernel(
-        &cross_entropy_count::key(sizes.vocab),
+        &cross_entropy_count::key(sizes.vocab, sizes.wg),
         cross_entropy_count::body,
     )?;
     let args = Args::new()
@@ -415,7 +442,7 @@ fn count(
 fn mean(rec: &mut Recorder<'_>, sizes: &Sizes, out: &LossOutputs<'_>) -> Result<(), ExecError> {
     let kernel = rec
         .gpu()
-        .kernel(&cross_entropy_mean::key(), cross_entropy_mean::body)?;
+        .kernel(&cross_entropy_mean::key(sizes.wg), cross_entropy_mean::body)?;
     let args = Args::new()
         .buffer("token_loss", out.token_loss)
         .buffer("count", out.count)
