@@ -40,8 +40,7 @@ pub const IGNORE_INDEX: i32 = -100;
 /// promises 256). The one-workgroup kernels then stride over the tokens in few dependent steps,
 /// and with few, large row workgroups the rows in flight are few enough that much of a row's
 /// second read comes out of L2.
-fn invocations(gpu: &Gpu) -> u32 {
-    let limits = gpu.kernel_limits();
+fn invocations(limits: &Limits) -> u32 {
     1024u32
         .min(limits.max_invocations_per_workgroup)
         .min(limits.max_workgroup_size[0])
@@ -335,7 +334,7 @@ fn check(
     Ok(Sizes {
         tokens: expect_u32(row_kernel, "tokens", t)?,
         vocab: expect_u32(row_kernel, "vocab", vocab)?,
-        wg: invocations(gpu),
+        wg: invocations(&gpu.kernel_limits()),
     })
 }
 
@@ -506,5 +505,33 @@ pub mod reference {
             }
         }
         d
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// On a device that allows fewer than 1024 invocations every kernel here takes what it allows,
+    /// and builds (naga validates it) at that size.
+    #[test]
+    fn kernels_fit_devices_with_smaller_workgroups() {
+        let small = Limits {
+            max_invocations_per_workgroup: 256,
+            max_workgroup_size: [256, 256, 64],
+            ..Limits::default()
+        };
+        assert_eq!(invocations(&Limits::default()), 1024);
+        assert_eq!(invocations(&small), 256);
+        for wg in [256, 64] {
+            for vocab in [32_000, 50_257] {
+                let row = row_key(ROW, vocab, wg, Features::SUBGROUPS);
+                let forward = row_key(ROW_FORWARD, vocab, wg, Features::NONE);
+                Kernel::build(&row, row_with_grad).unwrap();
+                Kernel::build(&forward, row_loss_only).unwrap();
+                cross_entropy_count::build(vocab, wg).unwrap();
+            }
+            cross_entropy_mean::build(wg).unwrap();
+        }
     }
 }
