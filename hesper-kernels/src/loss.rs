@@ -26,10 +26,9 @@
 //! The vocabulary is a shape (fixed per model; it keys the pipeline); the token count is a
 //! runtime value (the last batch may be shorter).
 
+use hesper_dsl::Var;
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
-
-use hesper_dsl::Var;
 
 use crate::{Columns, expect_len, expect_u32};
 
