@@ -283,3 +283,25 @@ fn driver_pipeline_cache_file_is_checked_before_it_is_trusted() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// `GpuOptions::max_invocations_per_workgroup` makes a device like one that allows no more:
+/// the limits say so, and a wider kernel is refused with the DSL's limit error.
+#[test]
+fn a_device_can_be_asked_for_smaller_workgroups() {
+    let small = Gpu::with_options(GpuOptions {
+        max_invocations_per_workgroup: Some(256),
+        ..Default::default()
+    })
+    .unwrap();
+    let limits = small.kernel_limits();
+    assert!(limits.max_invocations_per_workgroup <= 256);
+    assert!(limits.max_workgroup_size[0] <= 256);
+    let Err(err) = small.kernel(&mul_add_key(Features::NONE, 512), mul_add) else {
+        panic!("a 512-wide kernel on a device asked for 256");
+    };
+    assert!(matches!(err, ExecError::Dsl(_)), "{err}");
+    assert!(err.to_string().contains("512"), "{err}");
+    small
+        .kernel(&mul_add_key(Features::NONE, 256), mul_add)
+        .unwrap();
+}

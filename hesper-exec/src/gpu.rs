@@ -40,6 +40,10 @@ pub struct GpuOptions {
     /// `assume_in_bounds` (slower): to tell whether a kernel misbehaves because one of its
     /// indices leaves its range. Off by default.
     pub force_bounds_checks: bool,
+    /// Ask for at most this many invocations per workgroup (and that workgroup width), as on a
+    /// device that allows no more (WebGPU promises 256): how the kernels that size their
+    /// workgroups to the device are tested at smaller sizes. `None`: the adapter's.
+    pub max_invocations_per_workgroup: Option<u32>,
 }
 
 // Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
@@ -53,6 +57,7 @@ impl Default for GpuOptions {
             verify_cache_hits: cfg!(debug_assertions),
             subgroups: true,
             force_bounds_checks: false,
+            max_invocations_per_workgroup: None,
         }
     }
 }
@@ -121,7 +126,14 @@ impl Gpu {
             wanted.remove(wgpu::Features::SUBGROUP);
         }
         let features = adapter.features() & wanted;
-        let limits = adapter.limits();
+        let mut limits = adapter.limits();
+        if let Some(most) = options.max_invocations_per_workgroup {
+            let clamp = |limit: &mut u32| *limit = (*limit).min(most);
+            clamp(&mut limits.max_compute_invocations_per_workgroup);
+            clamp(&mut limits.max_compute_workgroup_size_x);
+            clamp(&mut limits.max_compute_workgroup_size_y);
+            clamp(&mut limits.max_compute_workgroup_size_z);
+        }
         let experimental_features =
             if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
                 // SAFETY: asked for explicitly through `GpuOptions::cooperative_matrix`; wgpu

@@ -83,7 +83,8 @@ const ROW_FORWARD: &str = "cross_entropy_forward";
 /// invocations were slower than 1024 at each).
 const ROW_UNROLL: u32 = 8;
 
-/// A row kernel's key: rows of a vocabulary of a multiple of 4 go as `vec4`s.
+/// A row kernel's key: `wg` invocations, the vocabulary (its body reads the rows of one of a
+/// multiple of 4 as `vec4`s), subgroups where the device has them.
 fn row_key(name: &str, vocab: u32, wg: u32, features: Features) -> KernelKey {
     KernelKey::new(name)
         .workgroup_size(wg)
@@ -348,9 +349,8 @@ pub fn execute_cross_entropy(
     d_logits: &mut GpuBuffer<f32>,
     out: LossOutputs<'_>,
 ) -> Result<(), ExecError> {
-    let name = ROW;
-    let sizes = check(rec.gpu(), name, logits, labels, vocab, &out)?;
-    expect_len(name, "d_logits", d_logits, logits.len(), "as logits")?;
+    let sizes = check(rec.gpu(), ROW, logits, labels, vocab, &out)?;
+    expect_len(ROW, "d_logits", d_logits, logits.len(), "as logits")?;
     if sizes.tokens == 0 {
         return no_tokens(rec, &out);
     }

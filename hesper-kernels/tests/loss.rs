@@ -1,16 +1,19 @@
 //! Cross-entropy on the GPU against the f64 reference, and the reference's gradient against
 //! finite differences of its loss.
 
-use hesper_exec::{ExecError, Gpu, GpuBuffer};
+use std::sync::OnceLock;
+
+use hesper_exec::{ExecError, Gpu, GpuBuffer, GpuOptions};
 use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs, reference};
 use hesper_kernels::testing::{
     Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
 };
 
-/// `(T, V)`: vocabularies below and far past the row kernel's 1024 invocations; multiples of 4
-/// go as vec4s, the others as floats. 40 000 and 20 001 run past whole unrolled strides (8 × 1024
-/// elements) and end in a ragged one, 32 768 fills one exactly. 1500 tokens make the count and
-/// mean kernels (1024 invocations) stride over more tokens than invocations.
+/// `(T, V)`: vocabularies below and far past the row kernel's 1024 invocations (on lavapipe and
+/// the H200; 256 in the test that asks for them); multiples of 4 go as vec4s, the others as
+/// floats. 40 000 and 20 001 run past whole unrolled strides (8 × 1024 elements) and end in a
+/// ragged one, 32 768 fills one exactly. 1500 tokens make the count and mean kernels stride over
+/// more tokens than invocations.
 const SHAPES: [(usize, usize); 13] = [
     (1, 7),
     (5, 7),
@@ -191,6 +194,29 @@ fn cross_entropy_without_subgroups_matches_reference() {
         let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
         let what = format!("cross_entropy without subgroups T={t} V={v}");
         check_on(gpu_without_subgroups(), &what, &logits, &labels, v, true);
+    }
+}
+
+/// On a device that allows only 256 invocations a workgroup, every kernel here takes 256: the
+/// row kernel's strides, the count and mean kernels' token loops, with and without the gradient.
+#[test]
+fn cross_entropy_with_256_invocations_matches_reference() {
+    static SMALL: OnceLock<Gpu> = OnceLock::new();
+    let g = SMALL.get_or_init(|| {
+        Gpu::with_options(GpuOptions {
+            max_invocations_per_workgroup: Some(256),
+            ..Default::default()
+        })
+        .unwrap()
+    });
+    let shapes = [(5, 1000), (3, 40_000), (2, 20_001), (300, 7)];
+    for (seed, (t, v)) in shapes.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 300);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        for with_grad in [true, false] {
+            let what = format!("256 invocations T={t} V={v} gradient {with_grad}");
+            check_on(g, &what, &logits, &labels, v, with_grad);
+        }
     }
 }
 
