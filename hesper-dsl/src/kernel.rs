@@ -105,10 +105,10 @@ impl From<bool> for ShapeValue {
 }
 
 /// Everything that changes a kernel's WGSL text: its name, shape parameters, the features it
-/// uses, its workgroup size, and whether it is compiled without bounds checks. The same key always emits byte-identical WGSL, so a pipeline
-/// cache keyed by it is sound — provided the kernel's builder function reads its compile-time
-/// values from the key (through [`KernelBuilder::shape`](crate::KernelBuilder::shape) and
-/// friends) and nowhere else.
+/// uses, its workgroup size, and whether it is compiled without bounds checks. The same key
+/// always emits byte-identical WGSL, so a pipeline cache keyed by it is sound — provided the
+/// kernel's builder function reads its compile-time values from the key (through
+/// [`KernelBuilder::shape`](crate::KernelBuilder::shape) and friends) and nowhere else.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
     name: String,
