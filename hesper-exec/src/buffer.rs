@@ -3,6 +3,8 @@
 //! measured 5× slower on the H200).
 
 use std::marker::PhantomData;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 use bytemuck::Pod;
 use hesper_dsl::prelude::*;
@@ -65,10 +67,50 @@ host_element!(
 
 /// A storage buffer of `len` elements of `T` on one [`Gpu`]. Its allocation is padded to a
 /// multiple of 16 bytes, so the executor's fill and copy kernels can move it as `vec4<u32>`.
+///
+/// It belongs to the `Gpu` that made it: reading, writing or binding it with another is an
+/// [`ExecError::WrongGpu`]. Host writes and reads happen when they are called, so while a
+/// [`Recorder`] that uses the buffer is not submitted, they would see or overwrite the data
+/// before the recorded launches run: they are refused ([`ExecError::InUse`]) until the
+/// recorder is submitted or dropped.
 pub struct GpuBuffer<T: Element> {
     raw: wgpu::Buffer,
     len: usize,
+    pub(crate) tracking: Arc<BufferTracking>,
     _t: PhantomData<T>,
+}
+
+/// Who a buffer belongs to, and how many unsubmitted recorders use it.
+pub(crate) struct BufferTracking {
+    pub id: u64,
+    pub gpu: u64,
+    pub pending: AtomicU32,
+}
+
+static NEXT_BUFFER: AtomicU64 = AtomicU64::new(1);
+
+impl BufferTracking {
+    /// An error unless the buffer belongs to `gpu`.
+    pub fn check_gpu(&self, gpu: &Gpu, what: impl FnOnce() -> String) -> Result<(), ExecError> {
+        if self.gpu == gpu.id() {
+            return Ok(());
+        }
+        Err(ExecError::WrongGpu {
+            what: what(),
+            owner: self.gpu,
+            used_with: gpu.id(),
+        })
+    }
+    /// An error if an unsubmitted recorder uses the buffer.
+    fn check_idle(&self, buffer: String, operation: &str) -> Result<(), ExecError> {
+        if self.pending.load(Ordering::Acquire) == 0 {
+            return Ok(());
+        }
+        Err(ExecError::InUse {
+            buffer,
+            operation: operation.into(),
+        })
+    }
 }
 
 const VEC4: Ty = Ty::Vector(4, Scalar::U32);
@@ -96,8 +138,17 @@ impl<T: Element> GpuBuffer<T> {
         (self.raw.size() / 16) as usize
     }
 
-    /// Overwrite the contents from the host; `data` must have exactly `len` elements.
+    /// Check that the buffer belongs to `gpu` and no unsubmitted recorder uses it.
+    fn check_host_access(&self, gpu: &Gpu, operation: &str) -> Result<(), ExecError> {
+        self.tracking
+            .check_gpu(gpu, || format!("buffer `{}` ({operation})", self.label()))?;
+        self.tracking.check_idle(self.label(), operation)
+    }
+
+    /// Overwrite the contents from the host; `data` must have exactly `len` elements. Takes
+    /// effect before anything submitted after it.
     pub fn write(&self, gpu: &Gpu, data: &[T]) -> Result<(), ExecError> {
+        self.check_host_access(gpu, "a write from the host")?;
         if data.len() != self.len {
             return Err(ExecError::Buffer {
                 buffer: self.label(),
@@ -108,24 +159,31 @@ impl<T: Element> GpuBuffer<T> {
                 ),
             });
         }
-        if !data.is_empty() {
-            gpu.queue
-                .write_buffer(&self.raw, 0, bytemuck::cast_slice(data));
+        if data.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        gpu.scoped(&|| format!("writing buffer `{}`", self.label()), || {
+            gpu.queue
+                .write_buffer(&self.raw, 0, bytemuck::cast_slice(data))
+        })
     }
 
-    /// Copy every element back to the host (submits nothing else; waits for the GPU).
+    /// Copy every element back to the host, once everything submitted before has run (waits,
+    /// at most [`GpuOptions::wait_timeout`](crate::GpuOptions::wait_timeout)).
     pub fn read(&self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
+        self.check_host_access(gpu, "a read to the host")?;
         if self.len == 0 {
             return Ok(vec![]);
         }
-        let bytes = gpu.read_raw(&self.raw, self.bytes())?;
+        let bytes = gpu.read_raw(&self.raw, self.bytes(), &|| {
+            format!("reading buffer `{}` back", self.label())
+        })?;
         Ok(bytemuck::cast_slice(&bytes).to_vec())
     }
 
-    fn label(&self) -> String {
-        format!("{} × {}", self.len, T::ty())
+    /// How error messages name the buffer: its number, length and element type.
+    pub(crate) fn label(&self) -> String {
+        format!("#{} ({} × {})", self.tracking.id, self.len, T::ty())
     }
 }
 
@@ -159,17 +217,25 @@ impl Gpu {
                 ),
             });
         }
-        let raw = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some(label),
-            size: padded,
-            usage: wgpu::BufferUsages::STORAGE
-                | wgpu::BufferUsages::COPY_SRC
-                | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        let what = || format!("allocating {label} of {len} × {}", T::ty());
+        let raw = self.scoped(&what, || {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some(label),
+                size: padded,
+                usage: wgpu::BufferUsages::STORAGE
+                    | wgpu::BufferUsages::COPY_SRC
+                    | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
+        })?;
         Ok(GpuBuffer {
             raw,
             len,
+            tracking: Arc::new(BufferTracking {
+                id: NEXT_BUFFER.fetch_add(1, Ordering::Relaxed),
+                gpu: self.id(),
+                pending: AtomicU32::new(0),
+            }),
             _t: PhantomData,
         })
     }
@@ -194,44 +260,65 @@ impl Gpu {
         Ok(buf)
     }
 
-    /// Set every element of `buf` to `value` (one launch, submitted now).
+    /// Set every element of `buf` to `value` (one launch, submitted now: refused while an
+    /// unsubmitted recorder uses `buf`; [`Recorder::fill`] records it in order instead).
     pub fn fill<T: Element>(&self, buf: &GpuBuffer<T>, value: T) -> Result<(), ExecError> {
+        buf.check_host_access(self, "Gpu::fill")?;
         let mut rec = self.recorder();
         rec.fill(buf, value)?;
         rec.submit()
     }
 
-    /// Copy `src` into `dst` (same length; one launch, submitted now).
+    /// Copy `src` into `dst` (same length; one launch, submitted now: refused while an
+    /// unsubmitted recorder uses either; [`Recorder::copy`] records it in order instead).
     pub fn copy<T: Element>(
         &self,
         src: &GpuBuffer<T>,
         dst: &GpuBuffer<T>,
     ) -> Result<(), ExecError> {
+        src.check_host_access(self, "Gpu::copy")?;
+        dst.check_host_access(self, "Gpu::copy")?;
         let mut rec = self.recorder();
         rec.copy(src, dst)?;
         rec.submit()
     }
 
-    /// Copy `bytes` bytes of `buffer` to the host through a reused staging buffer; waits.
-    pub(crate) fn read_raw(&self, buffer: &wgpu::Buffer, bytes: u64) -> Result<Vec<u8>, ExecError> {
-        let staging = self.take_staging(bytes);
-        let mut enc = self.device.create_command_encoder(&Default::default());
-        enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
-        self.queue.submit([enc.finish()]);
+    /// Copy `bytes` bytes of `buffer` to the host through a reused staging buffer; waits, at
+    /// most `wait_timeout`. `what` names the readback in errors.
+    pub(crate) fn read_raw(
+        &self,
+        buffer: &wgpu::Buffer,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<u8>, ExecError> {
+        let staging = self.take_staging(bytes, what)?;
         let (tx, rx) = std::sync::mpsc::channel();
-        staging
-            .slice(..bytes)
-            .map_async(wgpu::MapMode::Read, move |r| {
-                let _ = tx.send(r);
-            });
-        self.wait()?;
-        let mapped = rx.recv().map_err(|e| ExecError::Device(e.to_string()))?;
-        mapped.map_err(|e| ExecError::Device(format!("mapping a readback buffer failed: {e}")))?;
+        let index = self.scoped(what, || {
+            let mut enc = self.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
+            let index = self.queue.submit([enc.finish()]);
+            staging
+                .slice(..bytes)
+                .map_async(wgpu::MapMode::Read, move |r| {
+                    let _ = tx.send(r);
+                });
+            index
+        })?;
+        // On a timeout or a loss the staging buffer is dropped, not reused: its map is pending.
+        self.wait_for(Some(index), what)?;
+        // The wait ran the map's callback (here, or in another thread's poll).
+        let mapped =
+            rx.recv_timeout(self.options.wait_timeout)
+                .map_err(|_| ExecError::Timeout {
+                    what: format!("{} (the buffer's mapping)", what()),
+                    waited: self.options.wait_timeout,
+                })?;
+        mapped.map_err(|e| ExecError::Device(format!("{}: mapping failed: {e}", what())))?;
         let out = {
             let view = staging
                 .slice(..bytes)
                 .get_mapped_range()
-                .map_err(|e| ExecError::Device(format!("mapped range: {e}")))?;
+                .map_err(|e| ExecError::Device(format!("{}: mapped range: {e}", what())))?;
             view.to_vec()
         };
         staging.unmap();
@@ -239,24 +326,30 @@ impl Gpu {
         Ok(out)
     }
 
-    fn take_staging(&self, bytes: u64) -> wgpu::Buffer {
+    fn take_staging(
+        &self,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<wgpu::Buffer, ExecError> {
         let mut pool = self.staging.lock().unwrap_or_else(|p| p.into_inner());
         let best = (0..pool.len())
             .filter(|&i| pool[i].size() >= bytes)
             .min_by_key(|&i| pool[i].size());
         if let Some(i) = best {
-            return pool.swap_remove(i);
+            return Ok(pool.swap_remove(i));
         }
         drop(pool);
         // Round up so that similar sizes share a buffer; never past what one read needs twice.
         let size = bytes
             .next_power_of_two()
             .clamp(64 * 1024, (2 * bytes).max(64 * 1024));
-        self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("hesper readback"),
-            size: size.min(self.wgpu_limits().max_buffer_size).max(bytes),
-            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
+        self.scoped(what, || {
+            self.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("hesper readback"),
+                size: size.min(self.wgpu_limits().max_buffer_size).max(bytes),
+                usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            })
         })
     }
 
@@ -275,10 +368,17 @@ impl Gpu {
     }
 }
 
+/// The executor's kernels' workgroup width: 256, or the device's most if that is less.
+fn executor_workgroup(gpu: &Gpu) -> u32 {
+    let limits = gpu.wgpu_limits();
+    256.min(limits.max_compute_invocations_per_workgroup)
+        .min(limits.max_compute_workgroup_size_x)
+}
+
 /// The fill kernel: `dst[i] = pattern` over `vec4<u32>` words.
-fn fill_kernel(gpu: &Gpu) -> Result<std::sync::Arc<crate::CompiledKernel>, ExecError> {
+fn fill_kernel(gpu: &Gpu) -> Result<Arc<crate::CompiledKernel>, ExecError> {
     let key = KernelKey::new("hesper_fill")
-        .workgroup_size(256)
+        .workgroup_size(executor_workgroup(gpu))
         .features(gpu.kernel_features() & Features::IMMEDIATES);
     gpu.kernel(&key, |k| {
         let dst = k.storage_rw::<Vec4<u32>>("dst");
@@ -291,9 +391,9 @@ fn fill_kernel(gpu: &Gpu) -> Result<std::sync::Arc<crate::CompiledKernel>, ExecE
 }
 
 /// The copy kernel: `dst[i] = src[i]` over `vec4<u32>` words.
-fn copy_kernel(gpu: &Gpu) -> Result<std::sync::Arc<crate::CompiledKernel>, ExecError> {
+fn copy_kernel(gpu: &Gpu) -> Result<Arc<crate::CompiledKernel>, ExecError> {
     let key = KernelKey::new("hesper_copy")
-        .workgroup_size(256)
+        .workgroup_size(executor_workgroup(gpu))
         .features(gpu.kernel_features() & Features::IMMEDIATES);
     gpu.kernel(&key, |k| {
         let src = k.storage::<Vec4<u32>>("src");
@@ -313,7 +413,7 @@ impl Recorder<'_> {
         let n = buf.vec4s();
         let kernel = fill_kernel(self.gpu())?;
         let args = Args::new()
-            .raw("dst", buf.raw(), VEC4, n)
+            .raw("dst", buf, VEC4, n)
             .param("w0", w(0))
             .param("w1", w(1))
             .param("w2", w(2))
@@ -339,8 +439,8 @@ impl Recorder<'_> {
         let n = src.vec4s();
         let kernel = copy_kernel(self.gpu())?;
         let args = Args::new()
-            .raw("src", src.raw(), VEC4, n)
-            .raw("dst", dst.raw(), VEC4, n)
+            .raw("src", src, VEC4, n)
+            .raw("dst", dst, VEC4, n)
             .param("n", n as u32);
         self.launch(&kernel, &args, Grid::Threads(n as u64))
     }

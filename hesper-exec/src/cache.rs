@@ -11,8 +11,10 @@ use crate::error::ExecError;
 use crate::gpu::Gpu;
 
 /// A kernel compiled for one device: its IR and WGSL, the pipeline, and its bind group layout.
+/// It belongs to the [`Gpu`] that compiled it (launching it on another is an error).
 pub struct CompiledKernel {
     kernel: Kernel,
+    gpu: u64,
     pub(crate) pipeline: wgpu::ComputePipeline,
     pub(crate) layout: wgpu::BindGroupLayout,
     compile_time: Duration,
@@ -29,6 +31,35 @@ impl CompiledKernel {
     pub fn compile_time(&self) -> Duration {
         self.compile_time
     }
+    /// The id of the [`Gpu`] it was compiled for.
+    pub fn gpu(&self) -> u64 {
+        self.gpu
+    }
+}
+
+impl std::fmt::Debug for CompiledKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompiledKernel")
+            .field("key", &self.kernel.key().to_string())
+            .field("gpu", &self.gpu)
+            .field("compile_time", &self.compile_time)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which code built a kernel: the place that called [`Gpu::kernel`] and the type of the builder
+/// it passed. Two builders under one key are told apart by it, so they never share a pipeline
+/// (a user kernel named like one of the executor's, two `#[kernel]`s of one name in two
+/// modules). [`Gpu::compile`]'s kernels, already built, are told apart by their WGSL instead.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+enum Origin {
+    Builder {
+        file: &'static str,
+        line: u32,
+        column: u32,
+        builder: &'static str,
+    },
+    Built,
 }
 
 /// What the cache has done so far.
@@ -40,10 +71,15 @@ pub struct CacheStats {
     pub compile_time: Duration,
 }
 
-/// Compiled kernels by key. Lookups take a lock for a hash-map probe; compiles happen outside it.
+/// For each key, its compiled kernels and the origins that asked for each (one pipeline per
+/// distinct WGSL, shared by every origin whose builder emits that text).
+type CacheMap = HashMap<KernelKey, Vec<(Origin, Arc<CompiledKernel>)>>;
+
+/// Compiled kernels by key and origin. Lookups take a lock for a hash-map probe; compiles
+/// happen outside it.
 #[derive(Default)]
 pub struct PipelineCache {
-    map: Mutex<HashMap<KernelKey, Arc<CompiledKernel>>>,
+    map: Mutex<CacheMap>,
     hits: AtomicU64,
     misses: AtomicU64,
     compile_nanos: AtomicU64,
@@ -60,14 +96,22 @@ impl PipelineCache {
 
     /// How many kernels are compiled.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        let map = self.lock();
+        let mut pipelines: Vec<*const CompiledKernel> = map
+            .values()
+            .flatten()
+            .map(|(_, c)| Arc::as_ptr(c))
+            .collect();
+        pipelines.sort();
+        pipelines.dedup();
+        pipelines.len()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<KernelKey, Arc<CompiledKernel>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, CacheMap> {
         // A panic while holding the lock cannot leave the map half-updated (inserts are single
         // calls), so a poisoned lock is still sound to use.
         self.map.lock().unwrap_or_else(|p| p.into_inner())
@@ -77,19 +121,33 @@ impl PipelineCache {
 impl Gpu {
     /// The compiled kernel for `key`: from the cache, or built with `build` and compiled once.
     ///
-    /// `build` must read every compile-time value from the key (`KernelBuilder::shape`), so that
-    /// one key always means one WGSL text. When [`GpuOptions::verify_cache_hits`] is on (the
-    /// default in debug builds), every hit rebuilds the kernel and checks that, and a key that
-    /// emits two texts is an error instead of a silently reused wrong pipeline.
+    /// The cache tells builders apart by where `kernel` is called from and by the builder's type,
+    /// so two different kernels under one key each get their own pipeline. `build` must read
+    /// every compile-time value from the key (`KernelBuilder::shape`), so that one key and one
+    /// builder always mean one WGSL text: a builder whose text depends on a value it captures
+    /// would reuse the pipeline of the first value. When [`GpuOptions::verify_cache_hits`] is
+    /// on (the default in debug builds) every hit rebuilds the kernel and checks that, and a
+    /// mismatch is an error; it is off in release builds because a rebuild costs 0.2–5 ms.
     ///
     /// [`GpuOptions::verify_cache_hits`]: crate::GpuOptions::verify_cache_hits
-    pub fn kernel(
+    #[track_caller]
+    pub fn kernel<F: FnOnce(&mut KernelBuilder)>(
         &self,
         key: &KernelKey,
-        build: impl FnOnce(&mut KernelBuilder),
+        build: F,
     ) -> Result<Arc<CompiledKernel>, ExecError> {
+        let at = std::panic::Location::caller();
+        let origin = Origin::Builder {
+            file: at.file(),
+            line: at.line(),
+            column: at.column(),
+            builder: std::any::type_name::<F>(),
+        };
         let cache = &self.cache;
-        let cached = cache.lock().get(key).cloned();
+        let cached = cache
+            .lock()
+            .get(key)
+            .and_then(|v| v.iter().find(|(o, _)| *o == origin).map(|(_, c)| c.clone()));
         if let Some(compiled) = cached {
             cache.hits.fetch_add(1, Ordering::Relaxed);
             if self.options.verify_cache_hits {
@@ -105,31 +163,46 @@ impl Gpu {
         }
         let start = Instant::now();
         let kernel = Kernel::build_with_limits(key, &self.kernel_limits(), build)?;
-        self.compile_and_insert(kernel, start)
+        self.compile_and_insert(kernel, origin, start)
     }
 
-    /// Compile an already built kernel (through the cache, keyed by its key).
+    /// The cached kernel of `kernel`'s key and WGSL, now also known under `origin`.
+    fn same_text(&self, kernel: &Kernel, origin: &Origin) -> Option<Arc<CompiledKernel>> {
+        let mut map = self.cache.lock();
+        let entries = map.get_mut(kernel.key())?;
+        let c = entries
+            .iter()
+            .find(|(_, c)| c.kernel.wgsl() == kernel.wgsl())
+            .map(|(_, c)| c.clone())?;
+        if !entries.iter().any(|(o, _)| o == origin) {
+            entries.push((origin.clone(), c.clone()));
+        }
+        Some(c)
+    }
+
+    /// Compile an already built kernel (through the cache: the same key and WGSL is a hit).
     pub fn compile(&self, kernel: &Kernel) -> Result<Arc<CompiledKernel>, ExecError> {
-        if let Some(c) = self.cache.lock().get(kernel.key()).cloned() {
-            if c.kernel.wgsl() != kernel.wgsl() {
-                return Err(ExecError::KeyMismatch {
-                    kernel: kernel.name().into(),
-                    key: kernel.key().to_string(),
-                });
-            }
+        if let Some(c) = self.same_text(kernel, &Origin::Built) {
             self.cache.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(c);
         }
         let start = Instant::now();
         kernel.check_limits(&self.kernel_limits())?;
-        self.compile_and_insert(kernel.clone(), start)
+        self.compile_and_insert(kernel.clone(), Origin::Built, start)
     }
 
     fn compile_and_insert(
         &self,
         kernel: Kernel,
+        origin: Origin,
         start: Instant,
     ) -> Result<Arc<CompiledKernel>, ExecError> {
+        // Another origin with the same text (the same builder called from two places, or
+        // another thread that compiled it meanwhile): share its pipeline.
+        if let Some(c) = self.same_text(&kernel, &origin) {
+            self.cache.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(c);
+        }
         let (pipeline, layout) = self.create_pipeline(&kernel)?;
         let compile_time = start.elapsed();
         let cache = &self.cache;
@@ -140,12 +213,24 @@ impl Gpu {
         let key = kernel.key().clone();
         let compiled = Arc::new(CompiledKernel {
             kernel,
+            gpu: self.id(),
             pipeline,
             layout,
             compile_time,
         });
-        // Another thread may have compiled the same key meanwhile: keep the first.
-        Ok(cache.lock().entry(key).or_insert(compiled).clone())
+        let mut map = cache.lock();
+        let entries = map.entry(key).or_default();
+        // Another thread may have compiled the same kernel meanwhile: keep the first.
+        if let Some((_, first)) = entries
+            .iter()
+            .find(|(_, c)| c.kernel.wgsl() == compiled.kernel.wgsl())
+        {
+            let first = first.clone();
+            entries.push((origin, first.clone()));
+            return Ok(first);
+        }
+        entries.push((origin, compiled.clone()));
+        Ok(compiled)
     }
 
     /// Hits, misses and compile time of this device's pipeline cache.
@@ -176,6 +261,19 @@ impl Gpu {
         {
             return Err(missing("IMMEDIATES"));
         }
+        let most = crate::launch::max_uniform_params(self);
+        if kernel.params_binding().is_some() && kernel.params_size() > most {
+            return Err(ExecError::Pipeline {
+                kernel: kernel.name().into(),
+                message: format!(
+                    "its {} runtime scalars take {} bytes of uniform buffer; at most {most} bytes \
+                     ({} scalars) fit in one uniform binding",
+                    kernel.params().len(),
+                    kernel.params_size(),
+                    most / 4
+                ),
+            });
+        }
         let buffer_entry = |binding, ty| wgpu::BindGroupLayoutEntry {
             binding,
             visibility: wgpu::ShaderStages::COMPUTE,
@@ -197,12 +295,22 @@ impl Gpu {
         if let Some(binding) = kernel.params_binding() {
             entries.push(buffer_entry(binding, wgpu::BufferBindingType::Uniform));
         }
-        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let what = || format!("kernel `{}`: creating its pipeline", kernel.name());
+        let (layout, pipeline) =
+            self.scoped(&what, || self.create_layout_and_pipeline(kernel, &entries))?;
+        Ok((pipeline, layout))
+    }
+
+    fn create_layout_and_pipeline(
+        &self,
+        kernel: &Kernel,
+        entries: &[wgpu::BindGroupLayoutEntry],
+    ) -> (wgpu::BindGroupLayout, wgpu::ComputePipeline) {
         let layout = self
             .device
             .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
                 label: Some(kernel.name()),
-                entries: &entries,
+                entries,
             });
         let immediate_size = if kernel.params_as_immediates() {
             kernel.params_size()
@@ -237,13 +345,7 @@ impl Gpu {
                 compilation_options: Default::default(),
                 cache: self.driver_cache.as_ref(),
             });
-        if let Some(e) = pollster::block_on(scope.pop()) {
-            return Err(ExecError::Pipeline {
-                kernel: kernel.name().into(),
-                message: e.to_string(),
-            });
-        }
-        Ok((pipeline, layout))
+        (layout, pipeline)
     }
 }
 

@@ -55,6 +55,44 @@ pub enum ExecError {
     Io { path: String, message: String },
     #[error("the device was lost or a wait failed: {0}")]
     Device(String),
+    #[error("`{adapter}` was lost ({reason}): {what} cannot run; open a new `Gpu`")]
+    DeviceLost {
+        adapter: String,
+        reason: String,
+        what: String,
+    },
+    #[error(
+        "{what}: not finished after {waited:?} (GpuOptions::wait_timeout); the GPU may be hung \
+         or the work longer than the timeout allows"
+    )]
+    Timeout {
+        what: String,
+        waited: std::time::Duration,
+    },
+    #[error("{what}: wgpu reported {kind}: {message}")]
+    Wgpu {
+        what: String,
+        kind: &'static str,
+        message: String,
+    },
+    #[error("{what} belongs to Gpu #{owner}, and was used with Gpu #{used_with}")]
+    WrongGpu {
+        what: String,
+        owner: u64,
+        used_with: u64,
+    },
+    #[error(
+        "buffer `{buffer}`: {operation} while a recorder that uses it is not submitted; it \
+         would take effect before the recorded launches. Submit (or drop) the recorder first, \
+         or record the operation into it (Recorder::fill, Recorder::copy)"
+    )]
+    InUse { buffer: String, operation: String },
+    #[error("GpuOptions::{option}: expected {expected}, given {given}")]
+    Options {
+        option: &'static str,
+        expected: String,
+        given: String,
+    },
     #[error(transparent)]
     Dsl(#[from] DslError),
 }

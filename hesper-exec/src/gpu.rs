@@ -1,13 +1,16 @@
 //! `Gpu`: instance, adapter, device and queue; the features and limits kernels can use; the
 //! pipeline cache and its optional persistence.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 use hesper_dsl::{Features, Limits};
 
 use crate::cache::PipelineCache;
 use crate::error::ExecError;
+use crate::pool::{self, AdapterIdentity, DeviceRequest, PooledDevice};
 
 /// The device features hesper asks for when the adapter has them.
 const WANTED: wgpu::Features = wgpu::Features::SHADER_F16
@@ -42,8 +45,12 @@ pub struct GpuOptions {
     pub force_bounds_checks: bool,
     /// Ask for at most this many invocations per workgroup (and that workgroup width), as on a
     /// device that allows no more (WebGPU promises 256): how the kernels that size their
-    /// workgroups to the device are tested at smaller sizes. `None`: the adapter's.
+    /// workgroups to the device are tested at smaller sizes. `None`: the adapter's. At least 1.
     pub max_invocations_per_workgroup: Option<u32>,
+    /// The longest any wait for the GPU may take (a readback, [`Gpu::wait`], a timed submit)
+    /// before it returns [`ExecError::Timeout`] naming what it waited for. Five minutes by
+    /// default: raise it for long submissions on a software device.
+    pub wait_timeout: Duration,
 }
 
 // Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
@@ -58,6 +65,7 @@ impl Default for GpuOptions {
             subgroups: true,
             force_bounds_checks: false,
             max_invocations_per_workgroup: None,
+            wait_timeout: Duration::from_secs(300),
         }
     }
 }
@@ -76,7 +84,23 @@ pub enum DriverCacheStatus {
 }
 
 /// One GPU (or lavapipe): the device, its queue, what it can do, and its compiled kernels.
+///
+/// # Threads
+/// A `Gpu` is `Send + Sync`: share it between threads by reference (or in an `Arc`). Each
+/// thread may build and submit its own [`Recorder`](crate::Recorder)s, upload, read back and
+/// compile kernels concurrently; submissions run in the order they reach the queue. A
+/// recorder itself belongs to one thread at a time. Several `Gpu`s may be open in one process,
+/// on one adapter or several; each buffer and compiled kernel belongs to the `Gpu` that made
+/// it, and using it with another is an [`ExecError::WrongGpu`].
+///
+/// # Devices are recycled
+/// Dropping a `Gpu` does not destroy its wgpu device: the next `Gpu` opened with the same
+/// adapter, features and limits takes it over (NVIDIA's driver deadlocks when a device is
+/// destroyed while other threads use the driver; see the `pool` module). The new `Gpu` has
+/// its own id, pipeline cache and staging buffers; buffers of the old one stay refused.
 pub struct Gpu {
+    id: u64,
+    pooled: Option<PooledDevice>,
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
@@ -104,12 +128,13 @@ impl Gpu {
     }
 
     async fn open(options: GpuOptions) -> Result<Gpu, ExecError> {
+        check_options(&options)?;
         let mut desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         if let Some(b) = options.backends {
             desc.backends = b;
         }
         let backends = format!("{:?}", desc.backends);
-        let instance = wgpu::Instance::new(desc);
+        let instance = pool::instance(desc);
         let adapter = instance
             .request_adapter(&wgpu::RequestAdapterOptions {
                 power_preference: wgpu::PowerPreference::HighPerformance,
@@ -134,31 +159,44 @@ impl Gpu {
             clamp(&mut limits.max_compute_workgroup_size_y);
             clamp(&mut limits.max_compute_workgroup_size_z);
         }
-        let experimental_features =
-            if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
-                // SAFETY: asked for explicitly through `GpuOptions::cooperative_matrix`; wgpu
-                // requires this acknowledgement for experimental features.
-                unsafe { wgpu::ExperimentalFeatures::enabled() }
-            } else {
-                wgpu::ExperimentalFeatures::default()
-            };
-        let (device, queue) = adapter
-            .request_device(&wgpu::DeviceDescriptor {
-                label: Some("hesper"),
-                required_features: features,
-                required_limits: limits.clone(),
-                experimental_features,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| ExecError::RequestDevice {
-                adapter: info.name.clone(),
-                message: e.to_string(),
-            })?;
-        let timestamp_period_ns = queue.get_timestamp_period();
+        let request = DeviceRequest {
+            adapter: AdapterIdentity::of(&info),
+            features,
+            limits: limits.clone(),
+        };
+        let pooled = match pool::take(&request) {
+            Some(pooled) => pooled,
+            None => {
+                let experimental_features =
+                    if features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+                        // SAFETY: asked for explicitly through `GpuOptions::cooperative_matrix`;
+                        // wgpu requires this acknowledgement for experimental features.
+                        unsafe { wgpu::ExperimentalFeatures::enabled() }
+                    } else {
+                        wgpu::ExperimentalFeatures::default()
+                    };
+                let (device, queue) = adapter
+                    .request_device(&wgpu::DeviceDescriptor {
+                        label: Some("hesper"),
+                        required_features: features,
+                        required_limits: limits.clone(),
+                        experimental_features,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(|e| ExecError::RequestDevice {
+                        adapter: info.name.clone(),
+                        message: e.to_string(),
+                    })?;
+                PooledDevice::new(request, device, queue)
+            }
+        };
+        let timestamp_period_ns = pooled.queue.get_timestamp_period();
         let mut gpu = Gpu {
-            device,
-            queue,
+            id: NEXT_GPU.fetch_add(1, Ordering::Relaxed),
+            device: pooled.device.clone(),
+            queue: pooled.queue.clone(),
+            pooled: Some(pooled),
             info,
             features,
             limits,
@@ -171,6 +209,102 @@ impl Gpu {
         };
         gpu.open_driver_cache();
         Ok(gpu)
+    }
+
+    /// This `Gpu`'s number, unique in the process (error messages name it).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Why the device was lost, once it is (wgpu reports a loss during a poll: every wait and
+    /// submit polls).
+    pub fn lost_reason(&self) -> Option<String> {
+        self.state().lost_reason()
+    }
+
+    fn state(&self) -> &pool::DeviceState {
+        &self.pooled.as_ref().expect("taken only in drop").state
+    }
+
+    /// An error if the device is lost, or if wgpu reported an error outside every error scope
+    /// (raw use of [`Gpu::device`]) that nobody was told of yet: `what` could not run.
+    pub(crate) fn check_alive(&self, what: &dyn Fn() -> String) -> Result<(), ExecError> {
+        if let Some(reason) = self.lost_reason() {
+            return Err(ExecError::DeviceLost {
+                adapter: self.info.name.clone(),
+                reason,
+                what: what(),
+            });
+        }
+        if let Some(message) = self.state().take_uncaptured() {
+            return Err(ExecError::Wgpu {
+                what: format!(
+                    "{} (an earlier wgpu call outside hesper's error scopes failed)",
+                    what()
+                ),
+                kind: "an error",
+                message,
+            });
+        }
+        Ok(())
+    }
+
+    /// Run `f`, which calls wgpu, inside error scopes: a validation error, an allocation that
+    /// failed or an internal error becomes an [`ExecError::Wgpu`] naming `what`, not a panic in
+    /// wgpu's default handler. Scopes are per thread, so concurrent calls do not mix errors.
+    pub(crate) fn scoped<T>(
+        &self,
+        what: &dyn Fn() -> String,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, ExecError> {
+        self.check_alive(what)?;
+        let scopes = [
+            wgpu::ErrorFilter::OutOfMemory,
+            wgpu::ErrorFilter::Internal,
+            wgpu::ErrorFilter::Validation,
+        ]
+        .map(|filter| self.device.push_error_scope(filter));
+        let out = f();
+        let mut first = None;
+        for scope in scopes.into_iter().rev() {
+            let e = pollster::block_on(scope.pop());
+            first = first.or(e);
+        }
+        match first {
+            None => Ok(out),
+            Some(e) => Err(ExecError::Wgpu {
+                what: what(),
+                kind: match e {
+                    wgpu::Error::OutOfMemory { .. } => "out of memory",
+                    wgpu::Error::Validation { .. } => "a validation error",
+                    wgpu::Error::Internal { .. } => "an internal error",
+                },
+                message: e.to_string(),
+            }),
+        }
+    }
+
+    /// Wait until `index` (or everything submitted, for `None`) has finished, at most
+    /// [`GpuOptions::wait_timeout`].
+    pub(crate) fn wait_for(
+        &self,
+        index: Option<wgpu::SubmissionIndex>,
+        what: &dyn Fn() -> String,
+    ) -> Result<(), ExecError> {
+        let waited = self.options.wait_timeout;
+        let result = self.device.poll(wgpu::PollType::Wait {
+            submission_index: index,
+            timeout: Some(waited),
+        });
+        self.check_alive(what)?;
+        match result {
+            Ok(_) => Ok(()),
+            Err(wgpu::PollError::Timeout) => Err(ExecError::Timeout {
+                what: what(),
+                waited,
+            }),
+            Err(e) => Err(ExecError::Device(format!("{}: {e}", what()))),
+        }
     }
 
     /// The adapter's name, backend and driver.
@@ -252,12 +386,10 @@ impl Gpu {
         }
     }
 
-    /// Wait until the GPU has finished all submitted work.
+    /// Wait until the GPU has finished all work submitted so far, at most
+    /// [`GpuOptions::wait_timeout`].
     pub fn wait(&self) -> Result<(), ExecError> {
-        self.device
-            .poll(wgpu::PollType::wait_indefinitely())
-            .map(|_| ())
-            .map_err(|e| ExecError::Device(e.to_string()))
+        self.wait_for(None, &|| "Gpu::wait (all submitted work)".into())
     }
 
     /// What happened to [`GpuOptions::pipeline_cache_file`] when the device opened.
@@ -269,7 +401,7 @@ impl Gpu {
     fn driver_cache_header(&self) -> Option<String> {
         let key = wgpu::util::pipeline_cache_key(&self.info)?;
         Some(format!(
-            "hesper pipeline cache v1\n{key}\n{}\n{}\n{}\n{:?}\nwgpu {}\n",
+            "{CACHE_MAGIC}{key}\n{}\n{}\n{}\n{:?}\nwgpu {}\n",
             self.info.name,
             self.info.driver,
             self.info.driver_info,
@@ -339,20 +471,96 @@ impl Gpu {
         file.extend_from_slice(&(data.len() as u64).to_le_bytes());
         file.extend_from_slice(&fnv1a(&data).to_le_bytes());
         file.extend_from_slice(&data);
-        let tmp = path.with_extension("tmp");
-        let io = |e: std::io::Error| ExecError::Io {
-            path: path.display().to_string(),
-            message: e.to_string(),
-        };
-        std::fs::write(&tmp, &file).map_err(io)?;
-        std::fs::rename(&tmp, path).map_err(io)
+        write_atomically(path, &file)
     }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        if let Some(pooled) = self.pooled.take() {
+            pool::give_back(pooled);
+        }
+    }
+}
+
+static NEXT_GPU: AtomicU64 = AtomicU64::new(1);
+
+fn check_options(options: &GpuOptions) -> Result<(), ExecError> {
+    if let Some(n @ 0) = options.max_invocations_per_workgroup {
+        return Err(ExecError::Options {
+            option: "max_invocations_per_workgroup",
+            expected: "None or at least 1 invocation".into(),
+            given: format!("Some({n})"),
+        });
+    }
+    if options.wait_timeout.is_zero() {
+        return Err(ExecError::Options {
+            option: "wait_timeout",
+            expected: "a duration above zero".into(),
+            given: "0 s".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Write `bytes` to `path` so that a reader sees the old file or the new one, never part of
+/// one: through a temporary file of our own beside it (a fresh name, created new, removed if
+/// anything fails), renamed over `path`.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), ExecError> {
+    use std::io::Write;
+    static NEXT_TMP: AtomicU64 = AtomicU64::new(0);
+    let io = |e: std::io::Error| ExecError::Io {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    };
+    let name = path.file_name().ok_or_else(|| ExecError::Io {
+        path: path.display().to_string(),
+        message: "not a file name".into(),
+    })?;
+    let mut tmp_name = name.to_os_string();
+    tmp_name.push(format!(
+        ".{}.{}.hesper-tmp",
+        std::process::id(),
+        NEXT_TMP.fetch_add(1, Ordering::Relaxed)
+    ));
+    let tmp = path.with_file_name(tmp_name);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(bytes)?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io(e));
+    }
+    Ok(())
 }
 
 const WGPU_VERSION: &str = "30";
 
+const CACHE_MAGIC: &str = "hesper pipeline cache v1\n";
+
 /// The cache data in a file, if its header matches and its checksum holds.
 fn parse_cache_file<'a>(bytes: &'a [u8], header: &str) -> Result<&'a [u8], String> {
+    if bytes.is_empty() {
+        return Err("empty".into());
+    }
+    if !bytes.starts_with(CACHE_MAGIC.as_bytes()) {
+        return Err(match CACHE_MAGIC.as_bytes().starts_with(bytes) {
+            true => format!("truncated: {} bytes, within its header", bytes.len()),
+            false => "not a hesper pipeline cache file".into(),
+        });
+    }
+    if header.as_bytes().starts_with(bytes) {
+        return Err(format!(
+            "truncated: {} bytes, within its header",
+            bytes.len()
+        ));
+    }
     let rest = bytes
         .strip_prefix(header.as_bytes())
         .ok_or("written for another adapter, driver or wgpu version")?;

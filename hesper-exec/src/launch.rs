@@ -2,11 +2,14 @@
 //! is dispatched, runtime scalars, dispatch sizes (2-D past 65535 groups), and a [`Recorder`]
 //! that takes many launches into one compute pass and submits them at once.
 
+use std::collections::HashSet;
 use std::num::NonZeroU64;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
-use hesper_dsl::{Kernel, Scalar, Ty};
+use hesper_dsl::{Access, Kernel, Scalar, Ty};
 
-use crate::buffer::{Element, GpuBuffer};
+use crate::buffer::{BufferTracking, Element, GpuBuffer};
 use crate::cache::CompiledKernel;
 use crate::error::ExecError;
 use crate::gpu::Gpu;
@@ -55,6 +58,7 @@ impl From<i32> for ParamValue {
 struct BoundBuffer<'a> {
     name: &'a str,
     raw: &'a wgpu::Buffer,
+    tracking: &'a Arc<BufferTracking>,
     ty: Ty,
     len: usize,
     /// The fewest elements the launch reads or writes through this binding.
@@ -87,6 +91,7 @@ impl<'a> Args<'a> {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
+            tracking: &buffer.tracking,
             ty: T::ty(),
             len: buffer.len(),
             min_len: min_len.max(1),
@@ -101,6 +106,7 @@ impl<'a> Args<'a> {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
+            tracking: &buffer.tracking,
             ty: Ty::Vector(4, Scalar::F32),
             len,
             min_len: len.max(1),
@@ -109,10 +115,17 @@ impl<'a> Args<'a> {
     }
     /// Bind a buffer under another element type (the executor's own fill and copy kernels
     /// view any buffer as `vec4<u32>`).
-    pub(crate) fn raw(mut self, name: &'a str, raw: &'a wgpu::Buffer, ty: Ty, len: usize) -> Self {
+    pub(crate) fn raw<T: Element>(
+        mut self,
+        name: &'a str,
+        buffer: &'a GpuBuffer<T>,
+        ty: Ty,
+        len: usize,
+    ) -> Self {
         self.buffers.push(BoundBuffer {
             name,
-            raw,
+            raw: buffer.raw(),
+            tracking: &buffer.tracking,
             ty,
             len,
             min_len: len.max(1),
@@ -126,7 +139,8 @@ impl<'a> Args<'a> {
     }
 }
 
-/// How many invocations to launch.
+/// How many invocations to launch. A dispatch holds at most 2³² invocations (flat indices are
+/// `u32`); a larger one is refused rather than left to wrap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Grid {
     /// At least `n` invocations in 1-D: `ceil(n / workgroup invocations)` workgroups, laid out
@@ -158,6 +172,11 @@ struct UniformChunk {
 
 const UNIFORM_CHUNK: u64 = 64 * 1024;
 
+/// The largest params block one launch can take in a uniform buffer on `gpu`.
+pub(crate) fn max_uniform_params(gpu: &Gpu) -> u32 {
+    UNIFORM_CHUNK.min(gpu.wgpu_limits().max_uniform_buffer_binding_size as u64) as u32
+}
+
 /// Launches one timed recorder can time: wgpu's query sets hold at most 4096 queries.
 pub const MAX_TIMED_LAUNCHES: u32 = 2048;
 
@@ -179,6 +198,9 @@ struct Timing {
 ///
 /// A timing recorder ([`Gpu::timed_recorder`]) gives each launch its own pass with timestamp
 /// queries instead, and [`Recorder::submit_timed`] returns each launch's GPU time.
+///
+/// Until it is submitted (or dropped), the buffers its launches use refuse host reads and writes
+/// ([`ExecError::InUse`]): those would take effect before the recorded launches run.
 pub struct Recorder<'g> {
     gpu: &'g Gpu,
     // Field order matters: the pass must drop before the encoder it records into.
@@ -187,6 +209,9 @@ pub struct Recorder<'g> {
     uniforms: Vec<UniformChunk>,
     launches: usize,
     timing: Option<Timing>,
+    /// The buffers the recorded launches use, each counted once in its `pending`.
+    uses: Vec<Arc<BufferTracking>>,
+    used_ids: HashSet<u64>,
 }
 
 impl Gpu {
@@ -199,6 +224,8 @@ impl Gpu {
             uniforms: vec![],
             launches: 0,
             timing: None,
+            uses: vec![],
+            used_ids: HashSet::new(),
         }
     }
 
@@ -215,11 +242,13 @@ impl Gpu {
                 self.describe()
             )));
         }
-        let queries = self.device.create_query_set(&wgpu::QuerySetDescriptor {
-            label: Some("hesper timestamps"),
-            ty: wgpu::QueryType::Timestamp,
-            count: 2 * capacity.max(1),
-        });
+        let queries = self.scoped(&|| format!("a timed recorder of {capacity}"), || {
+            self.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("hesper timestamps"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2 * capacity.max(1),
+            })
+        })?;
         let mut rec = self.recorder();
         rec.timing = Some(Timing {
             queries,
@@ -252,10 +281,27 @@ impl Gpu {
             }
         };
         if groups.iter().any(|g| *g > max) || groups.contains(&0) {
+            let hint = match grid {
+                Grid::Workgroups(_) => {
+                    "; lay the workgroups out in 2-D and flatten them (KernelBuilder::workgroup_index)"
+                }
+                Grid::Threads(_) => "",
+            };
             return Err(ExecError::Dispatch {
                 kernel: kernel.name().into(),
                 what: format!("{grid:?} = {groups:?} workgroups"),
-                why: format!("each dimension must be 1..={max}"),
+                why: format!("each dimension must be 1..={max}{hint}"),
+            });
+        }
+        let invocations =
+            groups.iter().map(|g| *g as u64).product::<u64>() * kernel.key().invocations() as u64;
+        if invocations > 1 << 32 {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.name().into(),
+                what: format!("{grid:?} = {groups:?} workgroups, {invocations} invocations"),
+                why: "a dispatch holds at most 2^32 invocations (flat indices are u32 and would \
+                      wrap); split the work or loop over it (grid_stride)"
+                    .into(),
             });
         }
         Ok(groups)
@@ -286,8 +332,15 @@ impl<'g> Recorder<'g> {
         grid: Grid,
     ) -> Result<(), ExecError> {
         let kernel = compiled.kernel();
+        if compiled.gpu() != self.gpu.id() {
+            return Err(ExecError::WrongGpu {
+                what: format!("compiled kernel `{}`", kernel.name()),
+                owner: compiled.gpu(),
+                used_with: self.gpu.id(),
+            });
+        }
         let groups = self.gpu.workgroups(kernel, grid)?;
-        check_buffers(kernel, args)?;
+        check_buffers(self.gpu, kernel, args)?;
         let params = param_bytes(kernel, args)?;
         if let Some(t) = &self.timing
             && t.names.len() as u32 >= t.capacity
@@ -298,9 +351,31 @@ impl<'g> Recorder<'g> {
                 why: format!("it was made for {} launches", t.capacity),
             });
         }
+        let what = || format!("kernel `{}`: recording a launch", kernel.name());
+        let gpu = self.gpu;
+        gpu.scoped(&what, || self.record(compiled, args, &params, groups))?;
+        for a in &args.buffers {
+            if self.used_ids.insert(a.tracking.id) {
+                a.tracking.pending.fetch_add(1, Ordering::AcqRel);
+                self.uses.push(a.tracking.clone());
+            }
+        }
+        self.launches += 1;
+        Ok(())
+    }
+
+    /// The wgpu side of a checked launch: its params, bind group and dispatch.
+    fn record(
+        &mut self,
+        compiled: &CompiledKernel,
+        args: &Args<'_>,
+        params: &[u8],
+        groups: [u32; 3],
+    ) {
+        let kernel = compiled.kernel();
         let uniform = kernel
             .params_binding()
-            .map(|binding| (binding, self.push_uniform(&params)));
+            .map(|binding| (binding, self.push_uniform(params)));
 
         let mut entries: Vec<wgpu::BindGroupEntry> =
             Vec::with_capacity(kernel.bindings().len() + 1);
@@ -357,11 +432,9 @@ impl<'g> Recorder<'g> {
         pass.set_pipeline(&compiled.pipeline);
         pass.set_bind_group(0, &bind_group, &[]);
         if kernel.params_as_immediates() && !params.is_empty() {
-            pass.set_immediates(0, &params);
+            pass.set_immediates(0, params);
         }
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
-        self.launches += 1;
-        Ok(())
     }
 
     fn pass(&mut self) -> &mut wgpu::ComputePass<'static> {
@@ -415,12 +488,26 @@ impl<'g> Recorder<'g> {
         self.encoder.take()
     }
 
-    /// Submit everything recorded, in one command buffer. Does not wait.
+    /// Submit everything recorded, in one command buffer. Does not wait. An error wgpu reports
+    /// for the recorded work (or a lost device) is returned here, and nothing is submitted.
     pub fn submit(mut self) -> Result<(), ExecError> {
-        if let Some(encoder) = self.finish() {
-            self.gpu.queue.submit([encoder.finish()]);
+        self.submit_inner().map(|_| ())
+    }
+
+    fn submit_inner(&mut self) -> Result<Option<wgpu::SubmissionIndex>, ExecError> {
+        if self.encoder.is_none() {
+            return Ok(None);
         }
-        Ok(())
+        let gpu = self.gpu;
+        // A poll reports a device lost since the last one (through its callback).
+        let _ = gpu.device.poll(wgpu::PollType::Poll);
+        let launches = self.launches;
+        let what = || format!("submitting a recorder of {launches} launches");
+        let commands = gpu.scoped(&what, || self.finish().map(|e| e.finish()))?;
+        let Some(commands) = commands else {
+            return Ok(None);
+        };
+        gpu.scoped(&what, || gpu.queue.submit([commands])).map(Some)
     }
 
     /// Submit, wait, and return each launch's GPU time (a timing recorder only).
@@ -431,23 +518,28 @@ impl<'g> Recorder<'g> {
             ));
         };
         let n = timing.names.len() as u32;
-        let mut encoder = self
-            .finish()
-            .unwrap_or_else(|| self.gpu.device.create_command_encoder(&Default::default()));
         if n == 0 {
-            self.gpu.queue.submit([encoder.finish()]);
             return Ok(vec![]);
         }
+        let gpu = self.gpu;
         let bytes = 16 * n as u64;
-        let resolve = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("hesper timestamps"),
-            size: bytes,
-            usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
-            mapped_at_creation: false,
-        });
-        encoder.resolve_query_set(&timing.queries, 0..2 * n, &resolve, 0);
-        self.gpu.queue.submit([encoder.finish()]);
-        let raw: Vec<u64> = bytemuck::cast_slice(&self.gpu.read_raw(&resolve, bytes)?).to_vec();
+        let what = || format!("resolving the timestamps of {n} timed launches");
+        let resolve = gpu.scoped(&what, || {
+            let resolve = gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("hesper timestamps"),
+                size: bytes,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            // After the last launch's pass, in the same command buffer.
+            self.pass = None;
+            if let Some(encoder) = &mut self.encoder {
+                encoder.resolve_query_set(&timing.queries, 0..2 * n, &resolve, 0);
+            }
+            resolve
+        })?;
+        self.submit_inner()?;
+        let raw: Vec<u64> = bytemuck::cast_slice(&gpu.read_raw(&resolve, bytes, &what)?).to_vec();
         let period = self.gpu.timestamp_period_ns() as f64;
         Ok(timing
             .names
@@ -461,9 +553,10 @@ impl<'g> Recorder<'g> {
     }
 }
 
-/// Match `args` to the kernel's bindings: every binding given once, nothing extra, element
-/// types equal, long enough.
-fn check_buffers(kernel: &Kernel, args: &Args<'_>) -> Result<(), ExecError> {
+/// Match `args` to the kernel's bindings: every binding given once, nothing extra, each buffer
+/// of this device, no buffer bound twice where one of the bindings writes it, element types
+/// equal, long enough.
+fn check_buffers(gpu: &Gpu, kernel: &Kernel, args: &Args<'_>) -> Result<(), ExecError> {
     for (i, a) in args.buffers.iter().enumerate() {
         if kernel.binding(a.name).is_none() {
             let declared: Vec<&str> = kernel.bindings().iter().map(|b| b.name.as_str()).collect();
@@ -478,31 +571,38 @@ fn check_buffers(kernel: &Kernel, args: &Args<'_>) -> Result<(), ExecError> {
             return Err(err_binding(kernel, a.name, "one buffer", "two"));
         }
     }
-    // wgpu refuses one buffer bound read-only and read-write in the same dispatch (and would
-    // report it only as an uncaptured error); say which bindings alias.
-    for b in kernel
-        .bindings()
-        .iter()
-        .filter(|b| b.access == hesper_dsl::Access::ReadWrite)
-    {
-        let Some(w) = args.buffers.iter().find(|a| a.name == b.name) else {
-            continue;
-        };
-        if let Some(r) = args.buffers.iter().find(|a| {
-            a.name != b.name
-                && a.raw == w.raw
-                && kernel
-                    .binding(a.name)
-                    .is_some_and(|rb| rb.access == hesper_dsl::Access::Read)
-        }) {
+    for a in &args.buffers {
+        a.tracking.check_gpu(gpu, || {
+            format!(
+                "kernel `{}`, binding `{}`: the buffer",
+                kernel.name(),
+                a.name
+            )
+        })?;
+    }
+    // A buffer written through one binding and read or written through another is a race
+    // inside the dispatch (and wgpu refuses read-only beside read-write, reporting it only as
+    // an uncaptured error): say which bindings alias.
+    let writes = |a: &BoundBuffer<'_>| {
+        kernel
+            .binding(a.name)
+            .is_some_and(|b| b.access == Access::ReadWrite)
+    };
+    for (i, a) in args.buffers.iter().enumerate() {
+        for b in &args.buffers[i + 1..] {
+            if a.tracking.id != b.tracking.id || !(writes(a) || writes(b)) {
+                continue;
+            }
+            let (w, other) = if writes(a) { (a, b) } else { (b, a) };
+            let how = if writes(other) { "written" } else { "read" };
             return Err(err_binding(
                 kernel,
-                &b.name,
+                w.name,
                 format!(
-                    "a buffer of its own (it is written, and `{}` is read)",
-                    r.name
+                    "a buffer of its own (it is written, and `{}` is {how})",
+                    other.name
                 ),
-                format!("the buffer also bound to `{}`", r.name),
+                format!("the buffer also bound to `{}`", other.name),
             ));
         }
     }
@@ -572,4 +672,13 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
         }
     }
     Ok(bytes)
+}
+
+impl Drop for Recorder<'_> {
+    /// Submitted or not, its buffers are free for host reads and writes again.
+    fn drop(&mut self) {
+        for t in self.uses.drain(..) {
+            t.pending.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }

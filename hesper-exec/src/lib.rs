@@ -10,6 +10,7 @@ mod cache;
 mod error;
 mod gpu;
 mod launch;
+mod pool;
 pub mod profile;
 
 pub use buffer::{Element, GpuBuffer, HostElement};
@@ -17,3 +18,4 @@ pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
 pub use launch::{Args, Grid, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
+pub use pool::{PooledDevices, pooled_devices};
