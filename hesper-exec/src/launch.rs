@@ -174,7 +174,7 @@ const UNIFORM_CHUNK: u64 = 64 * 1024;
 
 /// The largest params block one launch can take in a uniform buffer on `gpu`.
 pub(crate) fn max_uniform_params(gpu: &Gpu) -> u32 {
-    UNIFORM_CHUNK.min(gpu.wgpu_limits().max_uniform_buffer_binding_size as u64) as u32
+    UNIFORM_CHUNK.min(gpu.wgpu_limits().max_uniform_buffer_binding_size) as u32
 }
 
 /// Launches one timed recorder can time: wgpu's query sets hold at most 4096 queries.
