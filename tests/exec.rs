@@ -110,7 +110,7 @@ fn a_key_that_emits_two_texts_is_caught() {
         .map(|scale| g.kernel(&key, build(scale)).map(|_| ()))
         .collect();
     assert!(results[0].is_ok() && results[1].is_ok(), "{results:?}");
-    let err = results[2].as_ref().err().expect("a key mismatch");
+    let err = results[2].as_ref().expect_err("a key mismatch");
     assert!(matches!(err, ExecError::KeyMismatch { .. }), "{err}");
     assert!(err.to_string().contains("kernel `leaky`"), "{err}");
 }
