@@ -272,6 +272,8 @@ impl Gpu {
         }
         match first {
             None => Ok(out),
+            // An operation on a lost device fails for that reason: say so, not what followed.
+            Some(_) if self.poll_lost() => self.check_alive(what).map(|()| out),
             Some(e) => Err(ExecError::Wgpu {
                 what: what(),
                 kind: match e {
@@ -282,6 +284,12 @@ impl Gpu {
                 message: e.to_string(),
             }),
         }
+    }
+
+    /// Whether the device is lost, after a poll (which runs wgpu's device-lost callback).
+    pub(crate) fn poll_lost(&self) -> bool {
+        let _ = self.device.poll(wgpu::PollType::Poll);
+        self.lost_reason().is_some()
     }
 
     /// Wait until `index` (or everything submitted, for `None`) has finished, at most

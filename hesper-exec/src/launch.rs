@@ -269,6 +269,18 @@ impl Gpu {
     /// Workgroup counts for `grid`, checked against the device's per-dimension limit.
     pub fn workgroups(&self, kernel: &Kernel, grid: Grid) -> Result<[u32; 3], ExecError> {
         let max = self.wgpu_limits().max_compute_workgroups_per_dimension;
+        let too_many = |invocations: u64| ExecError::Dispatch {
+            kernel: kernel.name().into(),
+            what: format!("{grid:?}: {invocations} invocations"),
+            why: "a dispatch holds at most 2^32 invocations (flat indices are u32 and would \
+                  wrap); split the work or loop over it (grid_stride)"
+                .into(),
+        };
+        if let Grid::Threads(n) = grid
+            && n > 1 << 32
+        {
+            return Err(too_many(n));
+        }
         let groups = match grid {
             Grid::Workgroups(g) => g,
             Grid::Threads(n) => {
@@ -500,7 +512,7 @@ impl<'g> Recorder<'g> {
         }
         let gpu = self.gpu;
         // A poll reports a device lost since the last one (through its callback).
-        let _ = gpu.device.poll(wgpu::PollType::Poll);
+        gpu.poll_lost();
         let launches = self.launches;
         let what = || format!("submitting a recorder of {launches} launches");
         let commands = gpu.scoped(&what, || self.finish().map(|e| e.finish()))?;
