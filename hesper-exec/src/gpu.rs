@@ -443,22 +443,26 @@ impl Gpu {
                 ),
             },
         };
-        if let DriverCacheStatus::Ignored(why) = &status {
-            log::warn!("pipeline cache file ignored: {why}");
-        }
         // SAFETY: `data` is only ever bytes that `PipelineCache::get_data` produced on an
         // adapter with the same name, driver, driver version, backend and wgpu version (checked
         // by the header) and that are intact (checked by the checksum); `fallback` makes wgpu
         // start empty if the driver still refuses them.
-        let cache = unsafe {
+        let created = self.scoped(&|| format!("loading {}", path.display()), || unsafe {
             self.device
                 .create_pipeline_cache(&wgpu::PipelineCacheDescriptor {
                     label: Some("hesper"),
                     data: data.as_deref(),
                     fallback: true,
                 })
+        });
+        let (cache, status) = match created {
+            Ok(cache) => (Some(cache), status),
+            Err(e) => (None, DriverCacheStatus::Ignored(e.to_string())),
         };
-        self.driver_cache = Some(cache);
+        if let DriverCacheStatus::Ignored(why) = &status {
+            log::warn!("pipeline cache file ignored: {why}");
+        }
+        self.driver_cache = cache;
         self.driver_cache_status = status;
     }
 
