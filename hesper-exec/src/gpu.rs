@@ -134,6 +134,8 @@ impl Gpu {
             desc.backends = b;
         }
         let backends = format!("{:?}", desc.backends);
+        // One `Gpu` opens at a time (see the `pool` module).
+        let _opening = pool::lock(&pool::OPENING);
         let instance = pool::instance(desc);
         let adapter = instance
             .request_adapter(&wgpu::RequestAdapterOptions {
