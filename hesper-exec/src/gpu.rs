@@ -124,6 +124,8 @@ impl Gpu {
     /// Open the first high-performance adapter. The device gets the adapter's full limits (wgpu's
     /// defaults are WebGPU's, far below a real GPU's) and the features hesper uses that it has.
     pub fn with_options(options: GpuOptions) -> Result<Gpu, ExecError> {
+        // One `Gpu` opens at a time (see the `pool` module).
+        let _opening = pool::lock(&pool::OPENING);
         pollster::block_on(Gpu::open(options))
     }
 
@@ -134,8 +136,6 @@ impl Gpu {
             desc.backends = b;
         }
         let backends = format!("{:?}", desc.backends);
-        // One `Gpu` opens at a time (see the `pool` module).
-        let _opening = pool::lock(&pool::OPENING);
         let instance = pool::instance(desc);
         let adapter = instance
             .request_adapter(&wgpu::RequestAdapterOptions {
