@@ -1,6 +1,6 @@
 //! Device faults reach the caller as `ExecError`s from the operation they concern, never as a
 //! panic or a wait without end: a wait past its timeout, a lost device, an error wgpu finds past
-//! hesper's own checks, and (on a GPU with real memory) an allocation beyond it.
+//! hesper's own checks. (An allocation beyond the device's memory: `exec_memory.rs`.)
 
 mod common;
 
@@ -42,11 +42,34 @@ fn waits_end_at_the_timeout_with_what_was_waited_for() {
     // A billion steps on lavapipe (a fifth of a second), 24 million in a row per invocation on
     // a GPU (a tenth): far past the millisecond allowed.
     let args = Args::new().buffer("out", &out).param("rounds", 400u32);
-    let mut rec = g.recorder();
-    rec.launch(&kernel, &args, Grid::Workgroups([256, 1, 1]))
-        .unwrap();
-    rec.submit().unwrap();
-    let err = g.wait().unwrap_err();
+    // Every wait returns by its timeout (plus scheduling slack), with `Timeout` while the work
+    // runs. A driver may also finish the work inside the submit call (seen on the H200 in 2 of
+    // 10 runs, beside another test filling the GPU's memory): then the wait succeeds at once,
+    // so a few tries are allowed.
+    let mut outcomes = vec![];
+    let err = loop {
+        let mut rec = g.recorder();
+        rec.launch(&kernel, &args, Grid::Workgroups([256, 1, 1]))
+            .unwrap();
+        let t = std::time::Instant::now();
+        rec.submit().unwrap();
+        let submit = t.elapsed();
+        let t = std::time::Instant::now();
+        let waited = g.wait();
+        let wait = t.elapsed();
+        assert!(
+            wait < Duration::from_millis(500),
+            "a 1 ms wait took {wait:?}"
+        );
+        match waited {
+            Err(e) => break e,
+            Ok(()) if outcomes.len() < 3 => {
+                eprintln!("a 1 ms wait succeeded: submit took {submit:?}, the wait {wait:?}");
+                outcomes.push((submit, wait))
+            }
+            Ok(()) => panic!("no wait timed out; (submit, wait) took {outcomes:?}"),
+        }
+    };
     assert!(matches!(err, ExecError::Timeout { .. }), "{err}");
     assert_eq!(
         err.to_string(),
@@ -152,43 +175,4 @@ fn wgpu_buffer_that_cannot_exist() -> hesper::exec::wgpu::BufferDescriptor<'stat
         usage: BufferUsages::MAP_READ | BufferUsages::STORAGE,
         mapped_at_creation: false,
     }
-}
-
-/// On a GPU with memory of its own, allocating past it is an error from the allocation. (Not on
-/// a CPU device: there the memory is the host's, and a test must not exhaust it.)
-#[test]
-fn an_allocation_beyond_the_devices_memory_is_an_error() {
-    let g = Gpu::new().unwrap();
-    if g.adapter_info().device_type == hesper::exec::wgpu::DeviceType::Cpu {
-        eprintln!("skipped: {} allocates host memory", g.describe());
-        return;
-    }
-    let chunk = (g.wgpu_limits().max_storage_buffer_binding_size / 4) as usize & !3;
-    let mut held = vec![];
-    let err = loop {
-        match g.zeros::<f32>(chunk) {
-            Ok(b) => held.push(b),
-            Err(e) => break e,
-        }
-        let bytes = held.len() as u64 * chunk as u64 * 4;
-        assert!(bytes < 1 << 40, "1 TiB allocated without an error");
-    };
-    assert!(
-        matches!(
-            err,
-            ExecError::Wgpu {
-                kind: "out of memory",
-                ..
-            }
-        ),
-        "{err}"
-    );
-    assert!(err.to_string().starts_with("allocating"), "{err}");
-    eprintln!("refused after {} buffers of {chunk} f32: {err}", held.len());
-    drop(held);
-    assert_eq!(
-        g.upload(&[5u32]).unwrap().read(&g).unwrap(),
-        [5],
-        "usable afterwards"
-    );
 }
