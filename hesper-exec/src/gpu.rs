@@ -275,7 +275,8 @@ impl Gpu {
         match first {
             None => Ok(out),
             // An operation on a lost device fails for that reason: say so, not what followed.
-            Some(_) if self.poll_lost() => self.check_alive(what).map(|()| out),
+            // wgpu reports the loss once the queue is empty, so let it drain (rare path).
+            Some(_) if self.poll_lost(true) => self.check_alive(what).map(|()| out),
             Some(e) => Err(ExecError::Wgpu {
                 what: what(),
                 kind: match e {
@@ -288,9 +289,16 @@ impl Gpu {
         }
     }
 
-    /// Whether the device is lost, after a poll (which runs wgpu's device-lost callback).
-    pub(crate) fn poll_lost(&self) -> bool {
-        let _ = self.device.poll(wgpu::PollType::Poll);
+    /// Whether the device is lost, after a poll (which runs wgpu's device-lost callback, once
+    /// the queue is empty): without waiting, or waiting for the queue (at most a second).
+    pub(crate) fn poll_lost(&self, wait: bool) -> bool {
+        let _ = self.device.poll(match wait {
+            true => wgpu::PollType::Wait {
+                submission_index: None,
+                timeout: Some(self.options.wait_timeout.min(Duration::from_secs(1))),
+            },
+            false => wgpu::PollType::Poll,
+        });
         self.lost_reason().is_some()
     }
 

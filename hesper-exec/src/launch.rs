@@ -512,7 +512,7 @@ impl<'g> Recorder<'g> {
         }
         let gpu = self.gpu;
         // A poll reports a device lost since the last one (through its callback).
-        gpu.poll_lost();
+        gpu.poll_lost(false);
         let launches = self.launches;
         let what = || format!("submitting a recorder of {launches} launches");
         let commands = gpu.scoped(&what, || self.finish().map(|e| e.finish()))?;
