@@ -100,6 +100,8 @@ pub enum DriverCacheStatus {
 /// its own id, pipeline cache and staging buffers; buffers of the old one stay refused.
 pub struct Gpu {
     id: u64,
+    /// The device, queue and callback state, handed back to the pool on drop (`None` only
+    /// then); `device` and `queue` below are clones of its handles, for short access.
     pooled: Option<PooledDevice>,
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,

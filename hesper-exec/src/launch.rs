@@ -308,13 +308,7 @@ impl Gpu {
         let invocations =
             groups.iter().map(|g| *g as u64).product::<u64>() * kernel.key().invocations() as u64;
         if invocations > 1 << 32 {
-            return Err(ExecError::Dispatch {
-                kernel: kernel.name().into(),
-                what: format!("{grid:?} = {groups:?} workgroups, {invocations} invocations"),
-                why: "a dispatch holds at most 2^32 invocations (flat indices are u32 and would \
-                      wrap); split the work or loop over it (grid_stride)"
-                    .into(),
-            });
+            return Err(too_many(invocations));
         }
         Ok(groups)
     }
