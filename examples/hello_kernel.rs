@@ -68,15 +68,15 @@ fn run(n: usize) -> Result<bool, Box<dyn std::error::Error>> {
 
     let (g, u, d) = (gpu.upload(&gate)?, gpu.upload(&up)?, gpu.upload(&dh)?);
     // Outputs start as NaN, so an element the kernel does not write fails the check.
-    let (d_gate, d_up) = (gpu.filled(n, f32::NAN)?, gpu.filled(n, f32::NAN)?);
+    let (mut d_gate, mut d_up) = (gpu.filled(n, f32::NAN)?, gpu.filled(n, f32::NAN)?);
     let mut rec = gpu.recorder();
     relu_sqr_mul_backward::launch(
         &mut rec,
         &g,
         &u,
         &d,
-        &d_gate,
-        &d_up,
+        &mut d_gate,
+        &mut d_up,
         n as u32,
         Grid::Threads(n as u64),
     )?;

@@ -309,3 +309,40 @@ fn a_device_can_be_asked_for_smaller_workgroups() {
         .kernel(&mul_add_key(Features::NONE, 256), mul_add)
         .unwrap();
 }
+
+/// One workgroup per row, past 65535 rows: `Grid::WorkgroupPerItem` lays them out in 2-D and
+/// `workgroup_index` flattens them back; every row is written (outputs poisoned first).
+#[test]
+fn one_workgroup_per_item_reaches_every_row() {
+    let g = gpu();
+    let key = KernelKey::new("row_first_plus_last").workgroup_size(32);
+    let kernel = g
+        .kernel(&key, |k| {
+            let x = k.storage::<u32>("x");
+            let y = k.storage_rw::<u32>("y");
+            let rows = k.param::<u32>("rows");
+            let row = k.let_("row", k.workgroup_index());
+            let lane = k.local_index();
+            k.if_(row.lt(&rows).and(lane.eq(0u32)), |k| {
+                k.store(&y, &row, x.at(&row * 4u32) + x.at(&row * 4u32 + 3u32));
+            });
+        })
+        .unwrap();
+    let rows = 70_000usize;
+    let mut rng = Rng::new(11);
+    let x: Vec<u32> = (0..rows * 4).map(|_| rng.next_u32() >> 2).collect();
+    let (xb, yb) = (g.upload(&x).unwrap(), g.filled(rows, u32::MAX).unwrap());
+    let mut rec = g.recorder();
+    let args = Args::new()
+        .buffer_at_least("x", &xb, rows * 4)
+        .buffer_at_least("y", &yb, rows)
+        .param("rows", rows as u32);
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(rows as u64))
+        .unwrap();
+    rec.submit().unwrap();
+    let got = yb.read(g).unwrap();
+    let wrong = (0..rows)
+        .filter(|&r| got[r] != x[4 * r] + x[4 * r + 3])
+        .count();
+    assert_eq!(wrong, 0, "{wrong} of {rows} rows wrong or unwritten");
+}

@@ -145,7 +145,7 @@ fn a_grid_beyond_u32_indices_is_refused() {
     let err = g
         .workgroups(k, Grid::Workgroups([70_000, 1, 1]))
         .unwrap_err();
-    assert!(err.to_string().contains("workgroup_index"), "{err}");
+    assert!(err.to_string().contains("Grid::WorkgroupPerItem"), "{err}");
 }
 
 /// One buffer bound to two bindings that write it is a race inside the dispatch: refused, like

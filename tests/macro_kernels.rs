@@ -221,19 +221,19 @@ fn typed_launcher_runs_the_macro_kernel() {
         g.upload(&up).unwrap(),
         g.upload(&dh).unwrap(),
     );
-    let (d_gate, d_up) = (
+    let (mut d_gate, mut d_up) = (
         g.filled(n, f32::NAN).unwrap(),
         g.filled(n, f32::NAN).unwrap(),
     );
     let mut rec = g.recorder();
     relu_sqr_mul_backward::launch(
         &mut rec,
-        n as u32,
         &gb,
         &ub,
         &db,
-        &d_gate,
-        &d_up,
+        &mut d_gate,
+        &mut d_up,
+        n as u32,
         Grid::Threads(n as u64),
     )
     .unwrap();
@@ -329,9 +329,9 @@ fn kernels_assuming_in_bounds_run_with_and_without_bounds_checks() {
         })
         .collect();
     for g in [gpu(), &forced] {
-        let (xb, yb) = (g.upload(&x).unwrap(), g.filled(n, f32::NAN).unwrap());
+        let (xb, mut yb) = (g.upload(&x).unwrap(), g.filled(n, f32::NAN).unwrap());
         let mut rec = g.recorder();
-        reverse_blocks::launch(&mut rec, &xb, &yb, n as u32, Grid::Threads(n as u64)).unwrap();
+        reverse_blocks::launch(&mut rec, &xb, &mut yb, n as u32, Grid::Threads(n as u64)).unwrap();
         rec.submit().unwrap();
         let got = yb.read(g).unwrap();
         for (i, (got, want)) in got.iter().zip(&want).enumerate() {
@@ -340,5 +340,63 @@ fn kernels_assuming_in_bounds_run_with_and_without_bounds_checks() {
                 "element {i}: {got} against {want}"
             );
         }
+    }
+}
+
+/// `y[r, c] = x[r, c] + bias[c]`, each buffer's length stated in terms of a shape and a runtime
+/// scalar.
+#[kernel(workgroup_size = 64)]
+fn add_bias(
+    #[len(rows * cols)] x: &[f32],
+    #[len(cols)] bias: &[f32],
+    #[len(rows * cols)] y: &mut [f32],
+    #[shape] cols: u32,
+    #[runtime] rows: u32,
+) {
+    let i = global_index();
+    if i < rows * cols {
+        y[i] = x[i] + bias[i % cols];
+    }
+}
+
+/// The typed launcher checks each `#[len(…)]` before recording: a short buffer is an error
+/// naming the kernel and binding, and nothing runs; lengths are computed in u64 (rows·cols past
+/// 2^32 does not wrap into a small number).
+#[test]
+fn typed_launcher_checks_stated_lengths() {
+    let g = gpu();
+    let (rows, cols) = (5usize, 7usize);
+    let mut rng = Rng::new(9);
+    let (x, bias) = (rng.vec(rows * cols, 1.0), rng.vec(cols, 1.0));
+    let (xb, bb) = (g.upload(&x).unwrap(), g.upload(&bias).unwrap());
+    let mut y = g.filled(rows * cols, f32::NAN).unwrap();
+    let short = g.upload(&x[..rows * cols - 1]).unwrap();
+    let mut rec = g.recorder();
+    let grid = Grid::Threads((rows * cols) as u64);
+    let err = add_bias::launch(
+        &mut rec,
+        &short,
+        &bb,
+        &mut y,
+        cols as u32,
+        rows as u32,
+        grid,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `add_bias`, binding `x`: expected at least 35 elements, given 34 elements"
+    );
+    let err = add_bias::launch(&mut rec, &xb, &bb, &mut y, cols as u32, 1 << 30, grid).unwrap_err();
+    assert!(
+        err.to_string().contains("at least 7516192768 elements"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded");
+    add_bias::launch(&mut rec, &xb, &bb, &mut y, cols as u32, rows as u32, grid).unwrap();
+    rec.submit().unwrap();
+    let got = y.read(g).unwrap();
+    for (i, got) in got.iter().enumerate() {
+        assert_eq!(*got, x[i] + bias[i % cols], "element {i}");
     }
 }

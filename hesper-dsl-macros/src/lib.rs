@@ -19,12 +19,14 @@ use syn::{
 
 /// Write a kernel as a Rust function: the function becomes a unit struct of the same name with
 /// `key(shapes…)`, `body(&mut KernelBuilder)`, `build(shapes…)` and — where hesper-exec is a
-/// dependency — a typed `launch(&mut Recorder, shapes…, buffers…, runtime scalars…, Grid)`.
+/// dependency — a typed `launch(&mut Recorder, parameters in their order…, Grid)`, which takes
+/// read buffers by `&GpuBuffer`, written ones by `&mut GpuBuffer`, and checks each `#[len(…)]`.
 ///
 /// ```text
 /// #[kernel(workgroup_size = 256, subgroups, immediates, assume_in_bounds, name = "…")]  // all optional
 /// fn name(
-///     x: &[f32],                          // read-only storage buffer  (binding 0)
+///     #[len(rows * cols)] x: &[f32],      // read-only storage buffer  (binding 0), at least
+///                                         // rows·cols elements (checked by `launch`)
 ///     y: &mut [Vec4<f32>],                // read-write storage buffer (binding 1)
 ///     #[shape] cols: u32,                 // compile-time: keys the pipeline, plain Rust in the body
 ///     #[runtime] lr: f32,                 // per launch: uniform or immediates, an Expr in the body
@@ -152,10 +154,10 @@ fn parse_options(attr: Tokens) -> syn::Result<Options> {
 
 /// What a kernel parameter is.
 enum Param {
-    /// `&[T]`: a read-only storage buffer.
-    Read(Type),
-    /// `&mut [T]`: a read-write storage buffer.
-    Write(Type),
+    /// `&[T]`: a read-only storage buffer, and the fewest elements the launcher accepts.
+    Read(Type, Option<Expr>),
+    /// `&mut [T]`: a read-write storage buffer, and the fewest elements the launcher accepts.
+    Write(Type, Option<Expr>),
     /// `#[shape] n: u32`: a compile-time value that keys the pipeline.
     Shape(Type),
     /// `#[runtime] lr: f32`: a per-launch value (uniform or immediates).
@@ -167,16 +169,38 @@ enum Param {
 fn classify(arg: &syn::PatType) -> syn::Result<Param> {
     let marker = |name: &str| arg.attrs.iter().any(|a| a.path().is_ident(name));
     if let Some(a) = arg.attrs.iter().find(|a| {
-        !["shape", "runtime", "workgroup"]
+        !["shape", "runtime", "workgroup", "len"]
             .iter()
             .any(|n| a.path().is_ident(n))
     }) {
         return err(
             a.span(),
-            "kernel parameters take `#[shape]`, `#[runtime]` or `#[workgroup]`",
+            "kernel parameters take `#[shape]`, `#[runtime]`, `#[workgroup]` or (buffers) \
+             `#[len(…)]`",
         );
     }
+    let len = match arg.attrs.iter().find(|a| a.path().is_ident("len")) {
+        Some(a) => Some((a.span(), a.parse_args::<Expr>()?)),
+        None => None,
+    };
     let ty = &*arg.ty;
+    let buffer = |writable: bool, elem: &Type| {
+        let len = len.clone().map(|(_, e)| e);
+        match writable {
+            true => Param::Write(elem.clone(), len),
+            false => Param::Read(elem.clone(), len),
+        }
+    };
+    let is_buffer = matches!(ty, Type::Reference(r) if matches!(&*r.elem, Type::Slice(_)));
+    if let Some((span, _)) = &len
+        && (!is_buffer || marker("workgroup"))
+    {
+        return err(
+            *span,
+            "`#[len(…)]` goes on a buffer parameter (`&[T]` or `&mut [T]`): the fewest elements \
+             its launch accepts",
+        );
+    }
     if marker("shape") {
         return Ok(Param::Shape(ty.clone()));
     }
@@ -185,8 +209,7 @@ fn classify(arg: &syn::PatType) -> syn::Result<Param> {
     }
     if let Type::Reference(r) = ty {
         match (&*r.elem, r.mutability.is_some(), marker("workgroup")) {
-            (Type::Slice(s), false, false) => return Ok(Param::Read((*s.elem).clone())),
-            (Type::Slice(s), true, false) => return Ok(Param::Write((*s.elem).clone())),
+            (Type::Slice(s), writable, false) => return Ok(buffer(writable, &s.elem)),
             (Type::Array(a), true, true) => {
                 return Ok(Param::Workgroup((*a.elem).clone(), a.len.clone()));
             }
@@ -199,6 +222,10 @@ fn classify(arg: &syn::PatType) -> syn::Result<Param> {
          `#[shape] n: u32` (compile-time), `#[runtime] x: f32` (per launch) or \
          `#[workgroup] tile: &mut [T; N]`",
     )
+}
+
+fn is_type(ty: &Type, name: &str) -> bool {
+    matches!(ty, Type::Path(p) if p.qself.is_none() && p.path.is_ident(name))
 }
 
 fn param_ident(arg: &syn::PatType) -> syn::Result<Ident> {
@@ -240,7 +267,7 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     let mut decls = vec![];
     let (mut shape_args, mut shape_names, mut key_shapes) = (vec![], vec![], vec![]);
     let (mut launch_args, mut bind_buffers, mut bind_params) = (vec![], vec![], vec![]);
-    // Shapes first: workgroup lengths and the workgroup size may use them.
+    // Shapes first in the body: workgroup lengths and the workgroup size may use them.
     for (ident, p) in &params {
         if let Param::Shape(ty) = p {
             let s = ident.to_string();
@@ -251,12 +278,24 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
             tr.declare(ident, Kind::Value);
         }
     }
+    // A `#[len(…)]` is plain Rust over the shapes and runtime scalars, evaluated in u64 where
+    // they are u32 (so `rows * cols` does not overflow).
+    let widen: Vec<Tokens> = params
+        .iter()
+        .filter_map(|(ident, p)| match p {
+            Param::Shape(ty) | Param::Runtime(ty) if is_type(ty, "u32") => {
+                Some(quote!(let #ident = #ident as u64;))
+            }
+            _ => None,
+        })
+        .collect();
+    // The launcher takes the parameters in their declared order.
     for (ident, p) in &params {
         let s = ident.to_string();
         match p {
-            Param::Shape(_) => {}
-            Param::Read(elem) | Param::Write(elem) => {
-                let writable = matches!(p, Param::Write(_));
+            Param::Shape(ty) => launch_args.push(quote!(#ident: #ty)),
+            Param::Read(elem, len) | Param::Write(elem, len) => {
+                let writable = matches!(p, Param::Write(..));
                 let declare = if writable {
                     quote!(storage_rw)
                 } else {
@@ -265,8 +304,20 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
                 decls.push(quote_spanned!(elem.span()=> let #ident = __k.#declare::<#elem>(#s);));
                 tr.declare(ident, Kind::Buffer { writable });
                 if let Some(exec) = &exec {
-                    launch_args.push(quote_spanned!(elem.span()=> #ident: &#exec::GpuBuffer<<#elem as #exec::HostElement>::Host>));
-                    bind_buffers.push(quote!(.buffer(#s, #ident)));
+                    let host = quote_spanned!(elem.span()=> #exec::GpuBuffer<<#elem as #exec::HostElement>::Host>);
+                    launch_args.push(if writable {
+                        quote_spanned!(elem.span()=> #ident: &mut #host)
+                    } else {
+                        quote_spanned!(elem.span()=> #ident: &#host)
+                    });
+                    let at_least = match len {
+                        Some(len) => quote_spanned!(len.span()=> {
+                            #(#widen)*
+                            (#len) as usize
+                        }),
+                        None => quote!(1),
+                    };
+                    bind_buffers.push(quote!(.buffer_at_least(#s, &*#ident, #at_least)));
                 }
             }
             Param::Runtime(ty) => {
@@ -306,13 +357,14 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     );
     let launcher = exec.map(|exec| {
         quote! {
-            /// Record one launch: the kernel comes from the device's pipeline cache (compiled
-            /// once per shape); buffers bind by parameter name and must have the parameters'
-            /// element types.
+            /// Record one launch, its parameters in the kernel's order (written buffers by
+            /// `&mut`): the kernel comes from the device's pipeline cache (compiled once per
+            /// shape); buffers bind by parameter name, must have the parameters' element types
+            /// and at least the elements their `#[len(…)]` says (else one), checked before
+            /// anything is recorded.
             #[allow(clippy::too_many_arguments)]
             pub fn launch(
                 __rec: &mut #exec::Recorder<'_>,
-                #(#shape_args,)*
                 #(#launch_args,)*
                 __grid: #exec::Grid,
             ) -> ::core::result::Result<(), #exec::ExecError> {

@@ -146,8 +146,22 @@ pub enum Grid {
     /// At least `n` invocations in 1-D: `ceil(n / workgroup invocations)` workgroups, laid out
     /// 2-D past 65535 (pair with `KernelBuilder::global_index`, which flattens them back).
     Threads(u64),
+    /// One workgroup per item (a row, a head, a block), `n` of them, laid out 2-D past 65535
+    /// like `Threads` (pair with `KernelBuilder::workgroup_index`, and guard it by `n`: a few
+    /// spare workgroups may run). For a kernel that indexes by workgroup, `Threads(rows)` would
+    /// launch `rows / invocations` workgroups and leave most rows unwritten.
+    WorkgroupPerItem(u64),
     /// Exactly these workgroup counts.
     Workgroups([u32; 3]),
+}
+
+/// `total` workgroups in as few rows of at most `max` as fit, each as full as it can be: the
+/// spare workgroups (which only run their bounds check) are fewer than the rows.
+fn flat_layout(total: u64, max: u32) -> [u32; 3] {
+    let total = total.max(1);
+    let rows = total.div_ceil(max as u64);
+    let x = total.div_ceil(rows);
+    [x as u32, rows.min(u32::MAX as u64) as u32, 1]
 }
 
 fn err_binding(
@@ -283,21 +297,16 @@ impl Gpu {
         }
         let groups = match grid {
             Grid::Workgroups(g) => g,
-            Grid::Threads(n) => {
-                // As few rows as fit, each as full as it can be: the spare workgroups (which
-                // only run their bounds check) are fewer than the rows.
-                let total = n.div_ceil(kernel.key().invocations() as u64).max(1);
-                let rows = total.div_ceil(max as u64);
-                let x = total.div_ceil(rows);
-                [x as u32, rows.min(u32::MAX as u64) as u32, 1]
-            }
+            Grid::Threads(n) => flat_layout(n.div_ceil(kernel.key().invocations() as u64), max),
+            Grid::WorkgroupPerItem(n) => flat_layout(n, max),
         };
         if groups.iter().any(|g| *g > max) || groups.contains(&0) {
             let hint = match grid {
                 Grid::Workgroups(_) => {
-                    "; lay the workgroups out in 2-D and flatten them (KernelBuilder::workgroup_index)"
+                    "; for one workgroup per item use Grid::WorkgroupPerItem, which lays them out \
+                     in 2-D (KernelBuilder::workgroup_index flattens them back)"
                 }
-                Grid::Threads(_) => "",
+                Grid::Threads(_) | Grid::WorkgroupPerItem(_) => "",
             };
             return Err(ExecError::Dispatch {
                 kernel: kernel.name().into(),

@@ -11,7 +11,7 @@ fn double(x: &mut [f32], #[runtime] n: u32) {
 
 fn main() {
     let gpu = Gpu::new().unwrap();
-    let ints = gpu.zeros::<u32>(8).unwrap();
+    let mut ints = gpu.zeros::<u32>(8).unwrap();
     let mut rec = gpu.recorder();
-    double::launch(&mut rec, &ints, 8, Grid::Threads(8)).unwrap();
+    double::launch(&mut rec, &mut ints, 8, Grid::Threads(8)).unwrap();
 }
