@@ -363,3 +363,52 @@ fn options_are_checked_and_small_devices_still_work() {
     small.copy(&a, &b).unwrap();
     assert_eq!(b.read(&small).unwrap(), vec![3.5; 1000]);
 }
+
+/// Messages speak the user's terms: a runtime scalar of the wrong type shows its value and type,
+/// a device opened without subgroups says so rather than blaming the adapter.
+#[test]
+fn messages_name_values_and_why_a_feature_is_missing() {
+    let g = gpu();
+    let kernel = g.kernel(&key(), double_plus_one).unwrap();
+    let (x, y) = (g.filled(4, 1u32).unwrap(), g.filled(4, 0u32).unwrap());
+    let args = Args::new()
+        .buffer("x", &x)
+        .buffer("y", &y)
+        .param("n", 1000i32);
+    let err = g
+        .recorder()
+        .launch(&kernel, &args, Grid::Threads(4))
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `double_plus_one`, runtime scalar `n`: expected u32, given 1000 (i32)"
+    );
+    assert_eq!(
+        format!("{:?}", Features::SUBGROUPS | Features::IMMEDIATES),
+        "Features(subgroups+immediates)"
+    );
+
+    let plain = hesper::kernels::testing::gpu_without_subgroups();
+    if !plain
+        .adapter_features()
+        .contains(hesper::exec::wgpu::Features::SUBGROUP)
+    {
+        eprintln!("skipped: {} has no subgroups", plain.describe());
+        return;
+    }
+    let key = KernelKey::new("sum_lanes")
+        .workgroup_size(64)
+        .features(Features::SUBGROUPS);
+    let err = plain
+        .kernel(&key, |k| {
+            let out = k.storage_rw::<f32>("out");
+            let s = k.subgroup_add(1.0f32);
+            k.store(&out, 0u32, s);
+        })
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `sum_lanes` needs the device feature SUBGROUP, which this Gpu was opened without \
+         (GpuOptions)"
+    );
+}

@@ -8,7 +8,7 @@ use crate::expr::{Builtin, Func};
 use crate::ty::{Access, Scalar, Ty};
 
 /// Device features a kernel may use. They change the emitted text, so they are part of the key.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Features(u8);
 
 impl Features {
@@ -35,6 +35,16 @@ impl std::ops::BitAnd for Features {
     type Output = Features;
     fn bitand(self, rhs: Features) -> Features {
         Features(self.0 & rhs.0)
+    }
+}
+
+/// `Features(subgroups+immediates)`, `Features(none)`: names, not bits.
+impl fmt::Debug for Features {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self == Features::NONE {
+            true => f.write_str("Features(none)"),
+            false => write!(f, "Features({self})"),
+        }
     }
 }
 

@@ -243,23 +243,26 @@ impl Gpu {
         &self,
         kernel: &Kernel,
     ) -> Result<(wgpu::ComputePipeline, wgpu::BindGroupLayout), ExecError> {
-        let missing = |feature| ExecError::MissingFeature {
+        let has = |f| self.wgpu_features().contains(f);
+        let missing = |feature, f: wgpu::Features| ExecError::MissingFeature {
             kernel: kernel.name().into(),
             feature,
-            adapter: self.adapter_info().name.clone(),
+            why: match self.adapter_features().contains(f) {
+                true => "this Gpu was opened without (GpuOptions)".into(),
+                false => format!("`{}` does not have", self.adapter_info().name),
+            },
         };
-        let has = |f| self.wgpu_features().contains(f);
         if kernel.uses_subgroups() && !has(wgpu::Features::SUBGROUP) {
-            return Err(missing("SUBGROUP"));
+            return Err(missing("SUBGROUP", wgpu::Features::SUBGROUP));
         }
         if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
-            return Err(missing("SHADER_F16"));
+            return Err(missing("SHADER_F16", wgpu::Features::SHADER_F16));
         }
         if kernel.params_as_immediates()
             && !kernel.params().is_empty()
             && !has(wgpu::Features::IMMEDIATES)
         {
-            return Err(missing("IMMEDIATES"));
+            return Err(missing("IMMEDIATES", wgpu::Features::IMMEDIATES));
         }
         let most = crate::launch::max_uniform_params(self);
         if kernel.params_binding().is_some() && kernel.params_size() > most {

@@ -14,13 +14,12 @@ pub enum ExecError {
     NoAdapter { backends: String },
     #[error("could not create the device on `{adapter}`: {message}")]
     RequestDevice { adapter: String, message: String },
-    #[error(
-        "kernel `{kernel}` needs the device feature {feature}, which `{adapter}` does not have"
-    )]
+    /// `why` says whether the adapter lacks the feature or this `Gpu` was opened without it.
+    #[error("kernel `{kernel}` needs the device feature {feature}, which {why}")]
     MissingFeature {
         kernel: String,
         feature: &'static str,
-        adapter: String,
+        why: String,
     },
     #[error("kernel `{kernel}`, binding `{binding}`: expected {expected}, given {given}")]
     Binding {

@@ -106,6 +106,8 @@ pub struct Gpu {
     pub(crate) device: wgpu::Device,
     pub(crate) queue: wgpu::Queue,
     info: wgpu::AdapterInfo,
+    /// What the adapter offers, and (below) what this device was opened with.
+    adapter_features: wgpu::Features,
     features: wgpu::Features,
     limits: wgpu::Limits,
     pub(crate) options: GpuOptions,
@@ -154,7 +156,8 @@ impl Gpu {
         if !options.subgroups {
             wanted.remove(wgpu::Features::SUBGROUP);
         }
-        let features = adapter.features() & wanted;
+        let adapter_features = adapter.features();
+        let features = adapter_features & wanted;
         let mut limits = adapter.limits();
         if let Some(most) = options.max_invocations_per_workgroup {
             let clamp = |limit: &mut u32| *limit = (*limit).min(most);
@@ -202,6 +205,7 @@ impl Gpu {
             queue: pooled.queue.clone(),
             pooled: Some(pooled),
             info,
+            adapter_features,
             features,
             limits,
             options,
@@ -343,6 +347,11 @@ impl Gpu {
     /// The wgpu features the device was created with.
     pub fn wgpu_features(&self) -> wgpu::Features {
         self.features
+    }
+
+    /// The wgpu features the adapter offers (a superset of [`Gpu::wgpu_features`]).
+    pub fn adapter_features(&self) -> wgpu::Features {
+        self.adapter_features
     }
 
     pub fn wgpu_limits(&self) -> &wgpu::Limits {

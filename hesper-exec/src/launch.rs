@@ -39,6 +39,17 @@ impl ParamValue {
     }
 }
 
+/// `1000 (i32)`: the value and its type, as error messages show it.
+impl std::fmt::Display for ParamValue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ParamValue::F32(v) => write!(f, "{v} (f32)"),
+            ParamValue::U32(v) => write!(f, "{v} (u32)"),
+            ParamValue::I32(v) => write!(f, "{v} (i32)"),
+        }
+    }
+}
+
 impl From<f32> for ParamValue {
     fn from(v: f32) -> Self {
         ParamValue::F32(v)
@@ -676,7 +687,7 @@ fn param_bytes(kernel: &Kernel, args: &Args<'_>) -> Result<Vec<u8>, ExecError> {
                 let at = p.offset as usize;
                 bytes[at..at + 4].copy_from_slice(&v.bytes());
             }
-            [(_, v)] => return Err(err(&p.name, p.ty.wgsl().into(), format!("{v:?}"))),
+            [(_, v)] => return Err(err(&p.name, p.ty.wgsl().into(), v.to_string())),
             _ => {
                 return Err(err(
                     &p.name,
