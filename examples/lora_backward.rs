@@ -12,7 +12,7 @@ use hesper::exec::{Gpu, GpuBuffer};
 use hesper::kernels::ffn::reference::{FfnWeights, ffn_backward, ffn_forward};
 use hesper::kernels::ffn::{self, FfnLayer, FfnScratch, FfnStyle};
 use hesper::kernels::lora::{self, LoraBackward};
-use hesper::kernels::testing::{Rng, f64s};
+use hesper::kernels::testing::{Rng, compare, f64s};
 
 const D: usize = 576; // model width
 const I: usize = 1536; // FFN width
@@ -41,20 +41,7 @@ fn main() -> ExitCode {
 /// Largest `|got − want|` relative to the largest `|want|`: f32 sums of thousands of products
 /// carry errors proportional to the result's scale, not to each element.
 fn max_err(got: &[f32], want: &[f64]) -> f64 {
-    let scale = want
-        .iter()
-        .fold(0.0f64, |m, w| m.max(w.abs()))
-        .max(f64::MIN_POSITIVE);
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_finite() {
-                (*g as f64 - w).abs() / scale
-            } else {
-                f64::INFINITY
-            }
-        })
-        .fold(0.0, f64::max)
+    compare(got, want, 0.0).scaled()
 }
 
 fn run(t: usize) -> Result<bool, Box<dyn std::error::Error>> {

@@ -1,4 +1,27 @@
-//! Helpers for the kernels' tests and benchmarks: random data, comparisons, finite differences.
+//! The testing kit for kernel authors (the library's own tests use it): a shared device,
+//! reproducible random inputs, comparisons against an f64 reference, and finite-difference
+//! checks of a backward reference.
+//!
+//! A kernel test in four steps: fresh random inputs ([`Rng`]); outputs poisoned with NaN
+//! (`gpu.filled(n, f32::NAN)`), so an element the kernel never writes fails; the kernel against
+//! its f64 reference ([`assert_close`], or [`compare`] for the numbers); and, for a backward
+//! kernel, its reference against finite differences of the forward ([`check_gradient`]).
+//!
+//! ```
+//! use hesper_kernels::testing::{Rng, assert_close, check_gradient, compare, f64s};
+//!
+//! // The reference of y = x², and its gradient dy/dx = 2x, checked by finite differences.
+//! let x = Rng::new(1).vec(8, 1.0);
+//! let grad: Vec<f64> = f64s(&x).iter().map(|v| 2.0 * v).collect();
+//! check_gradient("d(x²)/dx", &f64s(&x), &grad, 8, |x| x.iter().map(|v| v * v).sum());
+//!
+//! // What a kernel returned (here: the reference rounded to f32) against the reference.
+//! let want: Vec<f64> = f64s(&x).iter().map(|v| v * v).collect();
+//! let got: Vec<f32> = want.iter().map(|v| *v as f32).collect();
+//! assert_close("x²", &got, &want, 1e-6, 1e-7);
+//! let c = compare(&got, &want, 1e-7);
+//! assert!(c.max_rel < 1e-6 && c.max_abs < 1e-6, "{c}");
+//! ```
 
 use std::sync::OnceLock;
 
@@ -52,19 +75,74 @@ impl Rng {
     }
 }
 
-/// Largest `|got - want| / (atol + |want|)`; NaN anywhere counts as infinitely wrong.
-pub fn max_rel_err(got: &[f32], want: &[f64], atol: f64) -> f64 {
+/// How far a result is from its reference, over all elements. A NaN or infinity where the
+/// reference is finite (an unwritten, poisoned element) counts as infinitely wrong.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Comparison {
+    /// Largest `|got − want| / (atol + |want|)`.
+    pub max_rel: f64,
+    /// Largest `|got − want|`.
+    pub max_abs: f64,
+    /// Largest `|want|`: `max_abs / scale` is the error relative to the result's size, the
+    /// measure for long f32 sums whose error grows with the result, not with each element.
+    pub scale: f64,
+    /// The element with the largest relative error, and its values.
+    pub worst: usize,
+    pub worst_got: f32,
+    pub worst_want: f64,
+}
+
+impl Comparison {
+    /// `max_abs` relative to the largest reference value.
+    pub fn scaled(&self) -> f64 {
+        self.max_abs / self.scale.max(f64::MIN_POSITIVE)
+    }
+}
+
+impl std::fmt::Display for Comparison {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "max relative error {:.3e}, max absolute {:.3e}; worst element {}: {} where {} is \
+             expected",
+            self.max_rel, self.max_abs, self.worst, self.worst_got, self.worst_want
+        )
+    }
+}
+
+/// Compare `got` with its f64 reference `want` (equal lengths), `atol` keeping the relative
+/// error of values that cancel to near zero finite.
+pub fn compare(got: &[f32], want: &[f64], atol: f64) -> Comparison {
     assert_eq!(got.len(), want.len(), "lengths differ");
-    got.iter()
-        .zip(want)
-        .map(|(g, w)| {
-            if g.is_nan() || w.is_nan() {
-                f64::INFINITY
-            } else {
-                (*g as f64 - w).abs() / (atol + w.abs())
-            }
-        })
-        .fold(0.0, f64::max)
+    let mut c = Comparison {
+        max_rel: 0.0,
+        max_abs: 0.0,
+        scale: 0.0,
+        worst: 0,
+        worst_got: got.first().copied().unwrap_or(0.0),
+        worst_want: want.first().copied().unwrap_or(0.0),
+    };
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        let abs = if g.is_finite() && w.is_finite() {
+            (*g as f64 - w).abs()
+        } else if *g as f64 == *w {
+            0.0
+        } else {
+            f64::INFINITY
+        };
+        let rel = abs / (atol + w.abs());
+        c.max_abs = c.max_abs.max(abs);
+        c.scale = c.scale.max(w.abs());
+        if rel > c.max_rel || i == 0 {
+            (c.max_rel, c.worst, c.worst_got, c.worst_want) = (rel, i, *g, *w);
+        }
+    }
+    c
+}
+
+/// Largest `|got - want| / (atol + |want|)`: [`compare`]'s `max_rel`.
+pub fn max_rel_err(got: &[f32], want: &[f64], atol: f64) -> f64 {
+    compare(got, want, atol).max_rel
 }
 
 /// Panic with the worst element unless every `|got − want| ≤ atol + rtol·|want|` (numpy's
@@ -126,4 +204,31 @@ pub fn check_gradient(
 /// f32 data widened for a reference.
 pub fn f64s(x: &[f32]) -> Vec<f64> {
     x.iter().map(|v| *v as f64).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compare_finds_the_worst_element_and_poison() {
+        let want = [1.0, -2.0, 0.0, 4.0];
+        let c = compare(&[1.0, -2.5, 0.0, 4.0], &want, 1e-6);
+        assert_eq!((c.worst, c.worst_got, c.worst_want), (1, -2.5, -2.0));
+        assert!((c.max_abs - 0.5).abs() < 1e-12 && (c.max_rel - 0.25).abs() < 1e-6);
+        assert_eq!(c.scale, 4.0);
+        assert!((c.scaled() - 0.125).abs() < 1e-12);
+        // An unwritten (NaN-poisoned) element is infinitely wrong, wherever it is.
+        let c = compare(&[1.0, -2.0, f32::NAN, 4.0], &want, 1e-6);
+        assert_eq!((c.worst, c.max_rel), (2, f64::INFINITY));
+        assert!(
+            c.to_string()
+                .contains("worst element 2: NaN where 0 is expected"),
+            "{c}"
+        );
+        assert_eq!(
+            compare(&[f32::INFINITY], &[1.0], 0.0).max_abs,
+            f64::INFINITY
+        );
+    }
 }
