@@ -4,3 +4,12 @@
 
 /// One device per test binary, and reproducible random data: the kernel library's helpers.
 pub use hesper::kernels::testing::{Rng, gpu, max_rel_err};
+
+/// A new `Gpu` that keeps its driver pipeline cache in `path`.
+pub fn gpu_with_cache_file(path: &std::path::Path) -> hesper::exec::Gpu {
+    hesper::exec::Gpu::with_options(hesper::exec::GpuOptions {
+        pipeline_cache_file: Some(path.to_path_buf()),
+        ..Default::default()
+    })
+    .unwrap()
+}

@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{Rng, gpu};
+use common::{Rng, gpu, gpu_with_cache_file};
 use hesper::dsl::prelude::*;
 use hesper::exec::{Args, DriverCacheStatus, ExecError, Gpu, GpuOptions, Grid};
 
@@ -235,13 +235,7 @@ fn driver_pipeline_cache_file_is_checked_before_it_is_trusted() {
     let dir = std::env::temp_dir().join(format!("hesper-cache-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join("pipelines.bin");
-    let open = || {
-        Gpu::with_options(GpuOptions {
-            pipeline_cache_file: Some(path.clone()),
-            ..GpuOptions::default()
-        })
-        .unwrap()
-    };
+    let open = || gpu_with_cache_file(&path);
     let g = open();
     if *g.driver_cache_status() == DriverCacheStatus::Off {
         eprintln!("skipped: {} has no PIPELINE_CACHE", g.describe());

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Rng, gpu};
+use common::{Rng, gpu, gpu_with_cache_file};
 use hesper::dsl::prelude::*;
 use hesper::exec::{Args, DriverCacheStatus, ExecError, Gpu, GpuOptions, Grid};
 
@@ -261,13 +261,7 @@ fn the_pipeline_cache_file_is_saved_without_touching_other_files() {
     let path = dir.join("weights.cache");
     let theirs = dir.join("weights.tmp");
     std::fs::write(&theirs, b"someone else's bytes").unwrap();
-    let open = || {
-        Gpu::with_options(GpuOptions {
-            pipeline_cache_file: Some(path.clone()),
-            ..GpuOptions::default()
-        })
-        .unwrap()
-    };
+    let open = || gpu_with_cache_file(&path);
     let g = open();
     if *g.driver_cache_status() == DriverCacheStatus::Off {
         eprintln!("skipped: {} has no PIPELINE_CACHE", g.describe());
