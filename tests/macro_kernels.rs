@@ -39,6 +39,7 @@ fn relu_sqr_mul_backward_by_hand(n: u32) -> Kernel {
         let d_gate = k.storage_rw::<f32>("d_gate");
         let d_up = k.storage_rw::<f32>("d_up");
         let i = k.global_index();
+        let i = k.let_("i", i);
         k.if_(i.lt(n), |k| {
             let g = k.let_("g", max(gate.at(&i), 0.0));
             k.store(&d_gate, &i, d_hidden.at(&i) * up.at(&i) * 2.0 * &g);
@@ -75,6 +76,7 @@ fn row_sum_by_hand(cols: u32) -> Kernel {
             k.add_assign(&acc, x.at(&row * cols + c));
         });
         let total = k.workgroup_reduce(acc.get(), Reduce::Sum);
+        let total = k.let_("total", total);
         k.if_(k.local_index().eq(0u32), |k| k.store(&sums, &row, &total));
     })
     .unwrap()
@@ -169,6 +171,7 @@ fn scale_rows_by_hand() -> Kernel {
         let alpha = k.param::<f32>("alpha");
         let n = k.param::<u32>("n");
         let i = k.global_index();
+        let i = k.let_("i", i);
         let lid = k.let_("lid", k.local_index());
         k.store(&tile, &lid, 0.0f32);
         k.if_(i.lt(&n), |k| k.store(&tile, &lid, x.at(&i) * &alpha));

@@ -481,7 +481,7 @@ struct Translator {
     scopes: Vec<Vec<(String, Kind)>>,
 }
 
-/// Builder methods a body calls as functions; those in `BINDS` bind their result already.
+/// Builder methods a body calls as functions.
 const BUILDER_CALLS: &[&str] = &[
     "global_index",
     "workgroup_index",
@@ -504,16 +504,6 @@ const BUILDER_CALLS: &[&str] = &[
     "workgroup_barrier",
     "storage_barrier",
     "invocations",
-];
-const BINDS: &[&str] = &[
-    "global_index",
-    "total_invocations",
-    "subgroup_add",
-    "subgroup_max",
-    "subgroup_min",
-    "subgroup_shuffle_xor",
-    "subgroup_broadcast",
-    "workgroup_reduce",
 ];
 /// WGSL builtins written as free functions.
 const MATH_CALLS: &[&str] = &[
@@ -542,13 +532,6 @@ const ROOT_CALLS: &[&str] = &["vec2", "vec3", "vec4", "lit"];
 fn single_ident(e: &Expr) -> Option<&Ident> {
     match e {
         Expr::Path(p) if p.qself.is_none() => p.path.get_ident(),
-        _ => None,
-    }
-}
-
-fn call_name(e: &Expr) -> Option<String> {
-    match e {
-        Expr::Call(c) => single_ident(&c.func).map(|i| i.to_string()),
         _ => None,
     }
 }
@@ -642,10 +625,6 @@ impl Translator {
         self.declare(ident, Kind::Value);
         let dsl = &self.dsl;
         let annotated = ty.map(|t| quote!(: #t));
-        if call_name(&init.expr).is_some_and(|n| BINDS.contains(&n.as_str())) {
-            let value = value.0;
-            return Ok(quote_spanned!(span=> let #ident #annotated = #value;));
-        }
         let make = with_temps(vec![value], |a| {
             let v = &a[0];
             quote_spanned!(span=> #dsl::macro_support::Bind::bind(#v, __k, #hint))

@@ -46,6 +46,9 @@ pub(crate) struct LocalInfo {
     pub hint: String,
     pub ty: Ty,
     pub kind: VarKind,
+    /// The hint came from the library (`global_index`'s `index`), not the kernel's author: a
+    /// `let_` of this value renames it instead of binding it again.
+    pub library_named: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -587,6 +590,7 @@ impl KernelBuilder {
             hint: hint.into(),
             ty,
             kind,
+            library_named: false,
         });
         id
     }
@@ -674,7 +678,7 @@ impl KernelBuilder {
             Ok(t) => node(ExprKind::Call(f, args), t),
             Err(m) => node(ExprKind::Error(m), T::ty()),
         };
-        self.let_("sg", Expr::wrap(e))
+        self.let_library_named("sg", Expr::wrap(e))
     }
     /// `subgroupAdd(e)`: the sum over the subgroup's active invocations.
     pub fn subgroup_add<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
@@ -731,12 +735,41 @@ impl KernelBuilder {
     }
 
     /// `let <fresh name from hint> = value;` — bind a value once, use it many times.
+    ///
+    /// A value the library has bound already under a name of its own (`global_index()`'s
+    /// `index`, `workgroup_reduce`'s `sum`) is renamed instead, so `let_("i", k.global_index())`
+    /// emits `let i = …`, not `let i = index;`.
     pub fn let_<T: WgslType>(&mut self, hint: &str, value: impl IntoExpr<T>) -> Expr<T> {
         Expr::wrap(self.let_any(hint, &value.into_expr().erase()).node)
     }
 
+    /// A `let` whose name the library chose: the author's `let_` of it renames it.
+    pub(crate) fn let_library_named<T: WgslType>(
+        &mut self,
+        hint: &str,
+        value: impl IntoExpr<T>,
+    ) -> Expr<T> {
+        let bound = self.let_(hint, value);
+        if let ExprKind::Local(id) = bound.node.kind
+            && let Some(local) = self.locals.get_mut(id.index as usize)
+        {
+            local.library_named = true;
+        }
+        bound
+    }
+
     /// `let` through the untyped path.
     pub fn let_any(&mut self, hint: &str, value: &AnyExpr) -> AnyExpr {
+        if let ExprKind::Local(id) = value.node.kind
+            && id.kernel == self.tag
+            && let Some(local) = self.locals.get_mut(id.index as usize)
+            && local.kind == VarKind::Let
+            && local.library_named
+        {
+            local.hint = hint.into();
+            local.library_named = false;
+            return value.clone();
+        }
         let ty = value.ty().clone();
         let id = self.new_local(hint, ty.clone(), VarKind::Let);
         self.push(Stmt::Let {

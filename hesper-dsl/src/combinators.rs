@@ -80,7 +80,7 @@ impl KernelBuilder {
         let lid = self.local_index();
         let wg = self.invocations();
         let group = self.workgroup_index();
-        self.let_("index", group * wg + lid)
+        self.let_library_named("index", group * wg + lid)
     }
 
     /// This workgroup's flat index over a 1-D grid of workgroups,
@@ -95,7 +95,7 @@ impl KernelBuilder {
     pub fn total_invocations(&mut self) -> Expr<u32> {
         let nwg = self.num_workgroups();
         let wg = self.invocations();
-        self.let_("total_invocations", nwg.x() * nwg.y() * wg)
+        self.let_library_named("total_invocations", nwg.x() * nwg.y() * wg)
     }
 
     /// A grid-stride loop: `body(i)` for `i = global_index; i < n; i += total_invocations`, so any
@@ -158,7 +158,7 @@ impl KernelBuilder {
             if self.may_repeat() {
                 self.workgroup_barrier();
             }
-            return self.let_(result_hint, acc.get());
+            return self.let_library_named(result_hint, acc.get());
         }
         self.comment(&format!("workgroup_reduce({what}): shared-memory tree"));
         let scratch = self.workgroup_array::<T>("scratch", wg);
@@ -192,7 +192,7 @@ impl KernelBuilder {
                 },
             );
         }
-        let result = self.let_(result_hint, scratch.at(0u32));
+        let result = self.let_library_named(result_hint, scratch.at(0u32));
         if self.may_repeat() {
             self.workgroup_barrier();
         }

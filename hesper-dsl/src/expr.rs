@@ -320,6 +320,26 @@ fn error_node(msg: String, ty: Ty) -> Node {
 }
 
 /// The type of `a op b`, or why there is none.
+/// `i + 0`, `0 + i`, `i - 0`, `i * 1`, `1 * i` on integers are `i` (unrolled loops and offsets
+/// write them often; the WGSL reads better without). Floats are left alone: `x + 0.0` is not `x`
+/// for `x = -0.0`. Only where the kept operand already has the result's type.
+fn fold_integer_identity(op: BinaryOp, a: &Node, b: &Node, result: &Ty) -> Option<Node> {
+    let is = |n: &Node, v: u32| match n.kind {
+        ExprKind::Literal(Literal::U32(x)) => x == v,
+        ExprKind::Literal(Literal::I32(x)) => x == v as i32,
+        _ => false,
+    };
+    let kept = match op {
+        BinaryOp::Add if is(b, 0) => a,
+        BinaryOp::Add if is(a, 0) => b,
+        BinaryOp::Sub if is(b, 0) => a,
+        BinaryOp::Mul if is(b, 1) => a,
+        BinaryOp::Mul if is(a, 1) => b,
+        _ => return None,
+    };
+    (&kept.ty == result).then(|| kept.clone())
+}
+
 pub(crate) fn binary_type(op: BinaryOp, a: &Ty, b: &Ty) -> Result<Ty, String> {
     let bad = || format!("`{}` is not defined for {a} and {b}", op.wgsl());
     if !a.is_scalar_or_vector() || !b.is_scalar_or_vector() {
@@ -471,7 +491,10 @@ impl<T: WgslType> Expr<T> {
 
     fn binary<U: WgslType>(op: BinaryOp, a: Node, b: Node) -> Expr<U> {
         debug_assert_eq!(binary_type(op, &a.ty, &b.ty).as_ref(), Ok(&U::ty()));
-        Expr::<U>::typed(ExprKind::Binary(op, a, b))
+        match fold_integer_identity(op, &a, &b, &U::ty()) {
+            Some(kept) => Expr::wrap(kept),
+            None => Expr::<U>::typed(ExprKind::Binary(op, a, b)),
+        }
     }
 
     fn call(f: Func, args: Vec<Node>) -> Self {
@@ -510,9 +533,9 @@ impl AnyExpr {
     /// `a op b`, type-checked.
     pub fn binary(op: BinaryOp, a: &AnyExpr, b: &AnyExpr) -> Result<AnyExpr, String> {
         let ty = binary_type(op, a.ty(), b.ty())?;
-        Ok(AnyExpr {
-            node: node(ExprKind::Binary(op, a.node.clone(), b.node.clone()), ty),
-        })
+        let node = fold_integer_identity(op, &a.node, &b.node, &ty)
+            .unwrap_or_else(|| node(ExprKind::Binary(op, a.node.clone(), b.node.clone()), ty));
+        Ok(AnyExpr { node })
     }
 
     /// `-a`, `!a` or `~a`, type-checked.

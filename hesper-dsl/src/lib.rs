@@ -26,7 +26,7 @@
 //!     });
 //! })
 //! .unwrap();
-//! assert!(kernel.wgsl().contains("d_up[index] = dh * r * r;"));
+//! assert!(kernel.wgsl().contains("d_up[index] = dh * r * r;")); // `global_index()` names it `index`
 //! ```
 //!
 //! Misuse is an error naming the kernel and the item, never WGSL that naga rejects:

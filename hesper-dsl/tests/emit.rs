@@ -321,3 +321,39 @@ fn workgroup_reduce_closes_with_a_barrier_only_where_it_may_run_again() {
         assert_eq!(barriers(true), barriers(false) + 1, "{features:?}");
     }
 }
+
+/// The author's names survive: a `let_` of a value the library bound under its own name
+/// (`index`, `sum`, `maximum`) renames it rather than adding `let i = index;`; an alias of the
+/// author's own `let` stays an alias; `+ 0u` and `* 1u` disappear from integer arithmetic.
+#[test]
+fn authors_names_survive_and_integer_identities_fold() {
+    let key = KernelKey::new("names").workgroup_size(64);
+    let k = Kernel::build(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let y = k.storage_rw::<f32>("y");
+        let i = k.global_index();
+        let i = k.let_("i", i);
+        let row_max = k.workgroup_reduce(x.at(&i), Reduce::Max);
+        let row_max = k.let_("row_max", row_max);
+        let total = k.workgroup_reduce(x.at(&i), Reduce::Sum);
+        let total = k.let_("total", total);
+        let again = k.let_("again", &total);
+        let base = k.let_("base", &i * 1u32);
+        k.store(&y, &base + 0u32, &row_max + &again);
+        k.store(&y, 0u32 + &i * 2u32, lit(0.0f32) + &total);
+    })
+    .unwrap();
+    let lines = body(k.wgsl());
+    let w = k.wgsl();
+    assert!(lines[0].starts_with("let i = (workgroup_id.y"), "{w}");
+    assert!(lines.contains(&"let row_max = scratch[0u];"), "{w}");
+    assert!(lines.contains(&"let total = scratch_1[0u];"), "{w}");
+    assert!(lines.contains(&"let again = total;"), "{w}");
+    assert!(lines.contains(&"let base = i;"), "{w}");
+    assert!(lines.contains(&"y[base] = row_max + again;"), "{w}");
+    // Floats keep their `0.0 +`: it is not the identity for -0.0.
+    assert!(lines.contains(&"y[i * 2u] = 0.0f + total;"), "{w}");
+    for library_name in ["index", "maximum", "sum"] {
+        assert!(!w.contains(&format!("let {library_name} ")), "{w}");
+    }
+}
