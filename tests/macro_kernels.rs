@@ -403,3 +403,38 @@ fn typed_launcher_checks_stated_lengths() {
         assert_eq!(*got, x[i] + bias[i % cols], "element {i}");
     }
 }
+
+/// Three reductions, one under a per-invocation `if`: the error names the line of that one.
+#[kernel(workgroup_size = 64)]
+fn three_reductions(x: &[f32], out: &mut [f32], #[runtime] n: u32) {
+    let i = global_index();
+    let sum = workgroup_reduce(x[0], Reduce::Sum);
+    let biggest = workgroup_reduce(x[1], Reduce::Max);
+    if i < n {
+        let smallest = workgroup_reduce(x[i], Reduce::Min);
+        out[i] = sum + biggest + smallest;
+    }
+}
+
+#[test]
+fn dsl_errors_point_at_the_kernel_body() {
+    let err = three_reductions::build().unwrap_err();
+    let at = err.at.expect("a place");
+    let source = include_str!("macro_kernels.rs");
+    let line = source
+        .lines()
+        .position(|l| l.contains("let smallest = workgroup_reduce("))
+        .unwrap() as u32
+        + 1;
+    let if_line = line - 1;
+    assert_eq!(
+        (at.location.file(), at.location.line(), at.op),
+        (file!(), line, Some("workgroup_reduce"))
+    );
+    let message = err.to_string();
+    assert!(
+        message.contains(&format!("the `if` at {}:{if_line}:", file!()))
+            && message.contains("depends on `i` (which depends on `local_index`)"),
+        "{message}"
+    );
+}

@@ -627,6 +627,7 @@ impl Translator {
         let annotated = ty.map(|t| quote!(: #t));
         let make = with_temps(vec![value], |a| {
             let v = &a[0];
+            let dsl = respan(dsl, span);
             quote_spanned!(span=> #dsl::macro_support::Bind::bind(#v, __k, #hint))
         });
         Ok(quote!(let #ident #annotated = #make;))
@@ -681,12 +682,14 @@ impl Translator {
                         let s = (self.bound(s)?, s.span());
                         Ok(with_temps(vec![start, end, s], |a| {
                             let (a0, a1, a2) = (&a[0], &a[1], &a[2]);
+                            let dsl = respan(&dsl, span);
                             quote_spanned!(span=>
                                 #dsl::macro_support::for_range_step(__k, #hint, (#a0, #a1), #a2, |__k, #ident| { #body });)
                         }))
                     }
                     None => Ok(with_temps(vec![start, end], |a| {
                         let (a0, a1) = (&a[0], &a[1]);
+                        let dsl = respan(&dsl, span);
                         quote_spanned!(span=>
                             #dsl::macro_support::for_range(__k, #hint, (#a0, #a1), |__k, #ident| { #body });)
                     })),
@@ -735,6 +738,7 @@ impl Translator {
         };
         Ok(with_temps(vec![cond], |a| {
             let c = &a[0];
+            let dsl = respan(&dsl, i.span());
             quote_spanned!(i.span()=> #dsl::macro_support::if_else(__k, #c, |__k| { #then }, |__k| { #otherwise });)
         }))
     }
@@ -975,6 +979,24 @@ fn with_temps(args: Vec<(Tokens, Span)>, make: impl FnOnce(&[Ident]) -> Tokens) 
     let values = args.iter().map(|(t, _)| t);
     let call = make(&names);
     quote!({ #(let #names = #values;)* #call })
+}
+
+/// `tokens` placed at `span`: a call's place (what `#[track_caller]` reports) is its path's
+/// span, and a path built at the attribute would place the call at `#[kernel]`.
+fn respan(tokens: &Tokens, span: Span) -> Tokens {
+    tokens
+        .clone()
+        .into_iter()
+        .map(|mut t| {
+            if let proc_macro2::TokenTree::Group(g) = &t {
+                let mut inner = proc_macro2::Group::new(g.delimiter(), respan(&g.stream(), span));
+                inner.set_span(span);
+                t = proc_macro2::TokenTree::Group(inner);
+            }
+            t.set_span(span);
+            t
+        })
+        .collect()
 }
 
 /// Tokens kept together as the parser grouped them, without parentheses (which would warn).

@@ -6,9 +6,10 @@
 
 use std::collections::BTreeSet;
 use std::marker::PhantomData;
+use std::panic::Location;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::error::{DslError, ErrorKind};
+use crate::error::{DslError, ErrorKind, Origin};
 use crate::expr::{AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Node, VarId, node};
 use crate::kernel::{
     Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
@@ -17,7 +18,14 @@ use crate::ty::{Access, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType
 use crate::{check, names, wgsl};
 
 /// A statement block.
-pub(crate) type Block = Vec<Stmt>;
+pub(crate) type Block = Vec<Placed>;
+
+/// A statement and where its author recorded it.
+#[derive(Clone, Debug)]
+pub(crate) struct Placed {
+    pub stmt: Stmt,
+    pub at: Origin,
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum VarKind {
@@ -39,6 +47,8 @@ pub(crate) struct FunctionDef {
     pub ret: Ty,
     pub body: Block,
     pub value: Node,
+    /// Where the author declared it.
+    pub at: Origin,
 }
 
 #[derive(Clone, Debug)]
@@ -109,7 +119,10 @@ pub struct KernelBuilder {
     /// Inside a function body being built (where builtins and bare `return` are not allowed).
     in_function: bool,
     pub(crate) functions: Vec<FunctionDef>,
-    errors: Vec<ErrorKind>,
+    errors: Vec<(ErrorKind, Origin)>,
+    /// Inside a combinator: its statements are the author's call of it, not the combinator's
+    /// own lines (see [`KernelBuilder::within`]).
+    pinned: Option<Origin>,
 }
 
 // ---------------------------------------------------------------- handles
@@ -339,10 +352,12 @@ impl LoopCounter for i32 {
 impl Kernel {
     /// Build a kernel for `key`: `f` declares and records its body. Checked against the default
     /// [`Limits`]; see [`Kernel::build_with_limits`].
+    #[track_caller]
     pub fn build(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> Result<Kernel, DslError> {
         Kernel::build_with_limits(key, &Limits::default(), f)
     }
 
+    #[track_caller]
     pub fn build_with_limits(
         key: &KernelKey,
         limits: &Limits,
@@ -355,6 +370,7 @@ impl Kernel {
 }
 
 impl KernelBuilder {
+    #[track_caller]
     pub fn new(key: &KernelKey) -> Self {
         let mut b = KernelBuilder {
             key: key.clone(),
@@ -367,6 +383,7 @@ impl KernelBuilder {
             in_function: false,
             functions: vec![],
             errors: vec![],
+            pinned: None,
         };
         for (name, _) in key.shape_params() {
             if let Err(why) = names::check_user_name(name) {
@@ -398,8 +415,44 @@ impl KernelBuilder {
     }
 
     /// Record a misuse; the first one is what `finish` reports.
+    #[track_caller]
     pub fn error(&mut self, kind: ErrorKind) {
-        self.errors.push(kind);
+        let at = self.origin();
+        self.errors.push((kind, at));
+    }
+
+    /// Where the statement being recorded comes from: the author's call (through
+    /// `#[track_caller]` on every recording method), or the combinator call it is inside.
+    #[track_caller]
+    pub(crate) fn origin(&self) -> Origin {
+        // Not in a closure: `Location::caller` sees through `#[track_caller]` functions only.
+        let here = Origin::from_location(Location::caller());
+        self.pinned.unwrap_or(here)
+    }
+
+    /// Record `f` as the DSL operation `op` called here: its statements and errors are placed
+    /// at the author's call of `op` and name it (a barrier inside `workgroup_reduce` is reported
+    /// as the author's `workgroup_reduce`). An author's closure the combinator runs is placed
+    /// on its own lines again: run it through [`KernelBuilder::unpinned`].
+    #[track_caller]
+    pub(crate) fn within<R>(&mut self, op: &'static str, f: impl FnOnce(&mut Self) -> R) -> R {
+        let here = Origin {
+            op: Some(op),
+            ..Origin::from_location(Location::caller())
+        };
+        let at = self.pinned.unwrap_or(here);
+        let outer = self.pinned.replace(at);
+        let r = f(self);
+        self.pinned = outer;
+        r
+    }
+
+    /// Run the author's code `f` from inside a combinator, placed on its own lines.
+    pub(crate) fn unpinned<R>(&mut self, f: impl FnOnce(&mut Self) -> R) -> R {
+        let outer = self.pinned.take();
+        let r = f(self);
+        self.pinned = outer;
+        r
     }
 
     /// Finish with the default [`Limits`].
@@ -410,13 +463,13 @@ impl KernelBuilder {
     /// Check everything, emit WGSL, validate it with naga, and check `limits`.
     pub fn finish_with_limits(mut self, limits: &Limits) -> Result<Kernel, DslError> {
         let name = self.key.name().to_string();
-        if let Some(kind) = self.errors.first() {
-            return Err(DslError::new(&name, kind.clone()));
+        if let Some((kind, at)) = self.errors.first() {
+            return Err(DslError::new(&name, kind.clone()).at(Some(*at)));
         }
         debug_assert_eq!(self.scopes.len(), 1, "scopes are balanced by construction");
         let body = self.scopes.pop().unwrap_or_default();
-        let found = check::check(&self, &body).map_err(|kind| DslError::new(&name, kind))?;
-        crate::uniform::check(&self, &body).map_err(|kind| DslError::new(&name, kind))?;
+        let found = check::check(&self, &body).map_err(|e| e.into_error(&name))?;
+        crate::uniform::check(&self, &body).map_err(|e| e.into_error(&name))?;
         let mut kernel = Kernel {
             key: self.key,
             bindings: self.bindings,
@@ -462,6 +515,7 @@ impl KernelBuilder {
 
     /// A compile-time shape parameter from the key, as a Rust value (comptime is plain Rust).
     /// Missing or of another type: an error at `finish`, and a fallback value meanwhile.
+    #[track_caller]
     pub fn shape<T: ShapeType>(&mut self, name: &str) -> T {
         match self.key.get(name).and_then(T::from_value) {
             Some(v) => v,
@@ -476,6 +530,7 @@ impl KernelBuilder {
     }
 
     /// A shape parameter as a WGSL expression: a reference to its module-scope `const`.
+    #[track_caller]
     pub fn shape_const<T: ShapeType>(&mut self, name: &str) -> Expr<T> {
         self.shape::<T>(name);
         Expr::wrap(node(ExprKind::Const(name.into()), T::ty()))
@@ -483,6 +538,7 @@ impl KernelBuilder {
 
     // ------------------------------------------------------------ declarations
 
+    #[track_caller]
     fn declare_name(&mut self, name: &str) -> bool {
         if let Err(why) = names::check_user_name(name) {
             self.error(ErrorKind::InvalidName {
@@ -500,6 +556,7 @@ impl KernelBuilder {
         !taken
     }
 
+    #[track_caller]
     fn declare_binding(&mut self, name: &str, elem: Ty, access: Access) {
         if !elem.is_scalar_or_vector() && !matches!(elem, Ty::Array(_, n) if n > 0) {
             self.error(ErrorKind::TypeMismatch {
@@ -527,6 +584,7 @@ impl KernelBuilder {
     }
 
     /// Declare a read-only storage buffer `array<T>` bound by `name` (binding order = declaration order).
+    #[track_caller]
     pub fn storage<T: HostShareable>(&mut self, name: &str) -> ReadBuffer<T> {
         self.declare_binding(name, T::ty(), Access::Read);
         ReadBuffer {
@@ -536,6 +594,7 @@ impl KernelBuilder {
     }
 
     /// Declare a read-write storage buffer `array<T>` bound by `name`.
+    #[track_caller]
     pub fn storage_rw<T: HostShareable>(&mut self, name: &str) -> RwBuffer<T> {
         self.declare_binding(name, T::ty(), Access::ReadWrite);
         RwBuffer {
@@ -545,6 +604,7 @@ impl KernelBuilder {
     }
 
     /// Declare a storage buffer through the untyped path.
+    #[track_caller]
     pub fn storage_any(&mut self, name: &str, elem: Ty, access: Access) -> AnyBuffer {
         self.declare_binding(name, elem.clone(), access);
         AnyBuffer {
@@ -556,11 +616,13 @@ impl KernelBuilder {
     /// Declare a runtime scalar (a per-step value: learning rate, step, token count). It travels in
     /// a uniform buffer, or as immediates when the key asks for `Features::IMMEDIATES`, and never
     /// changes the WGSL text.
+    #[track_caller]
     pub fn param<T: ParamType>(&mut self, name: &str) -> Expr<T> {
         Expr::wrap(self.param_any(name, T::SCALAR).node)
     }
 
     /// Declare a runtime scalar through the untyped path (`f32`, `u32` or `i32`).
+    #[track_caller]
     pub fn param_any(&mut self, name: &str, ty: Scalar) -> AnyExpr {
         if !matches!(ty, Scalar::F32 | Scalar::U32 | Scalar::I32) {
             self.error(ErrorKind::TypeMismatch {
@@ -597,6 +659,7 @@ impl KernelBuilder {
 
     /// Declare a `var<workgroup>` array. Where in the body this is called does not matter: it
     /// is always emitted at module scope. Its name is made fresh from `hint`.
+    #[track_caller]
     pub fn workgroup_array<T: HostShareable>(&mut self, hint: &str, len: u32) -> WorkgroupArray<T> {
         if len == 0 {
             self.error(ErrorKind::TypeMismatch {
@@ -663,6 +726,7 @@ impl KernelBuilder {
 
     // ------------------------------------------------------------ subgroup operations
 
+    #[track_caller]
     fn require_subgroups(&mut self, op: &str) {
         if !self.has_feature(Features::SUBGROUPS) {
             self.error(ErrorKind::SubgroupsNotRequested { op: op.into() });
@@ -671,6 +735,7 @@ impl KernelBuilder {
 
     /// A subgroup operation, bound with `let` right where it is called (where the subgroup's
     /// invocations are converged), never moved into a later branch.
+    #[track_caller]
     fn subgroup_op<T: Numeric>(&mut self, f: Func, args: Vec<Node>) -> Expr<T> {
         self.require_subgroups(f.wgsl());
         let tys: Vec<&Ty> = args.iter().map(|a| &a.ty).collect();
@@ -681,18 +746,22 @@ impl KernelBuilder {
         self.let_library_named("sg", Expr::wrap(e))
     }
     /// `subgroupAdd(e)`: the sum over the subgroup's active invocations.
+    #[track_caller]
     pub fn subgroup_add<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
         self.subgroup_op(Func::SubgroupAdd, vec![e.into_expr().node])
     }
     /// `subgroupMax(e)`
+    #[track_caller]
     pub fn subgroup_max<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
         self.subgroup_op(Func::SubgroupMax, vec![e.into_expr().node])
     }
     /// `subgroupMin(e)`
+    #[track_caller]
     pub fn subgroup_min<T: Numeric>(&mut self, e: impl IntoExpr<T>) -> Expr<T> {
         self.subgroup_op(Func::SubgroupMin, vec![e.into_expr().node])
     }
     /// `subgroupShuffleXor(e, mask)`: the value of the invocation whose id is `own id ^ mask`.
+    #[track_caller]
     pub fn subgroup_shuffle_xor<T: Numeric>(
         &mut self,
         e: impl IntoExpr<T>,
@@ -702,6 +771,7 @@ impl KernelBuilder {
         self.subgroup_op(Func::SubgroupShuffleXor, args)
     }
     /// `subgroupBroadcast(e, lane)`: invocation `lane`'s value (`lane` is a constant).
+    #[track_caller]
     pub fn subgroup_broadcast<T: Numeric>(&mut self, e: impl IntoExpr<T>, lane: u32) -> Expr<T> {
         let args = vec![e.into_expr().node, crate::lit(lane).node];
         self.subgroup_op(Func::SubgroupBroadcast, args)
@@ -709,11 +779,13 @@ impl KernelBuilder {
 
     // ------------------------------------------------------------ statements
 
-    fn push(&mut self, s: Stmt) {
+    #[track_caller]
+    fn push(&mut self, stmt: Stmt) {
+        let at = self.origin();
         self.scopes
             .last_mut()
             .expect("the root scope is never popped before finish")
-            .push(s);
+            .push(Placed { stmt, at });
     }
 
     /// Record a function body in a scope of its own, outside any loop.
@@ -739,11 +811,13 @@ impl KernelBuilder {
     /// A value the library has bound already under a name of its own (`global_index()`'s
     /// `index`, `workgroup_reduce`'s `sum`) is renamed instead, so `let_("i", k.global_index())`
     /// emits `let i = …`, not `let i = index;`.
+    #[track_caller]
     pub fn let_<T: WgslType>(&mut self, hint: &str, value: impl IntoExpr<T>) -> Expr<T> {
         Expr::wrap(self.let_any(hint, &value.into_expr().erase()).node)
     }
 
     /// A `let` whose name the library chose: the author's `let_` of it renames it.
+    #[track_caller]
     pub(crate) fn let_library_named<T: WgslType>(
         &mut self,
         hint: &str,
@@ -759,6 +833,7 @@ impl KernelBuilder {
     }
 
     /// `let` through the untyped path.
+    #[track_caller]
     pub fn let_any(&mut self, hint: &str, value: &AnyExpr) -> AnyExpr {
         if let ExprKind::Local(id) = value.node.kind
             && id.kernel == self.tag
@@ -782,6 +857,7 @@ impl KernelBuilder {
     }
 
     /// `var <fresh name>: T = init;`
+    #[track_caller]
     pub fn var<T: WgslType>(&mut self, hint: &str, init: impl IntoExpr<T>) -> Var<T> {
         let id = self.new_local(hint, T::ty(), VarKind::Var);
         self.push(Stmt::Var {
@@ -795,6 +871,7 @@ impl KernelBuilder {
     }
 
     /// `var <fresh name>: array<T, len>;` (zero-initialised, as WGSL does).
+    #[track_caller]
     pub fn var_array<T: WgslType>(&mut self, hint: &str, len: u32) -> LocalArray<T> {
         let id = self.new_local(hint, Ty::Array(Box::new(T::ty()), len.max(1)), VarKind::Var);
         if len == 0 {
@@ -813,6 +890,7 @@ impl KernelBuilder {
     }
 
     /// `var = value;`
+    #[track_caller]
     pub fn assign<T: WgslType>(&mut self, var: &Var<T>, value: impl IntoExpr<T>) {
         self.push(Stmt::Assign {
             target: var.get().node,
@@ -822,16 +900,19 @@ impl KernelBuilder {
     }
 
     /// `var op= value;` for an arithmetic or bit operator.
+    #[track_caller]
     pub fn update<T: WgslType>(&mut self, var: &Var<T>, op: BinaryOp, value: impl IntoExpr<T>) {
         self.assign_op_any(&var.get().erase(), Some(op), &value.into_expr().erase());
     }
 
     /// `var += value;`
+    #[track_caller]
     pub fn add_assign<T: Numeric>(&mut self, var: &Var<T>, value: impl IntoExpr<T>) {
         self.update(var, BinaryOp::Add, value);
     }
 
     /// `target[index] = value;`
+    #[track_caller]
     pub fn store<T: WgslType>(
         &mut self,
         target: &impl Writable<T>,
@@ -846,6 +927,7 @@ impl KernelBuilder {
     }
 
     /// `target[index] op= value;`
+    #[track_caller]
     pub fn store_op<T: WgslType>(
         &mut self,
         target: &impl Writable<T>,
@@ -862,6 +944,7 @@ impl KernelBuilder {
 
     /// `name[index] = value;` through the untyped path: unknown names, read-only buffers and type
     /// mismatches are errors.
+    #[track_caller]
     pub fn store_any(&mut self, name: &str, index: &AnyExpr, value: &AnyExpr) {
         let Some(b) = self.bindings.iter().find(|b| b.name == name).cloned() else {
             self.error(ErrorKind::OutOfScope { name: name.into() });
@@ -885,6 +968,7 @@ impl KernelBuilder {
 
     /// `target op= value;` through the untyped path; `target` must be a `var`, a writable buffer
     /// or array element, or one component of a `var` vector (checked at `finish`).
+    #[track_caller]
     pub fn assign_op_any(&mut self, target: &AnyExpr, op: Option<BinaryOp>, value: &AnyExpr) {
         if let Some(op) = op
             && !op.is_compound()
@@ -914,6 +998,7 @@ impl KernelBuilder {
     }
 
     /// `if cond { then }`
+    #[track_caller]
     pub fn if_(&mut self, cond: impl IntoExpr<bool>, then: impl FnOnce(&mut Self)) {
         let then = self.scoped(then);
         self.push(Stmt::If {
@@ -924,6 +1009,7 @@ impl KernelBuilder {
     }
 
     /// `if cond { then } else { otherwise }`
+    #[track_caller]
     pub fn if_else(
         &mut self,
         cond: impl IntoExpr<bool>,
@@ -940,6 +1026,7 @@ impl KernelBuilder {
     }
 
     /// `if` through the untyped path (`cond` must be `bool`).
+    #[track_caller]
     pub fn if_any(
         &mut self,
         cond: &AnyExpr,
@@ -963,6 +1050,7 @@ impl KernelBuilder {
     }
 
     /// A general runtime loop: `for (var c = init; cond(c); c op= step) { body(c) }`.
+    #[track_caller]
     pub fn for_loop<T: LoopCounter>(
         &mut self,
         hint: &str,
@@ -991,6 +1079,7 @@ impl KernelBuilder {
     }
 
     /// `for (var i = start; i < end; i += step) { body(i) }`
+    #[track_caller]
     pub fn for_step<T: LoopCounter>(
         &mut self,
         hint: &str,
@@ -1004,6 +1093,7 @@ impl KernelBuilder {
     }
 
     /// `for (var i = start; i < end; i += 1) { body(i) }`
+    #[track_caller]
     pub fn for_range<T: LoopCounter>(
         &mut self,
         hint: &str,
@@ -1016,6 +1106,7 @@ impl KernelBuilder {
 
     /// A compile-time unrolled loop: `body` runs once per value, in Rust, and each run records
     /// its own statements (comptime is plain Rust; this only reads better).
+    #[track_caller]
     pub fn unroll(
         &mut self,
         range: impl IntoIterator<Item = u32>,
@@ -1027,6 +1118,7 @@ impl KernelBuilder {
     }
 
     /// `while cond { body }`
+    #[track_caller]
     pub fn while_(&mut self, cond: impl IntoExpr<bool>, body: impl FnOnce(&mut Self)) {
         let cond = cond.into_expr().node;
         self.loop_depth += 1;
@@ -1036,6 +1128,7 @@ impl KernelBuilder {
     }
 
     /// `loop { body }` — leave it with [`KernelBuilder::break_`] or [`KernelBuilder::break_if`].
+    #[track_caller]
     pub fn loop_(&mut self, body: impl FnOnce(&mut Self)) {
         self.loop_depth += 1;
         let body = self.scoped(body);
@@ -1043,6 +1136,7 @@ impl KernelBuilder {
         self.push(Stmt::Loop { body });
     }
 
+    #[track_caller]
     fn in_loop(&mut self, statement: &str) -> bool {
         if self.loop_depth == 0 {
             self.error(ErrorKind::NotInLoop {
@@ -1053,6 +1147,7 @@ impl KernelBuilder {
     }
 
     /// `break;`
+    #[track_caller]
     pub fn break_(&mut self) {
         if self.in_loop("break") {
             self.push(Stmt::Break);
@@ -1060,17 +1155,23 @@ impl KernelBuilder {
     }
 
     /// `if cond { break; }`
+    #[track_caller]
     pub fn break_if(&mut self, cond: impl IntoExpr<bool>) {
         if self.in_loop("break") {
+            let then = vec![Placed {
+                stmt: Stmt::Break,
+                at: self.origin(),
+            }];
             self.push(Stmt::If {
                 cond: cond.into_expr().node,
-                then: vec![Stmt::Break],
+                then,
                 otherwise: vec![],
             });
         }
     }
 
     /// `continue;`
+    #[track_caller]
     pub fn continue_(&mut self) {
         if self.in_loop("continue") {
             self.push(Stmt::Continue);
@@ -1079,6 +1180,7 @@ impl KernelBuilder {
 
     /// `return;` — leave the kernel for this invocation. Every later barrier must still be
     /// reached by all invocations of the workgroup, so return only where no barrier follows.
+    #[track_caller]
     pub fn return_(&mut self) {
         if self.in_function {
             self.error(ErrorKind::InvalidExpression {
@@ -1091,16 +1193,19 @@ impl KernelBuilder {
     }
 
     /// `workgroupBarrier();` — call it where every invocation of the workgroup arrives.
+    #[track_caller]
     pub fn workgroup_barrier(&mut self) {
         self.push(Stmt::WorkgroupBarrier);
     }
 
     /// `storageBarrier();`
+    #[track_caller]
     pub fn storage_barrier(&mut self) {
         self.push(Stmt::StorageBarrier);
     }
 
     /// A `// comment` line in the emitted WGSL.
+    #[track_caller]
     pub fn comment(&mut self, text: &str) {
         for line in text.lines() {
             self.push(Stmt::Comment(line.to_string()));

@@ -5,9 +5,9 @@
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
-use crate::builder::{Block, Found, KernelBuilder, Stmt, VarKind};
+use crate::builder::{Block, Found, KernelBuilder, Placed, Stmt, VarKind};
 use crate::consteval;
-use crate::error::ErrorKind;
+use crate::error::{ErrorKind, PlacedError};
 use crate::expr::{Builtin, ExprKind, Func, Literal, Node, VarId};
 use crate::kernel::Features;
 use crate::ty::{Access, Ty};
@@ -25,7 +25,7 @@ struct Checker<'a> {
     memo: RefCell<HashMap<VarId, Option<consteval::Eval>>>,
 }
 
-pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind> {
+pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, PlacedError> {
     let mut c = Checker {
         k,
         visible: vec![vec![]],
@@ -43,16 +43,16 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind>
         c.in_function = true;
         // The returned value sees the body's locals: check it inside the body's scope.
         for st in &f.body {
-            c.stmt(st)?;
+            c.placed(st)?;
         }
-        c.expr(&f.value)?;
-        if f.value.ty != f.ret {
-            return Err(ErrorKind::TypeMismatch {
-                item: format!("value of function `{}`", f.hint),
-                expected: f.ret.to_string(),
-                found: f.value.ty.to_string(),
-            });
-        }
+        let value = c.expr(&f.value).and_then(|()| {
+            c.same_type(
+                &format!("value of function `{}`", f.hint),
+                &f.ret,
+                &f.value.ty,
+            )
+        });
+        value.map_err(|kind| PlacedError::from(kind).or_at(f.at))?;
     }
     c.visible = vec![vec![]];
     c.in_function = false;
@@ -64,13 +64,18 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, ErrorKind>
 }
 
 impl Checker<'_> {
-    fn block(&mut self, b: &Block) -> Result<(), ErrorKind> {
+    fn block(&mut self, b: &Block) -> Result<(), PlacedError> {
         self.visible.push(vec![]);
         for s in b {
-            self.stmt(s)?;
+            self.placed(s)?;
         }
         self.visible.pop();
         Ok(())
+    }
+
+    /// A statement; its errors are placed where it was recorded (unless a nested one's were).
+    fn placed(&mut self, s: &Placed) -> Result<(), PlacedError> {
+        self.stmt(&s.stmt).map_err(|e| e.or_at(s.at))
     }
 
     fn declare(&mut self, id: VarId) {
@@ -80,7 +85,7 @@ impl Checker<'_> {
             .push(id);
     }
 
-    fn stmt(&mut self, s: &Stmt) -> Result<(), ErrorKind> {
+    fn stmt(&mut self, s: &Stmt) -> Result<(), PlacedError> {
         match s {
             Stmt::Let { id, value } => {
                 self.expr(value)?;
@@ -89,7 +94,8 @@ impl Checker<'_> {
                         item: format!("let `{}`", self.hint(*id)),
                         expected: "a value (a storage buffer cannot be bound with let)".into(),
                         found: value.ty.to_string(),
-                    });
+                    }
+                    .into());
                 }
                 self.declare(*id);
                 self.lets.insert(*id, value.clone());

@@ -4,7 +4,7 @@
 //!   (the executor dispatches 2-D, `x` up to 65535 and `y` the rest).
 //! - [`KernelBuilder::grid_stride`]: each invocation walks `i, i + total, …` below `n`.
 //! - [`KernelBuilder::row_loop`]: the invocations of one workgroup stride over one row.
-//! - [`KernelBuilder::workgroup_reduce`]: sum or max over the workgroup (shared-memory tree, or
+//! - [`KernelBuilder::workgroup_reduce`]: sum, max or min over the workgroup (shared-memory tree, or
 //!   subgroup operations when the kernel key asks for subgroups).
 
 use crate::builder::{Indexable, KernelBuilder};
@@ -17,17 +17,20 @@ use crate::ty::{F16, HostShareable, Numeric, Vec2, Vec3, Vec4};
 pub enum Reduce {
     Sum,
     Max,
+    Min,
 }
 
-/// Types a workgroup reduction works on: their identity elements for sum and max.
+/// Types a workgroup reduction works on: their identity elements for sum, max and min.
 pub trait Reducible: Numeric + HostShareable + Sized {
     fn zero() -> Expr<Self>;
     /// The lowest finite value (the identity of max over finite values).
     fn lowest() -> Expr<Self>;
+    /// The highest finite value (the identity of min over finite values).
+    fn highest() -> Expr<Self>;
 }
 
 macro_rules! reducible_scalar {
-    ($t:ty, $zero:expr, $lowest:expr) => {
+    ($t:ty, $zero:expr, $lowest:expr, $highest:expr) => {
         impl Reducible for $t {
             fn zero() -> Expr<$t> {
                 $zero
@@ -35,13 +38,21 @@ macro_rules! reducible_scalar {
             fn lowest() -> Expr<$t> {
                 $lowest
             }
+            fn highest() -> Expr<$t> {
+                $highest
+            }
         }
     };
 }
-reducible_scalar!(f32, lit(0.0f32), lit(f32::MIN));
-reducible_scalar!(u32, lit(0u32), lit(0u32));
-reducible_scalar!(i32, lit(0i32), lit(i32::MIN));
-reducible_scalar!(F16, Expr::<F16>::lit(0.0), Expr::<F16>::lit(-65504.0));
+reducible_scalar!(f32, lit(0.0f32), lit(f32::MIN), lit(f32::MAX));
+reducible_scalar!(u32, lit(0u32), lit(0u32), lit(u32::MAX));
+reducible_scalar!(i32, lit(0i32), lit(i32::MIN), lit(i32::MAX));
+reducible_scalar!(
+    F16,
+    Expr::<F16>::lit(0.0),
+    Expr::<F16>::lit(-65504.0),
+    Expr::<F16>::lit(65504.0)
+);
 
 macro_rules! reducible_vector {
     ($($v:ident<$s:ty>),*) => {$(
@@ -51,6 +62,9 @@ macro_rules! reducible_vector {
             }
             fn lowest() -> Expr<$v<$s>> {
                 Expr::<$v<$s>>::splat(<$s as Reducible>::lowest())
+            }
+            fn highest() -> Expr<$v<$s>> {
+                Expr::<$v<$s>>::splat(<$s as Reducible>::highest())
             }
         }
     )*};
@@ -69,6 +83,15 @@ fn combine<T: Reducible>(op: Reduce, a: Expr<T>, b: Expr<T>) -> Expr<T> {
     match op {
         Reduce::Sum => a + b,
         Reduce::Max => a.max(b),
+        Reduce::Min => a.min(b),
+    }
+}
+
+fn identity<T: Reducible>(op: Reduce) -> Expr<T> {
+    match op {
+        Reduce::Sum => T::zero(),
+        Reduce::Max => T::lowest(),
+        Reduce::Min => T::highest(),
     }
 }
 
@@ -76,11 +99,14 @@ impl KernelBuilder {
     /// This invocation's flat index over a 1-D problem, bound once:
     /// `(workgroup_id.y * num_workgroups.x + workgroup_id.x) * WG + local_index`.
     /// Right for any number of workgroups up to 65535², given a 2-D dispatch.
+    #[track_caller]
     pub fn global_index(&mut self) -> Expr<u32> {
         let lid = self.local_index();
         let wg = self.invocations();
         let group = self.workgroup_index();
-        self.let_library_named("index", group * wg + lid)
+        self.within("global_index", |k| {
+            k.let_library_named("index", group * wg + lid)
+        })
     }
 
     /// This workgroup's flat index over a 1-D grid of workgroups,
@@ -92,26 +118,35 @@ impl KernelBuilder {
     }
 
     /// All invocations of the dispatch: `num_workgroups.x * num_workgroups.y * WG`, bound once.
+    #[track_caller]
     pub fn total_invocations(&mut self) -> Expr<u32> {
         let nwg = self.num_workgroups();
         let wg = self.invocations();
-        self.let_library_named("total_invocations", nwg.x() * nwg.y() * wg)
+        self.within("total_invocations", |k| {
+            k.let_library_named("total_invocations", nwg.x() * nwg.y() * wg)
+        })
     }
 
     /// A grid-stride loop: `body(i)` for `i = global_index; i < n; i += total_invocations`, so any
     /// dispatch size covers any `n`.
+    #[track_caller]
     pub fn grid_stride(&mut self, n: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
-        let start = self.global_index();
-        let step = self.total_invocations();
-        self.for_step("i", start, n, step, body);
+        self.within("grid_stride", |k| {
+            let start = k.global_index();
+            let step = k.total_invocations();
+            k.for_step("i", start, n, step, |k, i| k.unpinned(|k| body(k, i)));
+        })
     }
 
     /// A row loop: the workgroup's invocations stride over `0..len`, each starting at its
     /// `local_index` (`body(column)`).
+    #[track_caller]
     pub fn row_loop(&mut self, len: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
         let lid = self.local_index();
         let wg = self.invocations();
-        self.for_step("col", lid, len, wg, body);
+        self.within("row_loop", |k| {
+            k.for_step("col", lid, len, wg, |k, c| k.unpinned(|k| body(k, c)))
+        });
     }
 
     /// Reduce `value` over the whole workgroup; every invocation gets the result. Call it where
@@ -120,16 +155,22 @@ impl KernelBuilder {
     /// workgroup scratch; inside a loop the call ends with a barrier, so that the next
     /// iteration's call cannot overwrite the scratch before every invocation has read it (out of
     /// loops that barrier would only delay the invocations that are done).
+    #[track_caller]
     pub fn workgroup_reduce<T: Reducible>(
         &mut self,
         value: impl IntoExpr<T>,
         op: Reduce,
     ) -> Expr<T> {
         let value = value.into_expr();
+        self.within("workgroup_reduce", |k| k.workgroup_reduce_here(value, op))
+    }
+
+    fn workgroup_reduce_here<T: Reducible>(&mut self, value: Expr<T>, op: Reduce) -> Expr<T> {
         let wg = self.invocations();
         let (what, result_hint) = match op {
             Reduce::Sum => ("sum", "sum"),
             Reduce::Max => ("max", "maximum"),
+            Reduce::Min => ("min", "minimum"),
         };
         if self.has_feature(Features::SUBGROUPS) {
             self.comment(&format!(
@@ -138,6 +179,7 @@ impl KernelBuilder {
             let partial = match op {
                 Reduce::Sum => self.subgroup_add(value),
                 Reduce::Max => self.subgroup_max(value),
+                Reduce::Min => self.subgroup_min(value),
             };
             // One slot per invocation: at most that many subgroups, whatever size the device
             // runs them at (WGSL promises at least 4, not every driver does).
@@ -146,11 +188,7 @@ impl KernelBuilder {
             let sg = self.subgroup_id();
             self.if_(lane.eq(0u32), |k| k.store(&scratch, sg, partial));
             self.workgroup_barrier();
-            let identity = match op {
-                Reduce::Sum => T::zero(),
-                Reduce::Max => T::lowest(),
-            };
-            let acc = self.var("acc", identity);
+            let acc = self.var("acc", identity::<T>(op));
             let count = self.num_subgroups();
             self.for_range("s", 0u32, count, |k, s| {
                 k.assign(&acc, combine(op, acc.get(), scratch.at(s)));

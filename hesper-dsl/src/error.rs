@@ -1,6 +1,7 @@
 //! The one error type of the DSL: every message names the kernel and the item at fault.
 
 use std::fmt;
+use std::panic::Location;
 
 /// A kernel that could not be built, and why.
 #[derive(Clone, Debug, PartialEq)]
@@ -8,6 +9,63 @@ pub struct DslError {
     /// The kernel's name (from its [`KernelKey`](crate::KernelKey)).
     pub kernel: String,
     pub kind: ErrorKind,
+    /// Where in the author's code: the builder call (or `#[kernel]` line) that recorded the
+    /// statement at fault. `None` for what belongs to the kernel as a whole (device limits,
+    /// naga).
+    pub at: Option<Origin>,
+}
+
+/// A place in the kernel author's code: the caller of a builder method (every recording
+/// method is `#[track_caller]`, and `#[kernel]` gives its calls the body's spans), and the DSL
+/// operation it came through when that is a combinator (`workgroup_reduce`, `grid_stride`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Origin {
+    pub location: &'static Location<'static>,
+    /// The combinator whose call this is, if any.
+    pub op: Option<&'static str>,
+}
+
+impl Origin {
+    pub(crate) fn from_location(location: &'static Location<'static>) -> Self {
+        Origin { location, op: None }
+    }
+}
+
+impl fmt::Display for Origin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.location)?;
+        if let Some(op) = self.op {
+            write!(f, " (in `{op}`)")?;
+        }
+        Ok(())
+    }
+}
+
+/// An error found walking a kernel's statements, and the statement's place once known.
+#[derive(Debug)]
+pub(crate) struct PlacedError {
+    pub kind: ErrorKind,
+    pub at: Option<Origin>,
+}
+
+impl PlacedError {
+    /// Place an error not placed yet (by a nested statement) at `at`.
+    pub fn or_at(self, at: Origin) -> Self {
+        PlacedError {
+            at: self.at.or(Some(at)),
+            ..self
+        }
+    }
+
+    pub fn into_error(self, kernel: &str) -> DslError {
+        DslError::new(kernel, self.kind).at(self.at)
+    }
+}
+
+impl From<ErrorKind> for PlacedError {
+    fn from(kind: ErrorKind) -> Self {
+        PlacedError { kind, at: None }
+    }
 }
 
 /// What went wrong.
@@ -35,7 +93,13 @@ pub enum ErrorKind {
     OutOfScope { name: String },
     /// A barrier or subgroup operation where the workgroup's invocations may not all arrive
     /// together (under a condition, loop or early exit that can differ between invocations).
-    NonUniformBarrier { op: String },
+    NonUniformBarrier {
+        op: String,
+        /// `workgroup` for barriers, `subgroup` for subgroup operations.
+        scope: &'static str,
+        /// The condition, loop or early exit that makes it so.
+        because: String,
+    },
     /// `break` or `continue` outside a loop.
     NotInLoop { statement: String },
     /// An assignment to something that cannot be assigned (a `let`, a read-only buffer).
@@ -56,13 +120,22 @@ impl DslError {
         DslError {
             kernel: kernel.to_string(),
             kind,
+            at: None,
         }
+    }
+
+    pub(crate) fn at(self, at: Option<Origin>) -> Self {
+        DslError { at, ..self }
     }
 }
 
 impl fmt::Display for DslError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "kernel `{}`: ", self.kernel)?;
+        write!(f, "kernel `{}`", self.kernel)?;
+        if let Some(at) = &self.at {
+            write!(f, " at {at}")?;
+        }
+        write!(f, ": ")?;
         match &self.kind {
             ErrorKind::StoreToReadOnly { binding } => {
                 write!(f, "store into `{binding}`, which is declared read-only")
@@ -88,10 +161,13 @@ impl fmt::Display for DslError {
                 "`{name}` is used outside the scope that declares it (or comes from another kernel)"
             ),
             ErrorKind::NotInLoop { statement } => write!(f, "`{statement}` outside a loop"),
-            ErrorKind::NonUniformBarrier { op } => write!(
+            ErrorKind::NonUniformBarrier { op, scope, because } => write!(
                 f,
-                "`{op}` is in control flow that may differ between invocations (a condition, loop \
-                 or early exit on a per-invocation value): every invocation must reach it together"
+                "`{op}` may be reached by only some invocations of the {scope}: {because}. \
+                 Every invocation must reach it together. Compute the condition from values all \
+                 invocations share (shapes, runtime scalars, `workgroup_id`, read-only buffers at \
+                 such indices), or move the barrier or reduction out of the branch and guard only \
+                 the loads and stores around it (invocations past the end contribute 0)"
             ),
             ErrorKind::NotAssignable { target } => write!(f, "`{target}` cannot be assigned"),
             ErrorKind::WorkgroupMemory { used, limit } => write!(

@@ -69,6 +69,7 @@ impl KernelBuilder {
     /// again returns the first declaration (so helpers can declare on every call); with other
     /// types it is an error. Inside, the entry point's builtins are not available (pass them in)
     /// and `return_` is not allowed.
+    #[track_caller]
     pub fn function<A: FnArgs, R: WgslType>(
         &mut self,
         name: &str,
@@ -76,6 +77,7 @@ impl KernelBuilder {
         body: impl FnOnce(&mut Self, A::Exprs) -> Expr<R>,
     ) -> Function<A, R> {
         let tys = A::tys();
+        let at = self.origin();
         if let Some(i) = self.functions.iter().position(|f| f.hint == name) {
             let f = &self.functions[i];
             let same = f.ret == R::ty()
@@ -129,6 +131,7 @@ impl KernelBuilder {
             ret: R::ty(),
             body,
             value,
+            at,
         });
         Function {
             id: VarId {

@@ -29,16 +29,22 @@
 //! assert!(kernel.wgsl().contains("d_up[index] = dh * r * r;")); // `global_index()` names it `index`
 //! ```
 //!
-//! Misuse is an error naming the kernel and the item, never WGSL that naga rejects:
+//! Misuse is an error naming the kernel, the item and the line of the builder call (or of the
+//! `#[kernel]` body) at fault, never WGSL that naga rejects:
 //!
 //! ```
 //! use hesper_dsl::prelude::*;
 //! let err = Kernel::build(&KernelKey::new("twice"), |k| {
 //!     k.storage::<f32>("x");
-//!     k.storage_rw::<f32>("x");
+//!     k.storage_rw::<f32>("x"); // this line
 //! })
 //! .unwrap_err();
-//! assert_eq!(err.to_string(), "kernel `twice`: the name `x` is declared twice");
+//! let at = err.at.unwrap();
+//! assert_eq!(at.location.line(), line!() - 4);
+//! assert_eq!(
+//!     err.to_string(),
+//!     format!("kernel `twice` at {at}: the name `x` is declared twice")
+//! );
 //! ```
 //!
 //! ## `#[kernel]`: a kernel as a Rust function
@@ -114,7 +120,7 @@ pub use builder::{
     ShapeType, Var, WorkgroupArray, Writable,
 };
 pub use combinators::{Reduce, Reducible};
-pub use error::{DslError, ErrorKind};
+pub use error::{DslError, ErrorKind, Origin};
 pub use expr::{
     AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
 };

@@ -150,6 +150,7 @@ impl Logic<Expr<bool>> for bool {
 
 /// An `if` condition: a Rust `bool` picks a branch now; an `Expr<bool>` records a WGSL `if`.
 pub trait Condition {
+    #[track_caller]
     fn branch(
         self,
         k: &mut KernelBuilder,
@@ -158,6 +159,7 @@ pub trait Condition {
     );
 }
 impl Condition for bool {
+    #[track_caller]
     fn branch(
         self,
         k: &mut KernelBuilder,
@@ -168,6 +170,7 @@ impl Condition for bool {
     }
 }
 impl Condition for Expr<bool> {
+    #[track_caller]
     fn branch(
         self,
         k: &mut KernelBuilder,
@@ -179,6 +182,7 @@ impl Condition for Expr<bool> {
 }
 
 /// `if cond { then } else { otherwise }`, comptime or runtime by the condition's type.
+#[track_caller]
 pub fn if_else(
     k: &mut KernelBuilder,
     cond: impl Condition,
@@ -192,6 +196,7 @@ pub fn if_else(
 /// runtime WGSL loop.
 pub trait LoopBounds {
     type Index;
+    #[track_caller]
     fn run(
         self,
         k: &mut KernelBuilder,
@@ -210,6 +215,7 @@ macro_rules! loop_bounds {
     ($($t:ty),*) => {$(
         impl LoopBounds for ($t, $t) {
             type Index = $t;
+            #[track_caller]
             fn run(self, k: &mut KernelBuilder, _hint: &str, step: Option<$t>, mut body: impl FnMut(&mut KernelBuilder, $t)) {
                 let step = step.unwrap_or(1).max(1) as usize;
                 for i in (self.0..self.1).step_by(step) {
@@ -219,6 +225,7 @@ macro_rules! loop_bounds {
         }
         impl LoopBounds for (Expr<$t>, Expr<$t>) {
             type Index = Expr<$t>;
+            #[track_caller]
             fn run(self, k: &mut KernelBuilder, hint: &str, step: Option<Expr<$t>>, mut body: impl FnMut(&mut KernelBuilder, Expr<$t>)) {
                 let step = step.unwrap_or_else(<$t as LoopCounter>::one);
                 k.for_step(hint, self.0, self.1, step, |k, i| body(k, i));
@@ -226,12 +233,14 @@ macro_rules! loop_bounds {
         }
         impl LoopBounds for ($t, Expr<$t>) {
             type Index = Expr<$t>;
+            #[track_caller]
             fn run(self, k: &mut KernelBuilder, hint: &str, step: Option<Expr<$t>>, body: impl FnMut(&mut KernelBuilder, Expr<$t>)) {
                 (crate::lit(self.0), self.1).run(k, hint, step, body)
             }
         }
         impl LoopBounds for (Expr<$t>, $t) {
             type Index = Expr<$t>;
+            #[track_caller]
             fn run(self, k: &mut KernelBuilder, hint: &str, step: Option<Expr<$t>>, body: impl FnMut(&mut KernelBuilder, Expr<$t>)) {
                 (self.0, crate::lit(self.1)).run(k, hint, step, body)
             }
@@ -256,6 +265,7 @@ macro_rules! loop_bounds {
 loop_bounds!(u32, i32);
 
 /// `for i in start..end`, comptime or runtime by the bounds' types.
+#[track_caller]
 pub fn for_range<B: LoopBounds>(
     k: &mut KernelBuilder,
     hint: &str,
@@ -266,6 +276,7 @@ pub fn for_range<B: LoopBounds>(
 }
 
 /// `for i in (start..end).step_by(step)`, comptime or runtime by the bounds' types.
+#[track_caller]
 pub fn for_range_step<B: LoopBounds, S: StepFor<B::Index>>(
     k: &mut KernelBuilder,
     hint: &str,
@@ -306,9 +317,11 @@ pub fn cast<T, X: CastTo<T>>(x: X) -> X::Output {
 
 /// A value the macro binds with `let`: expressions get a WGSL `let`, Rust values stay Rust.
 pub trait Bind {
+    #[track_caller]
     fn bind(self, k: &mut KernelBuilder, hint: &str) -> Self;
 }
 impl<T: WgslType> Bind for Expr<T> {
+    #[track_caller]
     fn bind(self, k: &mut KernelBuilder, hint: &str) -> Self {
         k.let_(hint, self)
     }
@@ -316,6 +329,7 @@ impl<T: WgslType> Bind for Expr<T> {
 macro_rules! bind_rust {
     ($($t:ty),*) => {$(
         impl Bind for $t {
+            #[track_caller]
             fn bind(self, _: &mut KernelBuilder, _: &str) -> Self {
                 self
             }

@@ -12,12 +12,41 @@
 
 use std::collections::HashMap;
 
-use crate::builder::{Block, KernelBuilder, Stmt, VarKind};
-use crate::error::ErrorKind;
+use crate::builder::{Block, KernelBuilder, Placed, Stmt, VarKind};
+use crate::error::{ErrorKind, Origin, PlacedError};
 use crate::expr::{Builtin, ExprKind, Node, VarId};
 use crate::ty::Access;
 
-pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<(), ErrorKind> {
+/// Why control flow may differ between invocations at a point, in words for the error
+/// (`the \`if\` at src/k.rs:10:5 tests a value that depends on \`local_index\``); `None` while
+/// it is uniform.
+type Divergence = Option<String>;
+
+/// What makes a value differ between invocations; `None` for a uniform value.
+type Cause = Option<Culprit>;
+
+#[derive(Clone)]
+struct Culprit {
+    /// The per-invocation value at the root (`\`local_index\``, `the \`var\` \`acc\``).
+    root: String,
+    /// The author's `let` it reaches the expression through, if any.
+    via: Option<String>,
+}
+
+impl std::fmt::Display for Culprit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.via {
+            Some(name) => write!(f, "`{name}` (which depends on {})", self.root),
+            None => write!(f, "{}", self.root),
+        }
+    }
+}
+
+fn culprit(root: String) -> Cause {
+    Some(Culprit { root, via: None })
+}
+
+pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<(), PlacedError> {
     let pure = k
         .functions
         .iter()
@@ -25,24 +54,25 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<(), ErrorKind> {
         .collect();
     let mut u = Uniformity {
         k,
-        uniform: HashMap::new(),
+        cause: HashMap::new(),
         pure,
     };
     for f in &k.functions {
         // A function's barriers are judged as if it were called in uniform control flow with
         // uniform arguments; the call site is judged where it stands.
         for p in &f.params {
-            u.uniform.insert(*p, true);
+            u.cause.insert(*p, None);
         }
-        u.block(&f.body, true)?;
+        u.block(&f.body, None)?;
     }
-    u.block(body, true).map(|_| ())
+    u.block(body, None).map(|_| ())
 }
 
 struct Uniformity<'a> {
     k: &'a KernelBuilder,
-    /// Whether each `let`, loop counter and parameter seen so far holds a uniform value.
-    uniform: HashMap<VarId, bool>,
+    /// What makes each `let`, loop counter and parameter seen so far differ between
+    /// invocations (`None`: uniform).
+    cause: HashMap<VarId, Cause>,
     /// Whether each function reads no memory (so its result is uniform for uniform arguments).
     pure: Vec<bool>,
 }
@@ -50,41 +80,49 @@ struct Uniformity<'a> {
 impl Uniformity<'_> {
     /// Walk `b` with control flow uniform or not (`ctx`); returns whether it is still uniform
     /// after `b` (an early exit taken by only some invocations leaves the rest non-uniform).
-    fn block(&mut self, b: &Block, mut ctx: bool) -> Result<bool, ErrorKind> {
+    fn block(&mut self, b: &Block, mut ctx: Divergence) -> Result<Divergence, PlacedError> {
         for s in b {
-            ctx = self.stmt(s, ctx)?;
+            ctx = self.stmt(s, ctx).map_err(|e| e.or_at(s.at))?;
         }
         Ok(ctx)
     }
 
-    fn stmt(&mut self, s: &Stmt, ctx: bool) -> Result<bool, ErrorKind> {
-        match s {
+    fn stmt(&mut self, placed: &Placed, ctx: Divergence) -> Result<Divergence, PlacedError> {
+        let at = placed.at;
+        match &placed.stmt {
             Stmt::Let { id, value } => {
-                self.subgroup_ops(value, ctx)?;
-                let u = self.expr(value);
-                self.uniform.insert(*id, u);
+                self.subgroup_ops(value, &ctx)?;
+                let cause = self.expr(value);
+                self.cause.insert(*id, cause);
             }
             Stmt::Var { init, .. } => {
                 if let Some(init) = init {
-                    self.subgroup_ops(init, ctx)?;
+                    self.subgroup_ops(init, &ctx)?;
                 }
             }
-            Stmt::Assign { value, .. } => self.subgroup_ops(value, ctx)?,
+            Stmt::Assign { value, .. } => self.subgroup_ops(value, &ctx)?,
             Stmt::If {
                 cond,
                 then,
                 otherwise,
             } => {
-                self.subgroup_ops(cond, ctx)?;
-                let inner = ctx && self.expr(cond);
-                let after_then = self.block(then, inner)?;
-                let after_else = self.block(otherwise, inner)?;
-                return Ok(if inner {
+                self.subgroup_ops(cond, &ctx)?;
+                let test = self.expr(cond).map(|c| {
+                    format!(
+                        "the `if` at {} tests a value that depends on {c}",
+                        place(at)
+                    )
+                });
+                let inner = ctx.clone().or(test.clone());
+                let after_then = self.block(then, inner.clone())?;
+                let after_else = self.block(otherwise, inner.clone())?;
+                return Ok(match (ctx, test) {
                     // Uniform branches: only a non-uniform exit nested inside breaks uniformity.
-                    after_then && after_else
-                } else {
+                    (None, None) => after_then.or(after_else),
+                    (Some(ctx), _) => Some(ctx),
                     // Some invocations may take an exit the others do not.
-                    ctx && !(escapes(then) || escapes(otherwise))
+                    (None, Some(test)) => (escapes(then) || escapes(otherwise))
+                        .then(|| format!("some invocations may leave early under {test}")),
                 });
             }
             Stmt::For {
@@ -95,23 +133,35 @@ impl Uniformity<'_> {
                 body,
                 ..
             } => {
-                let counter_uniform = self.expr(init) && self.expr(step);
-                self.uniform.insert(*counter, counter_uniform);
-                let inner = ctx && counter_uniform && self.expr(cond);
-                return self.loop_body(body, ctx, inner);
+                let counter_cause = self.expr(init).or_else(|| self.expr(step));
+                self.cause.insert(*counter, counter_cause.clone());
+                let why = counter_cause.or_else(|| self.expr(cond)).map(|c| {
+                    format!(
+                        "the loop at {} runs a number of times that depends on {c}",
+                        place(at)
+                    )
+                });
+                let inner = ctx.clone().or(why);
+                return self.loop_body(body, ctx, inner, at);
             }
             Stmt::While { cond, body } => {
-                let inner = ctx && self.expr(cond);
-                return self.loop_body(body, ctx, inner);
+                let why = self.expr(cond).map(|c| {
+                    format!(
+                        "the loop at {} runs a number of times that depends on {c}",
+                        place(at)
+                    )
+                });
+                let inner = ctx.clone().or(why);
+                return self.loop_body(body, ctx, inner, at);
             }
-            Stmt::Loop { body } => return self.loop_body(body, ctx, ctx),
-            Stmt::WorkgroupBarrier | Stmt::StorageBarrier if !ctx => {
-                let op = if matches!(s, Stmt::WorkgroupBarrier) {
+            Stmt::Loop { body } => return self.loop_body(body, ctx.clone(), ctx, at),
+            Stmt::WorkgroupBarrier | Stmt::StorageBarrier if ctx.is_some() => {
+                let op = if matches!(placed.stmt, Stmt::WorkgroupBarrier) {
                     "workgroupBarrier"
                 } else {
                     "storageBarrier"
                 };
-                return Err(ErrorKind::NonUniformBarrier { op: op.into() });
+                return Err(non_uniform(op, "workgroup", ctx));
             }
             Stmt::WorkgroupBarrier
             | Stmt::StorageBarrier
@@ -126,71 +176,131 @@ impl Uniformity<'_> {
     /// A loop body: if some invocations leave an iteration early, the later iterations are not
     /// uniform, so the body is walked again as non-uniform. After the loop, control is uniform
     /// again unless a `return` may have been taken by only some invocations.
-    fn loop_body(&mut self, body: &Block, ctx: bool, inner: bool) -> Result<bool, ErrorKind> {
-        let after = self.block(body, inner)?;
-        if inner && !after {
-            self.block(body, false)?;
+    fn loop_body(
+        &mut self,
+        body: &Block,
+        ctx: Divergence,
+        inner: Divergence,
+        at: Origin,
+    ) -> Result<Divergence, PlacedError> {
+        let after = self.block(body, inner.clone())?;
+        if inner.is_none()
+            && let Some(early) = &after
+        {
+            let later = format!(
+                "{early}, and the loop at {} goes on without them",
+                place(at)
+            );
+            self.block(body, Some(later))?;
         }
-        Ok(ctx && !((!inner || !after) && contains_return(body)))
+        if ctx.is_some() {
+            return Ok(ctx);
+        }
+        let diverged = inner.or(after);
+        Ok(match diverged {
+            Some(why) if contains_return(body) => Some(format!(
+                "some invocations may `return` inside the loop at {} ({why})",
+                place(at)
+            )),
+            _ => None,
+        })
     }
 
     /// Subgroup operations need the subgroup's invocations together.
-    fn subgroup_ops(&self, n: &Node, ctx: bool) -> Result<(), ErrorKind> {
-        if !ctx && let Some(f) = find_subgroup_op(n) {
-            return Err(ErrorKind::NonUniformBarrier { op: f.into() });
+    fn subgroup_ops(&self, n: &Node, ctx: &Divergence) -> Result<(), PlacedError> {
+        if ctx.is_some()
+            && let Some(f) = find_subgroup_op(n)
+        {
+            return Err(non_uniform(f, "subgroup", ctx.clone()));
         }
         Ok(())
     }
 
-    /// Whether `n` has the same value in every invocation of the workgroup.
-    fn expr(&self, n: &Node) -> bool {
+    /// What makes `n` differ between the invocations of the workgroup; `None` when it cannot.
+    fn expr(&self, n: &Node) -> Cause {
+        let all = |nodes: &[&Node]| nodes.iter().find_map(|a| self.expr(a));
         match &n.kind {
             ExprKind::Literal(_)
             | ExprKind::Const(_)
             | ExprKind::Param(_)
-            | ExprKind::ArrayLength(_) => true,
-            ExprKind::Builtin(b) => matches!(
-                b,
+            | ExprKind::ArrayLength(_) => None,
+            ExprKind::Builtin(b) => match b {
                 Builtin::WorkgroupId
-                    | Builtin::NumWorkgroups
-                    | Builtin::NumSubgroups
-                    | Builtin::SubgroupSize
-            ),
-            ExprKind::Local(id) => self.uniform.get(id).copied().unwrap_or(false),
+                | Builtin::NumWorkgroups
+                | Builtin::NumSubgroups
+                | Builtin::SubgroupSize => None,
+                other => culprit(format!("`{}`", other.info().1)),
+            },
+            ExprKind::Local(id) => match self.k.locals[id.index as usize].kind {
+                VarKind::Var => culprit(format!("the `var` `{}`", self.hint(*id))),
+                VarKind::Workgroup => culprit(format!("workgroup memory `{}`", self.hint(*id))),
+                kind => {
+                    let cause = self.cause.get(id).cloned();
+                    let cause = cause.unwrap_or_else(|| culprit(format!("`{}`", self.hint(*id))));
+                    cause.map(|c| Culprit {
+                        via: (kind == VarKind::Let).then(|| self.hint(*id).to_string()),
+                        ..c
+                    })
+                }
+            },
             // A buffer or array by itself: only ever the base of an index, judged there.
-            ExprKind::Global(_) => true,
+            ExprKind::Global(_) => None,
             ExprKind::Index(base, index) => {
-                let readable = match &base.kind {
+                let base_cause = match &base.kind {
                     ExprKind::Global(name) => self
                         .k
                         .bindings
                         .iter()
-                        .any(|b| &b.name == name && b.access == Access::Read),
-                    ExprKind::Local(id) => {
-                        self.k.locals[id.index as usize].kind != VarKind::Workgroup
-                            && self.expr(base)
-                    }
+                        .any(|b| &b.name == name && b.access != Access::Read)
+                        .then(|| Culprit {
+                            root: format!("a read of the read-write buffer `{name}`"),
+                            via: None,
+                        }),
                     _ => self.expr(base),
                 };
-                readable && self.expr(index)
+                base_cause.or_else(|| self.expr(index))
             }
-            ExprKind::Call(f, args) => !f.is_subgroup() && args.iter().all(|a| self.expr(a)),
+            ExprKind::Call(f, _) if f.is_subgroup() => culprit(format!("`{}(…)`", f.wgsl())),
+            ExprKind::Call(_, args) | ExprKind::Construct(args) => {
+                args.iter().find_map(|a| self.expr(a))
+            }
             ExprKind::CallFunction(id, args) => {
-                self.pure.get(id.index as usize).copied().unwrap_or(false)
-                    && args.iter().all(|a| self.expr(a))
+                if self.pure.get(id.index as usize).copied().unwrap_or(false) {
+                    args.iter().find_map(|a| self.expr(a))
+                } else {
+                    let name = &self.k.functions[id.index as usize].hint;
+                    culprit(format!("a call of `{name}`, which reads memory"))
+                }
             }
             ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => self.expr(a),
-            ExprKind::Binary(_, a, b) => self.expr(a) && self.expr(b),
-            ExprKind::Select(a, b, c) => self.expr(a) && self.expr(b) && self.expr(c),
-            ExprKind::Construct(args) => args.iter().all(|a| self.expr(a)),
-            ExprKind::Error(_) => false,
+            ExprKind::Binary(_, a, b) => all(&[a, b]),
+            ExprKind::Select(a, b, c) => all(&[a, b, c]),
+            ExprKind::Error(_) => culprit("an invalid expression".into()),
         }
     }
+
+    fn hint(&self, id: VarId) -> &str {
+        &self.k.locals[id.index as usize].hint
+    }
+}
+
+/// A place, without the combinator's name (the error names that once, first).
+fn place(at: Origin) -> String {
+    Origin { op: None, ..at }.to_string()
+}
+
+fn non_uniform(op: &str, scope: &'static str, because: Divergence) -> PlacedError {
+    ErrorKind::NonUniformBarrier {
+        op: op.into(),
+        scope,
+        because: because.unwrap_or_default(),
+    }
+    .into()
 }
 
 /// Whether `b` may leave early (`break`, `continue`, `return`), anywhere inside.
 fn escapes(b: &Block) -> bool {
-    b.iter().any(|s| match s {
+    b.iter().any(|s| match &s.stmt {
         Stmt::Break | Stmt::Continue | Stmt::Return => true,
         Stmt::If {
             then, otherwise, ..
@@ -203,7 +313,7 @@ fn escapes(b: &Block) -> bool {
 }
 
 fn contains_return(b: &Block) -> bool {
-    b.iter().any(|s| match s {
+    b.iter().any(|s| match &s.stmt {
         Stmt::Return => true,
         Stmt::If {
             then, otherwise, ..
@@ -243,8 +353,8 @@ fn touches_memory(n: &Node) -> bool {
     }
 }
 
-fn stmt_touches_memory(s: &Stmt) -> bool {
-    match s {
+fn stmt_touches_memory(s: &Placed) -> bool {
+    match &s.stmt {
         Stmt::Let { value, .. } => touches_memory(value),
         Stmt::Var { init, .. } => init.as_ref().is_some_and(touches_memory),
         Stmt::Assign { target, value, .. } => touches_memory(target) || touches_memory(value),

@@ -2,7 +2,7 @@
 //! text), readable (four-space indentation, parentheses only where WGSL's grammar needs them),
 //! with exact literals and extensions enabled only when used.
 
-use crate::builder::{Block, Stmt, VarKind};
+use crate::builder::{Block, Placed, Stmt, VarKind};
 use crate::expr::{BinaryOp, ExprKind, Func, Literal, Node, UnaryOp};
 use crate::kernel::{Kernel, ShapeValue};
 use crate::ty::Ty;
@@ -229,7 +229,7 @@ impl Writer<'_> {
     fn block(&mut self, b: &Block) {
         self.indent += 1;
         for s in b {
-            self.stmt(s);
+            self.stmt(&s.stmt);
         }
         self.indent -= 1;
     }
@@ -313,10 +313,14 @@ impl Writer<'_> {
         match otherwise.as_slice() {
             [] => self.line("}"),
             [
-                Stmt::If {
-                    cond,
-                    then,
-                    otherwise,
+                Placed {
+                    stmt:
+                        Stmt::If {
+                            cond,
+                            then,
+                            otherwise,
+                        },
+                    ..
                 },
             ] => {
                 let text = format!("}} else if {} {{", self.expr(cond));

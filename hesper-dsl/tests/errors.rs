@@ -14,6 +14,14 @@ fn build_err(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> hesper_dsl:
     err
 }
 
+/// The message without its place (`at tests/errors.rs:12:5`), which must be in this file:
+/// the statement at fault, or the builder call that recorded the misuse.
+fn without_place(err: &hesper_dsl::DslError) -> String {
+    let at = err.at.expect("a misuse in the body has a place");
+    assert_eq!(at.location.file(), file!(), "{err}");
+    err.to_string().replacen(&format!(" at {at}"), "", 1)
+}
+
 fn key() -> KernelKey {
     KernelKey::new("misuse").workgroup_size(64)
 }
@@ -27,7 +35,7 @@ fn store_into_read_only_buffer_through_untyped_path() {
         k.store_any("x", &i, &v);
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: store into `x`, which is declared read-only"
     );
 }
@@ -41,7 +49,7 @@ fn type_mismatch_through_untyped_path() {
         k.store_any("y", &i, &v);
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: assignment: expected f32, found u32"
     );
     let err = build_err(&key(), |k| {
@@ -49,7 +57,7 @@ fn type_mismatch_through_untyped_path() {
         k.if_any(&c, |_| {}, |_| {});
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: if condition: expected bool, found u32"
     );
 }
@@ -142,7 +150,7 @@ fn two_bindings_with_one_name() {
         k.storage_rw::<u32>("x");
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: the name `x` is declared twice"
     );
     let err = build_err(&KernelKey::new("clash").shape("n", 4u32), |k| {
@@ -174,7 +182,7 @@ fn subgroup_ops_need_the_feature() {
         k.store(&out, 0u32, s);
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: `subgroupAdd` needs subgroups, but the kernel key does not ask for Features::SUBGROUPS"
     );
     let err = build_err(&key(), |k| {
@@ -203,7 +211,7 @@ fn locals_out_of_scope_and_from_other_kernels() {
         k.store(&out, 0u32, inner.unwrap());
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `misuse`: `t` is used outside the scope that declares it (or comes from another kernel)"
     );
     let mut stolen = None;
@@ -231,7 +239,10 @@ fn locals_out_of_scope_and_from_other_kernels() {
 #[test]
 fn control_flow_misuse() {
     let err = build_err(&key(), |k| k.break_());
-    assert_eq!(err.to_string(), "kernel `misuse`: `break` outside a loop");
+    assert_eq!(
+        without_place(&err),
+        "kernel `misuse`: `break` outside a loop"
+    );
     let err = build_err(&key(), |k| {
         let t = k.let_("t", 1u32);
         k.assign_op_any(&t.erase(), None, &AnyExpr::literal(Literal::U32(2)));
@@ -260,7 +271,7 @@ fn missing_shape_parameter() {
         let _ = k.shape::<u32>("cols");
     });
     assert_eq!(
-        err.to_string(),
+        without_place(&err),
         "kernel `shapes`: shape parameter `cols` (u32) is not in the kernel key"
     );
     let err = build_err(&KernelKey::new("shapes").shape("eps", 1e-6f32), |k| {
@@ -329,4 +340,74 @@ fn barriers_in_non_uniform_control_flow() {
         });
     })
     .unwrap();
+}
+
+/// A barrier some invocations may skip is reported at the author's call (the `workgroup_reduce`,
+/// not the `workgroupBarrier` inside it), with the condition that makes it so and a way out.
+#[test]
+fn a_non_uniform_barrier_says_where_which_operation_and_why() {
+    let key = KernelKey::new("rows").workgroup_size(64);
+    let (mut if_line, mut reduce_line) = (0, 0);
+    let err = build_err(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let y = k.storage_rw::<f32>("y");
+        let n = k.param::<u32>("n");
+        let i = k.global_index();
+        let i = k.let_("i", i);
+        let first = k.workgroup_reduce(x.at(0u32), Reduce::Max); // uniform: fine
+        k.store(&y, 0u32, first);
+        if_line = line!() + 1;
+        k.if_(i.lt(&n), |k| {
+            reduce_line = line!() + 1;
+            let total = k.workgroup_reduce(x.at(&i), Reduce::Sum);
+            k.store(&y, &i, total);
+        });
+    });
+    let file = file!();
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "kernel `rows` at {file}:{reduce_line}:27 (in `workgroup_reduce`): `workgroupBarrier` \
+             may be reached by only some invocations of the workgroup: the `if` at \
+             {file}:{if_line}:11 tests a value that depends on `i` (which depends on \
+             `local_index`). Every invocation must reach it together. Compute the condition \
+             from values all invocations share (shapes, runtime scalars, `workgroup_id`, \
+             read-only buffers at such indices), or move the barrier or reduction out of the \
+             branch and guard only the loads and stores around it (invocations past the end \
+             contribute 0)"
+        )
+    );
+
+    // The cause is named for loops, vars and early exits too.
+    let because = |f: &dyn Fn(&mut KernelBuilder)| match build_err(&key, f).kind {
+        ErrorKind::NonUniformBarrier { because, .. } => because,
+        other => panic!("{other:?}"),
+    };
+    let why = because(&|k| {
+        let steps = k.var("steps", 0u32);
+        k.while_(steps.get().lt(4u32), |k| {
+            k.workgroup_barrier();
+            k.add_assign(&steps, 1u32);
+        });
+    });
+    assert!(why.starts_with("the loop at "), "{why}");
+    assert!(why.ends_with("depends on the `var` `steps`"), "{why}");
+    let why = because(&|k| {
+        k.if_(k.local_index().eq(3u32), |k| k.return_());
+        k.workgroup_barrier();
+    });
+    assert!(
+        why.starts_with("some invocations may leave early under the `if` at "),
+        "{why}"
+    );
+    let why = because(&|k| {
+        let flags = k.storage_rw::<u32>("flags");
+        k.if_(flags.at(k.workgroup_id().x()).eq(1u32), |k| {
+            k.workgroup_barrier()
+        });
+    });
+    assert!(
+        why.ends_with("a read of the read-write buffer `flags`"),
+        "{why}"
+    );
 }
