@@ -76,6 +76,7 @@ fn elementwise_backward_matches_reference() {
 /// device has them, subgroups; workgroup sizes that are and are not powers of two.
 #[test]
 fn workgroup_reduce_matches_reference() {
+    // Sum, max and min over rows, at power-of-two and other workgroup sizes.
     let g = gpu();
     let mut feature_sets = vec![Features::NONE];
     if g.kernel_features().contains(Features::SUBGROUPS) {
@@ -92,6 +93,10 @@ fn workgroup_reduce_matches_reference() {
         .chunks(cols)
         .map(|r| r.iter().fold(f64::MIN, |m, v| m.max(*v as f64)))
         .collect();
+    let want_min: Vec<f64> = x
+        .chunks(cols)
+        .map(|r| r.iter().fold(f64::MAX, |m, v| m.min(*v as f64)))
+        .collect();
     for features in feature_sets {
         for wg in [64u32, 96, 256] {
             let key = KernelKey::new("row_sum_max")
@@ -102,38 +107,46 @@ fn workgroup_reduce_matches_reference() {
                 let x = k.storage::<f32>("x");
                 let sums = k.storage_rw::<f32>("sums");
                 let maxes = k.storage_rw::<f32>("maxes");
+                let mins = k.storage_rw::<f32>("mins");
                 let cols = k.shape_const::<u32>("cols");
                 let row = k.let_("row", k.workgroup_id().x());
                 let base = k.let_("base", &row * &cols);
                 let acc = k.var("acc", 0.0f32);
                 let best = k.var("best", f32::MIN);
+                let least = k.var("least", f32::MAX);
                 k.row_loop(&cols, |k, c| {
                     let v = k.let_("v", x.at(&base + c));
                     k.add_assign(&acc, &v);
                     k.assign(&best, best.get().max(&v));
+                    k.assign(&least, least.get().min(&v));
                 });
                 let s = k.workgroup_reduce(acc.get(), Reduce::Sum);
                 let m = k.workgroup_reduce(best.get(), Reduce::Max);
+                let lo = k.workgroup_reduce(least.get(), Reduce::Min);
                 k.if_(k.local_index().eq(0u32), |k| {
                     k.store(&sums, &row, s);
                     k.store(&maxes, &row, m);
+                    k.store(&mins, &row, lo);
                 });
             })
             .unwrap();
             let xb = g.upload(&x).unwrap();
             let sums = g.filled(rows, f32::NAN).unwrap();
             let maxes = g.filled(rows, f32::NAN).unwrap();
+            let mins = g.filled(rows, f32::NAN).unwrap();
             let args = Args::new()
                 .buffer("x", &xb)
                 .buffer("sums", &sums)
-                .buffer("maxes", &maxes);
+                .buffer("maxes", &maxes)
+                .buffer("mins", &mins);
             g.run(&kernel, &args, Grid::Workgroups([rows as u32, 1, 1]))
                 .unwrap();
             let es = max_rel_err(&sums.read(g).unwrap(), &want_sum, 1.0);
             let em = max_rel_err(&maxes.read(g).unwrap(), &want_max, 1.0);
+            let en = max_rel_err(&mins.read(g).unwrap(), &want_min, 1.0);
             assert!(
-                es < 1e-5 && em == 0.0,
-                "wg={wg} {features:?}: sum err {es:e}, max err {em:e}"
+                es < 1e-5 && em == 0.0 && en == 0.0,
+                "wg={wg} {features:?}: sum err {es:e}, max err {em:e}, min err {en:e}"
             );
         }
     }
