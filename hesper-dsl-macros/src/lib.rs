@@ -908,7 +908,10 @@ impl Translator {
                     }
                     // Any other plain name is a `#[kernel_fn]` helper; call other Rust functions
                     // by a path (`self::f`, `u32::div_ceil`).
-                    Some(f) => with_temps(args, |a| quote_spanned!(span=> #f(__k, #(#a),*))),
+                    Some(f) => with_temps(args, |a| {
+                        let ms = respan(&ms, span);
+                        quote_spanned!(span=> #ms::call_kernel_fn(#f, __k, (#(#a,)*)))
+                    }),
                     None => {
                         let func = &c.func;
                         let args = args.iter().map(|(t, _)| t);

@@ -600,6 +600,11 @@ impl AnyExpr {
 
 /// Anything that can stand where an `Expr<T>` is wanted: the expression itself, a reference to
 /// it, or a Rust literal of the matching type.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot stand where a `{T}` expression is wanted",
+    label = "expected an `Expr<{T}>` or a `{T}` value here",
+    note = "a literal must have the expression's type: `2.0` for f32, `2u32` for u32 (a bare `2` is an integer, never a float); convert an expression with `as`: `i as f32`"
+)]
 pub trait IntoExpr<T> {
     fn into_expr(self) -> Expr<T>;
 }

@@ -337,3 +337,45 @@ macro_rules! bind_rust {
     )*};
 }
 bind_rust!(f32, u32, i32, bool);
+
+/// A call of a `#[kernel_fn]` helper from a `#[kernel]` body: the helper takes the builder
+/// first. A plain Rust function called by a plain name lands here, and is told so.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a `#[kernel_fn]` helper: a `#[kernel]` body calls only those by a plain name",
+    label = "not a `#[kernel_fn]`",
+    note = "mark the function `#[kernel_fn]` (it becomes a WGSL function), use a builtin (`max`, `exp`, `select`, …: see `hesper_dsl::kernel`), or call ordinary Rust on Rust values by a path (`self::square(…)`)"
+)]
+pub trait KernelFnCall<Args> {
+    type Output;
+    fn call_helper(self, k: &mut KernelBuilder, args: Args) -> Self::Output;
+}
+
+macro_rules! kernel_fn_call {
+    ($($a:ident $i:tt),*) => {
+        impl<F, R, $($a),*> KernelFnCall<($($a,)*)> for F
+        where
+            F: FnOnce(&mut KernelBuilder, $($a),*) -> Expr<R>,
+        {
+            type Output = Expr<R>;
+            #[track_caller]
+            fn call_helper(self, k: &mut KernelBuilder, _args: ($($a,)*)) -> Expr<R> {
+                self(k, $(_args.$i),*)
+            }
+        }
+    };
+}
+kernel_fn_call!();
+kernel_fn_call!(A 0);
+kernel_fn_call!(A 0, B 1);
+kernel_fn_call!(A 0, B 1, C 2);
+kernel_fn_call!(A 0, B 1, C 2, D 3);
+
+/// `helper(args…)` in a `#[kernel]` body.
+#[track_caller]
+pub fn call_kernel_fn<F: KernelFnCall<A>, A>(
+    helper: F,
+    k: &mut KernelBuilder,
+    args: A,
+) -> F::Output {
+    helper.call_helper(k, args)
+}
