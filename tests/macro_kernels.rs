@@ -438,3 +438,149 @@ fn dsl_errors_point_at_the_kernel_body() {
         "{message}"
     );
 }
+
+/// A 2-D workgroup: a 16×16 tiled transpose through workgroup memory (the tile padded to 17
+/// columns), with a barrier every invocation reaches.
+#[kernel(workgroup_size = (16, 16))]
+fn transpose_tiled(
+    #[len(rows * cols)] x: &[f32],
+    #[len(rows * cols)] y: &mut [f32],
+    #[workgroup] tile: &mut [f32; 16 * 17],
+    #[runtime] rows: u32,
+    #[runtime] cols: u32,
+) {
+    let tx = local_id().x;
+    let ty = local_id().y;
+    let r = workgroup_id().y * 16u32 + ty;
+    let c = workgroup_id().x * 16u32 + tx;
+    if r < rows && c < cols {
+        tile[ty * 17u32 + tx] = x[r * cols + c];
+    }
+    workgroup_barrier();
+    // Output row = input column: the workgroup's tile, read across.
+    let out_r = workgroup_id().x * 16u32 + ty;
+    let out_c = workgroup_id().y * 16u32 + tx;
+    if out_r < cols && out_c < rows {
+        y[out_r * rows + out_c] = tile[tx * 17u32 + ty];
+    }
+}
+
+/// `row_loop`, `Reduce::Min`/`Max`, and one kernel for both subgroup variants.
+#[kernel(workgroup_size = 64, subgroups = use_subgroups)]
+fn row_min_max(
+    #[len(rows * cols)] x: &[f32],
+    #[len(rows)] lo: &mut [f32],
+    #[len(rows)] hi: &mut [f32],
+    #[runtime] rows: u32,
+    #[shape] cols: u32,
+    #[shape] use_subgroups: bool,
+) {
+    let row = workgroup_index();
+    if row < rows {
+        let mut least = f32::MAX;
+        let mut most = f32::MIN;
+        for c in row_loop(cols) {
+            let v = x[row * cols + c];
+            least = min(least, v);
+            most = max(most, v);
+        }
+        let smallest = workgroup_reduce(least, Reduce::Min);
+        let largest = workgroup_reduce(most, Reduce::Max);
+        if local_index() == 0 {
+            lo[row] = smallest;
+            hi[row] = largest;
+        }
+    }
+}
+
+/// `grid_stride`: three workgroups cover any `n`.
+#[kernel(workgroup_size = 128)]
+fn scale_all(#[len(n)] x: &mut [f32], #[runtime] a: f32, #[runtime] n: u32) {
+    for i in grid_stride(n) {
+        x[i] = x[i] * a;
+    }
+}
+
+#[test]
+fn macro_workgroup_shapes_loops_and_subgroup_variants_run() {
+    let g = gpu();
+    let mut rng = Rng::new(2026);
+
+    let (rows, cols) = (37usize, 53usize);
+    let x = rng.vec(rows * cols, 1.0);
+    let xb = g.upload(&x).unwrap();
+    let mut y = g.filled(rows * cols, f32::NAN).unwrap();
+    let k = transpose_tiled::build().unwrap();
+    assert_eq!(k.key().wg_size(), [16, 16, 1]);
+    let mut rec = g.recorder();
+    let groups = [cols.div_ceil(16) as u32, rows.div_ceil(16) as u32, 1];
+    transpose_tiled::launch(
+        &mut rec,
+        &xb,
+        &mut y,
+        rows as u32,
+        cols as u32,
+        Grid::Workgroups(groups),
+    )
+    .unwrap();
+    rec.submit().unwrap();
+    let want: Vec<f32> = (0..cols * rows)
+        .map(|i| x[(i % rows) * cols + i / rows])
+        .collect();
+    assert_eq!(y.read(g).unwrap(), want);
+
+    let (rows, cols) = (70usize, 300usize);
+    let x = rng.vec(rows * cols, 1.0);
+    let xb = g.upload(&x).unwrap();
+    let mut variants = vec![false];
+    if g.kernel_features().contains(Features::SUBGROUPS) {
+        variants.push(true);
+    }
+    let with_sg = row_min_max::build(cols as u32, true).unwrap();
+    let without = row_min_max::build(cols as u32, false).unwrap();
+    assert!(with_sg.wgsl().contains("subgroupMin(") && !without.wgsl().contains("subgroupM"));
+    for use_subgroups in variants {
+        let (mut lo, mut hi) = (
+            g.filled(rows, f32::NAN).unwrap(),
+            g.filled(rows, f32::NAN).unwrap(),
+        );
+        let mut rec = g.recorder();
+        row_min_max::launch(
+            &mut rec,
+            &xb,
+            &mut lo,
+            &mut hi,
+            rows as u32,
+            cols as u32,
+            use_subgroups,
+            Grid::WorkgroupPerItem(rows as u64),
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        let row = |r: usize| &x[r * cols..(r + 1) * cols];
+        let want_lo: Vec<f32> = (0..rows)
+            .map(|r| row(r).iter().copied().fold(f32::MAX, f32::min))
+            .collect();
+        let want_hi: Vec<f32> = (0..rows)
+            .map(|r| row(r).iter().copied().fold(f32::MIN, f32::max))
+            .collect();
+        assert_eq!(lo.read(g).unwrap(), want_lo, "subgroups: {use_subgroups}");
+        assert_eq!(hi.read(g).unwrap(), want_hi, "subgroups: {use_subgroups}");
+    }
+
+    let n = 10_000usize;
+    let x = rng.vec(n, 1.0);
+    let mut xb = g.upload(&x).unwrap();
+    let mut rec = g.recorder();
+    scale_all::launch(
+        &mut rec,
+        &mut xb,
+        -3.0,
+        n as u32,
+        Grid::Workgroups([3, 1, 1]),
+    )
+    .unwrap();
+    rec.submit().unwrap();
+    let want: Vec<f32> = x.iter().map(|v| v * -3.0).collect();
+    assert_eq!(xb.read(g).unwrap(), want);
+}

@@ -34,22 +34,42 @@ use syn::{
 /// ) { … }
 /// ```
 ///
-/// In the body:
-/// - `let v = e;` binds once (a WGSL `let` when `e` is an expression, plain Rust when it is a
-///   Rust value); `let mut v = e;` is a WGSL `var`; `v = e`, `v += e`, `x[i] = e`, `x[i] += e`.
-/// - `if`, `for i in a..b` and `for i in (a..b).step_by(s)` run at build time when their
-///   condition or bounds are Rust values (shapes, literals) and become WGSL when they are
-///   expressions; `while`, `loop`, `break`, `continue`, `return`.
-/// - `<`, `==`, `&&`, … and `as` work on both; `v.x` reads a component.
-/// - builder calls as functions: `global_index()`, `local_index()`, `workgroup_id()`,
-///   `workgroup_barrier()`, `workgroup_reduce(v, Reduce::Sum)`, `subgroup_add(v)`, …;
-///   WGSL builtins as functions or methods: `max(a, b)`, `exp(x)`, `x.sqrt()`;
-///   `vec4(…)`, `lit(…)`.
-/// - any other plain function name calls a [`macro@kernel_fn`] helper; call ordinary Rust
-///   functions by a path (`self::f`, `u32::div_ceil`).
+/// Options: `workgroup_size = 256`, `(16, 16)` or `(8, 8, 4)` (Rust over the shapes, like
+/// `workgroup_size = wg`); `subgroups` (the key asks for `Features::SUBGROUPS`) or
+/// `subgroups = use_sg` (a Rust `bool` over the shapes: one `#[kernel]` builds both variants and
+/// keeps its typed launcher — `workgroup_reduce` picks the subgroup path by the key);
+/// `immediates` (runtime scalars as immediates, not a uniform); `assume_in_bounds`;
+/// `name = "…"` (the WGSL and key name, else the function's).
 ///
-/// Unsupported syntax, writes to read-only buffers and assignments to `let`s are compile errors
-/// at the offending code; type errors point there too. Examples: `hesper_dsl`'s crate docs.
+/// The body's vocabulary — everything else is a compile error at the offending code:
+///
+/// | write | means |
+/// |---|---|
+/// | `let v = e;` | a WGSL `let` when `e` is an expression (the name stays `v` in the WGSL), plain Rust when it is a Rust value |
+/// | `let mut v = e;`, `v = e`, `v += e` | a WGSL `var` and its updates (`+= -= *= /= %= &= \|= ^= <<= >>=`) |
+/// | `x[i]`, `x[i] = e`, `x[i] += e`, `x.len()` | buffer and workgroup-array elements, a buffer's length (`arrayLength`) |
+/// | `if c { … } else { … }` | comptime when `c` is a Rust `bool` (shapes, literals), WGSL when an expression |
+/// | `for i in a..b`, `for i in (a..b).step_by(s)` | unrolled at build time over Rust bounds, a WGSL loop over expressions |
+/// | `for i in grid_stride(n)` | each invocation takes `i = global_index(), + total_invocations(), …` below `n` |
+/// | `for c in row_loop(len)` | the workgroup's invocations stride over `0..len` from their `local_index()` |
+/// | `while c { … }`, `loop { … }`, `break`, `continue`, `return` | WGSL control flow |
+/// | `+ - * / % & \| ^ << >> ! -`, `< <= > >= == !=`, `&& \|\|`, `e as f32` | on expressions and Rust values alike |
+/// | `v.x`, `v.y`, `v.z`, `v.w`, `v.swizzle::<Vec2<f32>>("xy")` | vector components |
+/// | `global_index()`, `workgroup_index()`, `total_invocations()`, `invocations()` | flat indices (right past 65535 workgroups) and the workgroup's size |
+/// | `local_index()`, `global_id()`, `local_id()`, `workgroup_id()`, `num_workgroups()` | WGSL builtins |
+/// | `workgroup_reduce(v, Reduce::Sum \| Max \| Min)` | every invocation gets the workgroup's sum, max or min (call it where all arrive) |
+/// | `workgroup_barrier()`, `storage_barrier()` | barriers (checked to be in uniform control flow) |
+/// | `subgroup_add(v)`, `subgroup_max`, `subgroup_min`, `subgroup_shuffle_xor(v, m)`, `subgroup_broadcast(v, lane)`, `subgroup_size()`, `subgroup_invocation_id()`, `subgroup_id()`, `num_subgroups()` | subgroup operations (the key must ask for subgroups) |
+/// | `max(a, b)`, `min`, `clamp(x, lo, hi)`, `abs`, `exp`, `exp2`, `log`, `log2`, `sqrt`, `inverse_sqrt`, `tanh`, `sin`, `cos`, `floor`, `ceil`, `pow(x, y)`, `fma(a, b, c)`, `select(c, if_true, if_false)` | WGSL builtins as functions |
+/// | `x.exp()`, `x.sqrt()`, `x.max(y)`, `x.round()`, `x.fract()`, `x.sign()`, `a.dot(b)`, `a.mix(b, t)`, … | the same as methods (any `Expr` method) |
+/// | `vec2(…)`, `vec3(…)`, `vec4(…)`, `lit(…)` | constructors |
+/// | `helper(a, b)` | a [`macro@kernel_fn`] helper (a plain Rust function here is an error that says so) |
+/// | `self::f(…)`, `u32::div_ceil(…)` | ordinary Rust, by a path, on Rust values |
+///
+/// Literals take their type from Rust: `2.0` is f32, `2u32` u32, and a bare `2` against an f32
+/// expression is a type error that says to write `2.0`. A misuse the types cannot catch (a
+/// barrier under a per-invocation `if`, a shape missing from the key) is a `DslError` from
+/// `build` naming the body's line. Examples: `hesper_dsl`'s crate docs.
 #[proc_macro_attribute]
 pub fn kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand_kernel(attr.into(), item.into())
@@ -112,7 +132,8 @@ fn err<T>(span: Span, msg: impl std::fmt::Display) -> syn::Result<T> {
 struct Options {
     workgroup_size: Option<Expr>,
     name: Option<String>,
-    subgroups: bool,
+    /// `subgroups` (always) or `subgroups = expr` (a Rust `bool` over the shapes).
+    subgroups: Option<Expr>,
     immediates: bool,
     assume_in_bounds: bool,
 }
@@ -121,14 +142,17 @@ fn parse_options(attr: Tokens) -> syn::Result<Options> {
     let mut o = Options {
         workgroup_size: None,
         name: None,
-        subgroups: false,
+        subgroups: None,
         immediates: false,
         assume_in_bounds: false,
     };
     let metas = Punctuated::<Meta, Token![,]>::parse_terminated.parse2(attr)?;
     for m in metas {
         match &m {
-            Meta::Path(p) if p.is_ident("subgroups") => o.subgroups = true,
+            Meta::Path(p) if p.is_ident("subgroups") => o.subgroups = Some(syn::parse_quote!(true)),
+            Meta::NameValue(nv) if nv.path.is_ident("subgroups") => {
+                o.subgroups = Some(nv.value.clone())
+            }
             Meta::Path(p) if p.is_ident("immediates") => o.immediates = true,
             Meta::Path(p) if p.is_ident("assume_in_bounds") => o.assume_in_bounds = true,
             Meta::NameValue(nv) if nv.path.is_ident("workgroup_size") => {
@@ -143,8 +167,9 @@ fn parse_options(attr: Tokens) -> syn::Result<Options> {
             _ => {
                 return err(
                     m.span(),
-                    "expected `workgroup_size = N`, `name = \"…\"`, `subgroups`, `immediates` \
-                     or `assume_in_bounds`",
+                    "expected `workgroup_size = N` (or `(x, y)`, `(x, y, z)`), `name = \"…\"`, \
+                     `subgroups` (or `subgroups = <bool over the shapes>`), `immediates` or \
+                     `assume_in_bounds`",
                 );
             }
         }
@@ -334,14 +359,22 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     }
     let body = tr.block_stmts(&f.block)?;
 
-    let wg = options
-        .workgroup_size
-        .as_ref()
-        .map(|e| quote!(.workgroup_size(#e)))
-        .unwrap_or_default();
+    let wg = match &options.workgroup_size {
+        None => quote!(),
+        // `(x, y)` or `(x, y, z)`: a 2-D or 3-D workgroup.
+        Some(Expr::Tuple(t)) if (2..=3).contains(&t.elems.len()) => {
+            let mut dims: Vec<Tokens> = t.elems.iter().map(|e| quote!((#e) as u32)).collect();
+            dims.resize(3, quote!(1u32));
+            quote!(.workgroup_size_3d([#(#dims),*]))
+        }
+        Some(Expr::Tuple(t)) => {
+            return err(t.span(), "`workgroup_size` is `N`, `(x, y)` or `(x, y, z)`");
+        }
+        Some(e) => quote!(.workgroup_size(#e)),
+    };
     let mut features = quote!(#dsl::Features::NONE);
-    if options.subgroups {
-        features = quote!(#features | #dsl::Features::SUBGROUPS);
+    if let Some(when) = &options.subgroups {
+        features = quote!(#features | if #when { #dsl::Features::SUBGROUPS } else { #dsl::Features::NONE });
     }
     if options.immediates {
         features = quote!(#features | #dsl::Features::IMMEDIATES);
@@ -649,6 +682,24 @@ impl Translator {
                 };
                 let ident = &pi.ident;
                 let hint = ident.to_string();
+                // `for i in grid_stride(n)` and `for c in row_loop(len)`: the combinators.
+                if let Expr::Call(c) = &*f.expr
+                    && let Some(name) = single_ident(&c.func)
+                    && (name == "grid_stride" || name == "row_loop")
+                {
+                    let [len] = c.args.iter().collect::<Vec<_>>()[..] else {
+                        return err(c.span(), format!("`{name}` takes one length: `{name}(n)`"));
+                    };
+                    let len = (self.bound(len)?, len.span());
+                    let body = self.scoped(|t| {
+                        t.declare(ident, Kind::Value);
+                        t.block_stmts(&f.body)
+                    })?;
+                    return Ok(with_temps(vec![len], |a| {
+                        let n = &a[0];
+                        quote_spanned!(span=> __k.#name(#n, |__k, #ident| { #body });)
+                    }));
+                }
                 let (range, step) = match &*f.expr {
                     Expr::MethodCall(m) if m.method == "step_by" && m.args.len() == 1 => {
                         (strip_parens(&m.receiver), Some(&m.args[0]))
@@ -658,7 +709,8 @@ impl Translator {
                 let Expr::Range(r) = range else {
                     return err(
                         f.expr.span(),
-                        "a kernel `for` runs over `a..b` or `(a..b).step_by(s)`",
+                        "a kernel `for` runs over `a..b`, `(a..b).step_by(s)`, `grid_stride(n)` \
+                         or `row_loop(len)`",
                     );
                 };
                 let (Some(start), Some(end), syn::RangeLimits::HalfOpen(_)) =
