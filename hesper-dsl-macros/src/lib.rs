@@ -20,7 +20,9 @@ use syn::{
 /// Write a kernel as a Rust function: the function becomes a unit struct of the same name with
 /// `key(shapes…)`, `body(&mut KernelBuilder)`, `build(shapes…)` and — where hesper-exec is a
 /// dependency — a typed `launch(&mut Recorder, parameters in their order…, Grid)`, which takes
-/// read buffers by `&GpuBuffer`, written ones by `&mut GpuBuffer`, and checks each `#[len(…)]`.
+/// read buffers by `&GpuBuffer`, written ones by `&mut GpuBuffer`, and checks each `#[len(…)]`;
+/// beside it, a struct `<Name>Launch` (`axpy` → `AxpyLaunch`) with the same parameters as named
+/// fields, whose `.record(&mut rec, grid)` is `launch` without an argument order to get wrong.
 ///
 /// ```text
 /// #[kernel(workgroup_size = 256, subgroups, immediates, assume_in_bounds, name = "…")]  // all optional
@@ -292,6 +294,8 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     let mut decls = vec![];
     let (mut shape_args, mut shape_names, mut key_shapes) = (vec![], vec![], vec![]);
     let (mut launch_args, mut bind_buffers, mut bind_params) = (vec![], vec![], vec![]);
+    // The same parameters as the named fields of `<Name>Launch`.
+    let (mut fields, mut field_names) = (vec![], vec![]);
     // Shapes first in the body: workgroup lengths and the workgroup size may use them.
     for (ident, p) in &params {
         if let Param::Shape(ty) = p {
@@ -318,7 +322,11 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
     for (ident, p) in &params {
         let s = ident.to_string();
         match p {
-            Param::Shape(ty) => launch_args.push(quote!(#ident: #ty)),
+            Param::Shape(ty) => {
+                launch_args.push(quote!(#ident: #ty));
+                fields.push(quote!(pub #ident: #ty));
+                field_names.push(ident.clone());
+            }
             Param::Read(elem, len) | Param::Write(elem, len) => {
                 let writable = matches!(p, Param::Write(..));
                 let declare = if writable {
@@ -335,6 +343,12 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
                     } else {
                         quote_spanned!(elem.span()=> #ident: &#host)
                     });
+                    fields.push(if writable {
+                        quote_spanned!(elem.span()=> pub #ident: &'a mut #host)
+                    } else {
+                        quote_spanned!(elem.span()=> pub #ident: &'a #host)
+                    });
+                    field_names.push(ident.clone());
                     let at_least = match len {
                         Some(len) => quote_spanned!(len.span()=> {
                             #(#widen)*
@@ -349,6 +363,8 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
                 decls.push(quote_spanned!(ty.span()=> let #ident = __k.param::<#ty>(#s);));
                 tr.declare(ident, Kind::Value);
                 launch_args.push(quote!(#ident: #ty));
+                fields.push(quote!(pub #ident: #ty));
+                field_names.push(ident.clone());
                 bind_params.push(quote!(.param(#s, #ident)));
             }
             Param::Workgroup(elem, len) => {
@@ -388,6 +404,40 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
         "The kernel `{kernel_name}` (written with `#[kernel]`): `key`, `body` and `build` make it; \
          `launch` records a typed launch."
     );
+    let launch_struct = format_ident!("{}Launch", camel_case(&name.to_string()));
+    let has_buffers = params
+        .iter()
+        .any(|(_, p)| matches!(p, Param::Read(..) | Param::Write(..)));
+    let (lifetime, elided) = if has_buffers {
+        (quote!(<'a>), quote!(<'_>))
+    } else {
+        (quote!(), quote!())
+    };
+    let named_launcher = exec.as_ref().map(|exec| {
+        let doc = format!(
+            "The parameters of the kernel [`{name}`], by name: `{launch_struct} {{ … }}.record(&mut rec, grid)` \
+             is [`{name}::launch`] with no argument order to get wrong."
+        );
+        let record_doc = format!("Record the launch: [`{name}::launch`] with these parameters.");
+        quote! {
+            #[doc = #doc]
+            #vis struct #launch_struct #lifetime {
+                #(#fields,)*
+            }
+
+            impl #launch_struct #elided {
+                #[doc = #record_doc]
+                #vis fn record(
+                    self,
+                    rec: &mut #exec::Recorder<'_>,
+                    grid: #exec::Grid,
+                ) -> ::core::result::Result<(), #exec::ExecError> {
+                    let Self { #(#field_names),* } = self;
+                    #name::launch(rec, #(#field_names,)* grid)
+                }
+            }
+        }
+    });
     let launcher = exec.map(|exec| {
         quote! {
             /// Record one launch, its parameters in the kernel's order (written buffers by
@@ -413,6 +463,8 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
         #(#user_attrs)*
         #[allow(non_camel_case_types)]
         #vis struct #name;
+
+        #named_launcher
 
         #[allow(unused_variables, unused_mut, clippy::all)]
         impl #name {
@@ -1034,6 +1086,20 @@ fn with_temps(args: Vec<(Tokens, Span)>, make: impl FnOnce(&[Ident]) -> Tokens) 
     let values = args.iter().map(|(t, _)| t);
     let call = make(&names);
     quote!({ #(let #names = #values;)* #call })
+}
+
+/// `row_sum` → `RowSum`.
+fn camel_case(snake: &str) -> String {
+    snake
+        .split('_')
+        .filter(|w| !w.is_empty())
+        .map(|w| {
+            let mut c = w.chars();
+            c.next()
+                .map(|first| first.to_ascii_uppercase().to_string() + c.as_str())
+                .unwrap_or_default()
+        })
+        .collect()
 }
 
 /// `tokens` placed at `span`: a call's place (what `#[track_caller]` reports) is its path's
