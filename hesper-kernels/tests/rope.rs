@@ -107,7 +107,7 @@ fn bad_shapes_name_kernel_and_buffer() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "kernel `rope`, binding `x`: expected rows of heads × head_dim = 1 × 8 values, given 12 elements"
+        "kernel `rope`, binding `x`: expected a whole number of rows of 8 (heads × head_dim = 1 × 8), given 12 elements"
     );
 }
 
