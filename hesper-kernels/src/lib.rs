@@ -139,6 +139,15 @@ pub(crate) fn expect_rows<T: Element>(
     Ok(buffer.len() / width)
 }
 
+/// The error of a tile's `check`: it names the kernel, the tile and the rule the tile breaks.
+pub(crate) fn bad_tile(kernel: &str, tile: &impl std::fmt::Debug, why: &str) -> ExecError {
+    ExecError::Dispatch {
+        kernel: kernel.into(),
+        what: format!("tile {tile:?}"),
+        why: why.into(),
+    }
+}
+
 /// `Ok` when a runtime count fits the `u32` kernels index with.
 pub(crate) fn expect_u32(kernel: &str, what: &str, n: usize) -> Result<u32, ExecError> {
     u32::try_from(n).map_err(|_| ExecError::Dispatch {
