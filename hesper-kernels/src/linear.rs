@@ -621,19 +621,27 @@ fn write_out(
     }
 }
 
-/// The WGSL of this module's kernels at representative shapes (SmolLM2's 576 → 1536 projection
-/// and BitNet b1.58 2B's 2560 → 6912), for snapshots and review.
+/// The WGSL of this module's kernels at small shapes and a small tile (16×16 outputs, 4 deep,
+/// 4×4 per invocation: the structure of [`Tile::SMALL`] in fewer lines), for snapshots and
+/// review. The first product has a ragged last column tile and depth step.
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
-    let build = |product, ternary, shape, tile, accumulate| {
+    let tile = Tile {
+        bm: 16,
+        bn: 16,
+        bk: 4,
+        tm: 4,
+        tn: 4,
+    };
+    let build = |product, ternary, shape, accumulate| {
         Kernel::build(&gemm_key(product, ternary, shape, tile, accumulate), |k| {
             gemm_kernel(k, product, ternary)
         })
     };
     Ok(vec![
-        build(Product::Nt, false, (1536, 576), Tile::LARGE, false)?,
-        build(Product::Nn, false, (576, 1536), Tile::LARGE, true)?,
-        build(Product::Nt, true, (6912, 2560), Tile::LARGE, false)?,
-        build(Product::Nn, true, (2560, 6912), Tile::SMALL, true)?,
+        build(Product::Nt, false, (60, 36), false)?,
+        build(Product::Nn, false, (32, 64), true)?,
+        build(Product::Nt, true, (64, 32), false)?,
+        build(Product::Nn, true, (32, 64), true)?,
     ])
 }
 
@@ -847,5 +855,28 @@ pub mod reference {
     /// The dense matrix `scale·T` of ternary weights.
     pub fn dequantize(ternary: &[i8], scale: f64) -> Vec<f64> {
         ternary.iter().map(|&t| scale * t as f64).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The standard tiles, for every product, fit the 32 KiB of workgroup memory the kernels
+    /// are written for (the snapshots are taken at a smaller tile).
+    #[test]
+    fn standard_tiles_fit_32_kib_of_workgroup_memory() {
+        for tile in [Tile::LARGE, Tile::SMALL] {
+            for (product, ternary) in [
+                (Product::Nt, false),
+                (Product::Nn, false),
+                (Product::Nt, true),
+                (Product::Nn, true),
+            ] {
+                let key = gemm_key(product, ternary, (1536, 576), tile, false);
+                let kernel = Kernel::build(&key, |k| gemm_kernel(k, product, ternary)).unwrap();
+                assert!(kernel.workgroup_memory_bytes() <= 32 * 1024, "{key}");
+            }
+        }
     }
 }
