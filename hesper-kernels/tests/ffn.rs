@@ -187,9 +187,7 @@ fn wgsl_snapshots() {
         "swiglu_backward",
     ];
     let kernels = ffn::kernels().unwrap();
-    assert_eq!(kernels.len(), names.len());
-    for (k, name) in kernels.iter().zip(names) {
-        assert!(name.starts_with(k.name()), "{name} for {}", k.key());
+    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
         insta::assert_snapshot!(name, k.wgsl());
     }
 }

@@ -397,9 +397,7 @@ fn wgsl_snapshots() {
         "bitlinear_transpose_cols32_depth64_tile16x16x4_4x4_accumulate",
     ];
     let kernels = linear::kernels().unwrap();
-    assert_eq!(kernels.len(), names.len());
-    for (k, name) in kernels.iter().zip(names) {
-        assert!(name.starts_with(k.name()), "{name} for {}", k.key());
+    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
         insta::assert_snapshot!(name, k.wgsl());
     }
 }

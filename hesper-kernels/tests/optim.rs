@@ -492,9 +492,7 @@ fn wgsl_snapshots() {
         "grad_norm_finish",
     ];
     let kernels = optim::kernels().unwrap();
-    assert_eq!(kernels.len(), names.len());
-    for (k, name) in kernels.iter().zip(names) {
-        assert!(name.starts_with(k.name()), "{name} for {}", k.key());
+    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
         insta::assert_snapshot!(name, k.wgsl());
     }
 }

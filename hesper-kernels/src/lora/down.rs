@@ -8,7 +8,9 @@ use hesper_dsl::{LocalArray, RwBuffer, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use super::subgroups::{self, SubgroupTile};
-use super::{Layout, MAX_RANK, RankRows, adapter_key, bind_columns, bind_rank_rows, by_width};
+use super::{
+    Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
+};
 use crate::linear::{self, offset};
 use crate::{Columns, bad_tile};
 
@@ -122,8 +124,7 @@ pub(super) fn body(k: &mut KernelBuilder) {
 }
 
 fn body_with<C: Columns>(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let (n, r, layout) = adapter_shapes(k);
     let tile = DownTile::from_key(k);
     let (wg, step_cols) = (tile.invocations(), tile.step());
     let groups = n / C::N;

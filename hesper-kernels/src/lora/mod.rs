@@ -138,6 +138,12 @@ fn adapter_key(name: &str, n: u32, r: u32, layout: Layout) -> KernelKey {
         .shape("rank_minor", layout.is_rank_minor())
 }
 
+/// The row width `n`, rank `r` and weight layout of an [`adapter_key`], in a kernel's body.
+fn adapter_shapes(k: &mut KernelBuilder) -> (u32, u32, Layout) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    (n, r, Layout::from_shape(k.shape::<bool>("rank_minor")))
+}
+
 /// Builds `body` for the row width `n` of the key: four columns an invocation when it allows.
 fn by_width(k: &mut KernelBuilder, body: fn(&mut KernelBuilder), narrow: fn(&mut KernelBuilder)) {
     if wide(k.shape::<u32>("n")) {

@@ -5,7 +5,7 @@
 use hesper_dsl::prelude::*;
 use hesper_exec::ExecError;
 
-use super::{Layout, MAX_RANK, RankRows, adapter_key, by_width};
+use super::{Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, by_width};
 use crate::linear::offset;
 use crate::{Columns, bad_tile};
 
@@ -157,8 +157,7 @@ fn butterfly_ranks(lane: &Expr<u32>, size: u32, count: u32) -> (Expr<u32>, u32) 
 }
 
 fn body_with<C: Columns>(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let (n, r, layout) = adapter_shapes(k);
     let size = k.shape::<u32>("lanes");
     let tile = SubgroupTile::from_key(k);
     let (wg, group_tokens, unroll) = (tile.invocations, tile.group_tokens, tile.unroll);

@@ -5,7 +5,8 @@ use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use super::{
-    Layout, MAX_RANK, RankRows, adapter_key, bind_columns, bind_rank_rows, by_width, row_elements,
+    Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows,
+    by_width, row_elements,
 };
 use crate::linear::{self, Gemm, Product, Weights, offset};
 use crate::{Columns, bad_tile};
@@ -63,8 +64,7 @@ pub(super) fn body(k: &mut KernelBuilder) {
 }
 
 fn body_with<C: Columns>(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let (n, r, layout) = adapter_shapes(k);
     let tile = UpTile::from_key(k);
     let (block_tokens, unroll) = (tile.block_tokens, tile.unroll);
     let groups = n / C::N;

@@ -7,7 +7,10 @@ use hesper_dsl::LocalArray;
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use super::{Layout, RankRows, adapter_key, bind_columns, bind_rank_rows, by_width, row_elements};
+use super::{
+    Layout, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
+    row_elements,
+};
 use crate::linear::offset;
 use crate::{Columns, bad_tile};
 
@@ -44,14 +47,14 @@ impl PartialsTile {
     /// `Ok` when `lora_weight_grad_partials` can run this tile; else an error naming `kernel`
     /// and the rule.
     pub(super) fn check(&self, kernel: &str) -> Result<(), ExecError> {
-        let PartialsTile {
-            cols,
-            lanes,
-            lane_tokens,
-            unroll,
-            round_sums,
-        } = *self;
-        if [cols, lanes, lane_tokens, unroll, round_sums].contains(&0) {
+        let sizes = [
+            self.cols,
+            self.lanes,
+            self.lane_tokens,
+            self.unroll,
+            self.round_sums,
+        ];
+        if sizes.contains(&0) {
             return Err(bad_tile(
                 kernel,
                 self,
@@ -239,8 +242,7 @@ fn sum_key(n: u32, r: u32, layout: Layout, second: u32, tile: SumTile) -> Kernel
 /// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout —
 /// for `grad`, and for `grad2` (whose partials follow `grad`'s) when the key has a second.
 fn sum_body(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let layout = Layout::from_shape(k.shape::<bool>("rank_minor"));
+    let (n, r, layout) = adapter_shapes(k);
     let second = k.shape::<u32>("second");
     let partials = k.storage::<f32>("partials");
     let grad = k.storage_rw::<f32>("grad");
