@@ -21,7 +21,7 @@ use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::rope::{self, Positions};
-use crate::{expect_len, expect_u32};
+use crate::{expect_len, expect_rows, expect_u32};
 
 const WG: u32 = 256;
 
@@ -179,17 +179,10 @@ pub fn execute_softmax_backward(
     ds: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
     let name = "softmax_backward";
-    if cols == 0 || !p.len().is_multiple_of(cols) {
-        return Err(ExecError::Binding {
-            kernel: name.into(),
-            binding: "p".into(),
-            expected: format!("rows of {cols} elements"),
-            given: format!("{} elements", p.len()),
-        });
-    }
+    let rows = expect_rows(name, "p", p, cols, "cols")?;
     expect_len(name, "dp", dp, p.len(), "as p")?;
     expect_len(name, "ds", ds, p.len(), "as p")?;
-    let rows = expect_u32(name, "rows", p.len() / cols)?;
+    let rows = expect_u32(name, "rows", rows)?;
     if rows == 0 {
         return Ok(());
     }

@@ -9,7 +9,7 @@
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::{expect_len, expect_u32};
+use crate::{expect_len, expect_rows, expect_u32};
 
 #[kernel(workgroup_size = 256)]
 fn relu_sqr_mul_forward(
@@ -396,15 +396,7 @@ pub fn execute_ffn_backward(
     use crate::{linear, norm};
     let name = "ffn_backward";
     let d = layer.norm_gamma.len();
-    if d == 0 || !layer.x.len().is_multiple_of(d) {
-        return Err(ExecError::Binding {
-            kernel: name.into(),
-            binding: "x".into(),
-            expected: format!("rows of D = {d} (norm_gamma's length)"),
-            given: format!("{} elements", layer.x.len()),
-        });
-    }
-    let t = layer.x.len() / d;
+    let t = expect_rows(name, "x", layer.x, d, "D, norm_gamma's length")?;
     let i = layer.w_gate.len() / d;
     expect_len(name, "w_gate", layer.w_gate, i * d, "[I, D]")?;
     expect_len(name, "w_up", layer.w_up, i * d, "[I, D]")?;

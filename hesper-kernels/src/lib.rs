@@ -66,23 +66,86 @@ impl Columns for Vec4<f32> {
     }
 }
 
-/// `Ok` when `buffer` has exactly `len` elements; else an error naming kernel and binding.
+/// What a binding's length must be, as [`expect_len`] checks it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Len {
+    /// Exactly this many elements (a plain `usize` converts to this).
+    Exactly(usize),
+    /// At least this many: workspace, which may be larger.
+    AtLeast(usize),
+    /// A whole number of rows this wide, none when it is empty (a width of 0 fits nothing).
+    Rows(usize),
+    /// A non-empty multiple of this (a width of 0 fits nothing).
+    Multiple(usize),
+}
+
+impl From<usize> for Len {
+    fn from(len: usize) -> Len {
+        Len::Exactly(len)
+    }
+}
+
+impl Len {
+    fn fits(self, given: usize) -> bool {
+        match self {
+            Len::Exactly(len) => given == len,
+            Len::AtLeast(len) => given >= len,
+            Len::Rows(width) => width > 0 && given.is_multiple_of(width),
+            Len::Multiple(n) => n > 0 && given > 0 && given.is_multiple_of(n),
+        }
+    }
+
+    fn expected(self, why: &str) -> String {
+        match self {
+            Len::Exactly(len) => format!("{len} elements ({why})"),
+            Len::AtLeast(len) => format!("at least {len} elements ({why})"),
+            Len::Rows(width) => format!("a whole number of rows of {width} ({why})"),
+            Len::Multiple(n) => format!("a non-empty multiple of {n} elements ({why})"),
+        }
+    }
+}
+
+/// `Ok` when `buffer`'s length is what `len` says; else an error naming the kernel, the binding,
+/// what was expected (`why` says where the number comes from) and what was given. Every length
+/// check of the library's `execute_*` functions goes through here.
 pub(crate) fn expect_len<T: Element>(
     kernel: &str,
     binding: &str,
     buffer: &GpuBuffer<T>,
-    len: usize,
+    len: impl Into<Len>,
     why: &str,
 ) -> Result<(), ExecError> {
-    if buffer.len() == len {
+    let len = len.into();
+    if len.fits(buffer.len()) {
         return Ok(());
     }
     Err(ExecError::Binding {
         kernel: kernel.into(),
         binding: binding.into(),
-        expected: format!("{len} elements ({why})"),
+        expected: len.expected(why),
         given: format!("{} elements", buffer.len()),
     })
+}
+
+/// The rows of `buffer` when it is a whole number of rows `width` wide ([`Len::Rows`]).
+pub(crate) fn expect_rows<T: Element>(
+    kernel: &str,
+    binding: &str,
+    buffer: &GpuBuffer<T>,
+    width: usize,
+    why: &str,
+) -> Result<usize, ExecError> {
+    expect_len(kernel, binding, buffer, Len::Rows(width), why)?;
+    Ok(buffer.len() / width)
+}
+
+/// The error of a tile's `check`: it names the kernel, the tile and the rule the tile breaks.
+pub(crate) fn bad_tile(kernel: &str, tile: &impl std::fmt::Debug, why: &str) -> ExecError {
+    ExecError::Dispatch {
+        kernel: kernel.into(),
+        what: format!("tile {tile:?}"),
+        why: why.into(),
+    }
 }
 
 /// `Ok` when a runtime count fits the `u32` kernels index with.

@@ -32,7 +32,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::{expect_len, expect_u32};
+use crate::{bad_tile, expect_len, expect_u32};
 
 /// Ternary weights per packed `u32` (2 bits each).
 pub const TERNARY_PER_WORD: usize = 16;
@@ -127,13 +127,7 @@ impl Tile {
     /// `Ok` when the kernels can run this tile; else an error naming `kernel` and the rule.
     pub fn check(&self, kernel: &str) -> Result<(), ExecError> {
         let Tile { bm, bn, bk, tm, tn } = *self;
-        let fail = |why: &str| {
-            Err(ExecError::Dispatch {
-                kernel: kernel.into(),
-                what: format!("tile {self:?}"),
-                why: why.into(),
-            })
-        };
+        let fail = |why: &str| Err(bad_tile(kernel, self, why));
         let block = |t: u32, b: u32| t > 0 && t.is_multiple_of(4) && b > 0 && b.is_multiple_of(t);
         if !block(tm, bm) || !block(tn, bn) {
             return fail("tm and tn must be multiples of 4 that divide bm and bn");
@@ -165,6 +159,23 @@ pub struct Gemm {
 }
 
 impl Gemm {
+    /// The GEMM of `product` with `W: [n, k]` over `m` rows, with the tile [`Tile::for_shape`]
+    /// picks for its output.
+    pub fn new(product: Product, (m, n, k): (usize, usize, usize), accumulate: bool) -> Gemm {
+        let cols = match product {
+            Product::Nt => n,
+            Product::Nn => k,
+        };
+        Gemm {
+            product,
+            m,
+            n,
+            k,
+            accumulate,
+            tile: Tile::for_shape(m, cols),
+        }
+    }
+
     /// `(cols, depth)` of the output and the contraction.
     fn cols_depth(&self) -> (usize, usize) {
         match self.product {
@@ -610,19 +621,27 @@ fn write_out(
     }
 }
 
-/// The WGSL of this module's kernels at representative shapes (SmolLM2's 576 → 1536 projection
-/// and BitNet b1.58 2B's 2560 → 6912), for snapshots and review.
+/// The WGSL of this module's kernels at small shapes and a small tile (16×16 outputs, 4 deep,
+/// 4×4 per invocation: the structure of [`Tile::SMALL`] in fewer lines), for snapshots and
+/// review. The first product has a ragged last column tile and depth step.
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
-    let build = |product, ternary, shape, tile, accumulate| {
+    let tile = Tile {
+        bm: 16,
+        bn: 16,
+        bk: 4,
+        tm: 4,
+        tn: 4,
+    };
+    let build = |product, ternary, shape, accumulate| {
         Kernel::build(&gemm_key(product, ternary, shape, tile, accumulate), |k| {
             gemm_kernel(k, product, ternary)
         })
     };
     Ok(vec![
-        build(Product::Nt, false, (1536, 576), Tile::LARGE, false)?,
-        build(Product::Nn, false, (576, 1536), Tile::LARGE, true)?,
-        build(Product::Nt, true, (6912, 2560), Tile::LARGE, false)?,
-        build(Product::Nn, true, (2560, 6912), Tile::SMALL, true)?,
+        build(Product::Nt, false, (60, 36), false)?,
+        build(Product::Nn, false, (32, 64), true)?,
+        build(Product::Nt, true, (64, 32), false)?,
+        build(Product::Nn, true, (32, 64), true)?,
     ])
 }
 
@@ -717,7 +736,7 @@ pub fn execute_matmul_nt(
     k: usize,
     accumulate: bool,
 ) -> Result<(), ExecError> {
-    let gemm = linear(Product::Nt, (m, n, k), accumulate);
+    let gemm = Gemm::new(Product::Nt, (m, n, k), accumulate);
     execute_gemm(rec, &gemm, x, Weights::Dense(w), y)
 }
 
@@ -734,7 +753,7 @@ pub fn execute_matmul_nn(
     k: usize,
     accumulate: bool,
 ) -> Result<(), ExecError> {
-    let gemm = linear(Product::Nn, (m, n, k), accumulate);
+    let gemm = Gemm::new(Product::Nn, (m, n, k), accumulate);
     execute_gemm(rec, &gemm, dy, Weights::Dense(w), dx)
 }
 
@@ -751,7 +770,7 @@ pub fn execute_bitlinear_forward(
     k: usize,
     accumulate: bool,
 ) -> Result<(), ExecError> {
-    let gemm = linear(Product::Nt, (m, n, k), accumulate);
+    let gemm = Gemm::new(Product::Nt, (m, n, k), accumulate);
     execute_gemm(rec, &gemm, x, Weights::Ternary { packed, scale }, y)
 }
 
@@ -769,24 +788,8 @@ pub fn execute_bitlinear_transpose(
     k: usize,
     accumulate: bool,
 ) -> Result<(), ExecError> {
-    let gemm = linear(Product::Nn, (m, n, k), accumulate);
+    let gemm = Gemm::new(Product::Nn, (m, n, k), accumulate);
     execute_gemm(rec, &gemm, dy, Weights::Ternary { packed, scale }, dx)
-}
-
-/// A [`Gemm`] with the tile [`Tile::for_shape`] picks for its output.
-fn linear(product: Product, (m, n, k): (usize, usize, usize), accumulate: bool) -> Gemm {
-    let cols = match product {
-        Product::Nt => n,
-        Product::Nn => k,
-    };
-    Gemm {
-        product,
-        m,
-        n,
-        k,
-        accumulate,
-        tile: Tile::for_shape(m, cols),
-    }
 }
 
 /// Pack ternary weights 16 per `u32`, element `i` in bits `2·(i % 16)` of word `i / 16`:
@@ -825,28 +828,55 @@ pub fn unpack_ternary(packed: &[u32], len: usize) -> Vec<i8> {
 pub mod reference {
     /// `x·Wᵀ` for `x: [m, k]`, `w: [n, k]`: `[m, n]`.
     pub fn matmul_nt(x: &[f64], w: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
-        let mut y = vec![0.0; m * n];
-        for r in 0..m {
-            for o in 0..n {
-                y[r * n + o] = (0..k).map(|i| x[r * k + i] * w[o * k + i]).sum();
-            }
-        }
-        y
+        product(x, (m, k, n), |i, o| w[o * k + i])
     }
 
     /// `dy·W` for `dy: [m, n]`, `w: [n, k]`: `[m, k]`.
     pub fn matmul_nn(dy: &[f64], w: &[f64], m: usize, n: usize, k: usize) -> Vec<f64> {
-        let mut dx = vec![0.0; m * k];
-        for r in 0..m {
-            for i in 0..k {
-                dx[r * k + i] = (0..n).map(|o| dy[r * n + o] * w[o * k + i]).sum();
+        product(dy, (m, n, k), |o, i| w[o * k + i])
+    }
+
+    /// `out[r, c] = Σ_d a[r, d]·B(d, c)` for `a: [rows, depth]`: the one GEMM, `B` read out of
+    /// `W` as the product says (the module's doc).
+    fn product(
+        a: &[f64],
+        (rows, depth, cols): (usize, usize, usize),
+        b: impl Fn(usize, usize) -> f64,
+    ) -> Vec<f64> {
+        let mut out = vec![0.0; rows * cols];
+        for r in 0..rows {
+            for c in 0..cols {
+                out[r * cols + c] = (0..depth).map(|d| a[r * depth + d] * b(d, c)).sum();
             }
         }
-        dx
+        out
     }
 
     /// The dense matrix `scale·T` of ternary weights.
     pub fn dequantize(ternary: &[i8], scale: f64) -> Vec<f64> {
         ternary.iter().map(|&t| scale * t as f64).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The standard tiles, for every product, fit the 32 KiB of workgroup memory the kernels
+    /// are written for (the snapshots are taken at a smaller tile).
+    #[test]
+    fn standard_tiles_fit_32_kib_of_workgroup_memory() {
+        for tile in [Tile::LARGE, Tile::SMALL] {
+            for (product, ternary) in [
+                (Product::Nt, false),
+                (Product::Nn, false),
+                (Product::Nt, true),
+                (Product::Nn, true),
+            ] {
+                let key = gemm_key(product, ternary, (1536, 576), tile, false);
+                let kernel = Kernel::build(&key, |k| gemm_kernel(k, product, ternary)).unwrap();
+                assert!(kernel.workgroup_memory_bytes() <= 32 * 1024, "{key}");
+            }
+        }
     }
 }

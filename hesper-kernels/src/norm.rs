@@ -11,7 +11,7 @@
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::{expect_len, expect_u32};
+use crate::{expect_len, expect_rows, expect_u32};
 
 /// Invocations per row.
 const WG: u32 = 256;
@@ -205,16 +205,9 @@ fn rows_of(
     gamma: &GpuBuffer<f32>,
 ) -> Result<(u32, u32), ExecError> {
     let cols = gamma.len();
-    if cols == 0 || !x.len().is_multiple_of(cols) {
-        return Err(ExecError::Binding {
-            kernel: kernel.into(),
-            binding: "x".into(),
-            expected: format!("a whole number of rows of {cols} (gamma's length)"),
-            given: format!("{} elements", x.len()),
-        });
-    }
+    let rows = expect_rows(kernel, "x", x, cols, "gamma's length")?;
     Ok((
-        expect_u32(kernel, "rows", x.len() / cols)?,
+        expect_u32(kernel, "rows", rows)?,
         expect_u32(kernel, "columns", cols)?,
     ))
 }
@@ -309,15 +302,7 @@ pub fn execute_rms_norm_dgamma(
 ) -> Result<(), ExecError> {
     let name = rms_norm_dgamma_partials::NAME;
     let cols = dgamma.len();
-    if cols == 0 || !x.len().is_multiple_of(cols) {
-        return Err(ExecError::Binding {
-            kernel: name.into(),
-            binding: "x".into(),
-            expected: format!("a whole number of rows of {cols} (dgamma's length)"),
-            given: format!("{} elements", x.len()),
-        });
-    }
-    let rows = x.len() / cols;
+    let rows = expect_rows(name, "x", x, cols, "dgamma's length")?;
     expect_len(name, "rstd", rstd, rows, "one per row of x")?;
     expect_len(name, "dy", dy, x.len(), "as x")?;
     expect_len(

@@ -12,7 +12,7 @@
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::{expect_len, expect_u32};
+use crate::{expect_len, expect_rows, expect_u32};
 
 #[kernel(workgroup_size = 256)]
 fn rope(
@@ -79,14 +79,8 @@ pub fn execute_rope(
     let name = rope::NAME;
     let half = inv_freq.len();
     let width = heads * 2 * half;
-    if half == 0 || heads == 0 || !x.len().is_multiple_of(width) {
-        return Err(ExecError::Binding {
-            kernel: name.into(),
-            binding: "x".into(),
-            expected: format!("rows of heads × head_dim = {heads} × {} values", 2 * half),
-            given: format!("{} elements", x.len()),
-        });
-    }
+    let row = format!("heads × head_dim = {heads} × {}", 2 * half);
+    expect_rows(name, "x", x, width, &row)?;
     if positions.seq_len == 0 {
         return Err(ExecError::Dispatch {
             kernel: name.into(),

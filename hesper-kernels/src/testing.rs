@@ -25,6 +25,7 @@
 
 use std::sync::OnceLock;
 
+use hesper_dsl::Kernel;
 use hesper_exec::Gpu;
 
 /// One device for a whole test binary (device creation costs ~0.3 s on lavapipe).
@@ -49,6 +50,21 @@ pub fn gpu_without_subgroups() -> &'static Gpu {
             Ok(g) => g,
             Err(e) => panic!("the GPU tests need an adapter: {e}"),
         }
+    })
+}
+
+/// A module's `kernels()` paired with the snapshot names a test gives them, one a kernel in
+/// order, each checked to start with its kernel's name (name the rest by the key's shapes, the
+/// first line of the WGSL). For `insta::assert_snapshot!(name, kernel.wgsl())`, which must
+/// stand in the test file itself.
+pub fn named_by_key<'a>(
+    kernels: &'a [Kernel],
+    names: &'a [&'a str],
+) -> impl Iterator<Item = (&'a str, &'a Kernel)> {
+    assert_eq!(kernels.len(), names.len(), "one snapshot name per kernel");
+    names.iter().zip(kernels).map(|(&name, k)| {
+        assert!(name.starts_with(k.name()), "{name} for {}", k.key());
+        (name, k)
     })
 }
 

@@ -257,12 +257,12 @@ fn bad_shapes_name_kernel_and_buffer() {
         .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "kernel `lora_forward`, binding `x`: expected [rows, in = 10] elements, given 21 elements"
+        "kernel `lora_forward`, binding `x`: expected a whole number of rows of 10 (in), given 21 elements"
     );
     let err = lora::execute_lora_forward(&mut rec, &x, &a, &b, 3, 1.0, &mut h, &mut y).unwrap_err();
     assert_eq!(
         err.to_string(),
-        "kernel `lora_forward`, binding `a`: expected a non-empty multiple of the rank (3) of elements, given 20 elements"
+        "kernel `lora_forward`, binding `a`: expected a non-empty multiple of 3 elements (the rank), given 20 elements"
     );
     assert!(rec.is_empty());
     // The fused backward checks every buffer before it records any launch.
@@ -301,9 +301,18 @@ fn bad_shapes_name_kernel_and_buffer() {
     assert!(rec.is_empty(), "nothing recorded before the error");
 }
 
+/// Each kernel's WGSL at a small key (its first line), the snapshot named by the key.
 #[test]
 fn wgsl_snapshots() {
-    for k in lora::kernels().unwrap() {
-        insta::assert_snapshot!(k.name().to_string(), k.wgsl());
+    let names = [
+        "lora_down_n64_r1_rank_minor",
+        "lora_down_subgroups_n64_r2_rank_minor_lanes32",
+        "lora_up_n64_r4_rank_major",
+        "lora_weight_grad_partials_n64_r2",
+        "lora_weight_grad_sum_n64_r2_rank_minor_second48",
+    ];
+    let kernels = lora::kernels().unwrap();
+    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
+        insta::assert_snapshot!(name, k.wgsl());
     }
 }

@@ -1,0 +1,400 @@
+//! The weight gradients `G(j, k) = s·Σ_t u[t, j]·v[t, k]`: `dB = s·dyᵀ·h` (`u = dy`, `v = h`,
+//! `G` rank-minor `[out, r]`) and `dA = s·dhᵀ·x` (`u = x`, `v = dh`, `G` rank-major `[r, in]`),
+//! summed over tokens in two passes with no float atomics: `lora_weight_grad_partials` sums
+//! each block of tokens, `lora_weight_grad_sum` adds the blocks.
+
+use hesper_dsl::LocalArray;
+use hesper_dsl::prelude::*;
+use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+
+use super::{
+    Layout, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
+    row_elements,
+};
+use crate::linear::offset;
+use crate::{Columns, bad_tile};
+
+/// The first pass's block sizes: a workgroup is `cols` invocations along the columns times
+/// `lanes` along the tokens, each lane summing `lane_tokens` tokens of the block with `unroll`
+/// rows in flight; the lanes' sums are added `round_sums` per invocation a round. Carried in the key;
+/// [`PartialsTile::check`] says which rule a tile breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct PartialsTile {
+    cols: u32,
+    lanes: u32,
+    lane_tokens: u32,
+    unroll: u32,
+    round_sums: u32,
+}
+
+impl PartialsTile {
+    pub(super) const DEFAULT: PartialsTile = PartialsTile {
+        cols: 32,
+        lanes: 4,
+        lane_tokens: 64,
+        unroll: 8,
+        round_sums: 16,
+    };
+
+    fn invocations(&self) -> u32 {
+        self.cols * self.lanes
+    }
+    /// Tokens per partial sum (one workgroup row of lanes).
+    fn block_tokens(&self) -> u32 {
+        self.lanes * self.lane_tokens
+    }
+
+    /// `Ok` when `lora_weight_grad_partials` can run this tile; else an error naming `kernel`
+    /// and the rule.
+    pub(super) fn check(&self, kernel: &str) -> Result<(), ExecError> {
+        let sizes = [
+            self.cols,
+            self.lanes,
+            self.lane_tokens,
+            self.unroll,
+            self.round_sums,
+        ];
+        if sizes.contains(&0) {
+            return Err(bad_tile(
+                kernel,
+                self,
+                "cols, lanes, lane_tokens, unroll and round_sums must be positive",
+            ));
+        }
+        Ok(())
+    }
+
+    fn from_key(k: &mut KernelBuilder) -> PartialsTile {
+        PartialsTile {
+            cols: k.shape("cols"),
+            lanes: k.shape("lanes"),
+            lane_tokens: k.shape("lane_tokens"),
+            unroll: k.shape("unroll"),
+            round_sums: k.shape("round_sums"),
+        }
+    }
+}
+
+/// The second pass's block sizes: `invocations` per workgroup (the key's workgroup size), one
+/// output each, and `loads` blocks read per step (independent sums, so that many loads are in
+/// flight). Carried in the key; [`SumTile::check`] says which rule a tile breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) struct SumTile {
+    invocations: u32,
+    loads: u32,
+}
+
+impl SumTile {
+    /// A 4096-token backward has 16 blocks: one step.
+    pub(super) const DEFAULT: SumTile = SumTile {
+        invocations: 256,
+        loads: 16,
+    };
+
+    /// `Ok` when `lora_weight_grad_sum` can run this tile; else an error naming `kernel` and
+    /// the rule.
+    pub(super) fn check(&self, kernel: &str) -> Result<(), ExecError> {
+        if self.invocations == 0 || self.loads == 0 {
+            return Err(bad_tile(
+                kernel,
+                self,
+                "invocations and loads must be positive",
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Elements of the scratch buffer the weight gradients need: one partial sum per block of 256
+/// tokens per weight element, `⌈tokens / 256⌉·width·rank`, where `width` is `out` for
+/// [`super::execute_grad_b`], `in` for [`super::execute_grad_a`] and `in + out` for
+/// [`super::execute_lora_backward`] (which keeps both gradients' partials, to add them in one
+/// launch).
+pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
+    let block = PartialsTile::DEFAULT.block_tokens() as usize;
+    tokens.div_ceil(block).max(1) * width * rank
+}
+
+fn partials_key(n: u32, r: u32, tile: PartialsTile) -> KernelKey {
+    KernelKey::new("lora_weight_grad_partials")
+        .workgroup_size(tile.invocations())
+        .shape("n", n)
+        .shape("rank", r)
+        .shape("cols", tile.cols)
+        .shape("lanes", tile.lanes)
+        .shape("lane_tokens", tile.lane_tokens)
+        .shape("unroll", tile.unroll)
+        .shape("round_sums", tile.round_sums)
+        .assume_in_bounds()
+}
+
+/// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`. Invocation
+/// `(lane, c)` keeps its columns' `r` sums in registers over its `lane_tokens` tokens of the
+/// block (`u` read wide, `unroll` rows in flight); the lanes' sums are added in workgroup
+/// memory.
+fn partials_body(k: &mut KernelBuilder) {
+    by_width(k, partials_with::<Vec4<f32>>, partials_with::<f32>)
+}
+
+fn partials_with<C: Columns>(k: &mut KernelBuilder) {
+    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
+    let tile = PartialsTile::from_key(k);
+    let PartialsTile {
+        cols,
+        lanes,
+        lane_tokens,
+        unroll,
+        round_sums,
+    } = tile;
+    let groups = n / C::N;
+    let u = k.storage::<C>("u");
+    let v = RankRows::declare(k, "v", r);
+    let partials = k.storage_rw::<f32>("partials");
+    let tokens = k.param::<u32>("tokens");
+    // Where this gradient's partials start in `partials` (the fused backward keeps two).
+    let first_partial = k.param::<u32>("base");
+    let sums = k.workgroup_array::<f32>("sums", lanes * cols * round_sums);
+    let lid = k.let_("lid", k.local_index());
+    let lane = k.let_("lane", &lid / cols);
+    let c = k.let_("c", &lid % cols);
+    let wg = k.let_("wg", k.workgroup_index());
+    let col_groups = groups.div_ceil(cols);
+    let block = k.let_("block", &wg / col_groups);
+    let g0 = k.let_("g0", (&wg % col_groups) * cols);
+    // Columns past the last read the last (their sums are never stored).
+    let g = k.let_("g", (&g0 + &c).min(groups - 1));
+    // Indexed by Rust constants only: column `cc` of the invocation's, rank `kk` at `cc·r + kk`.
+    let acc: LocalArray<f32> = k.var_array("acc", C::N * r);
+    for o in 0..C::N * r {
+        k.store(&acc, o, 0.0f32);
+    }
+    let first = k.let_("first", (&block * lanes + &lane) * lane_tokens);
+    let end = k.let_("end", (&first + lane_tokens).min(&tokens).max(&first));
+    let full = k.let_("full", &first + (&end - &first) / unroll * unroll);
+    let rows_at = |k: &mut KernelBuilder, t: &Expr<u32>, count: u32| {
+        let us: Vec<Expr<C>> = (0..count)
+            .map(|j| k.let_("u_t", u.at(offset(t, j) * groups + &g)))
+            .collect();
+        for (j, u_t) in us.iter().enumerate() {
+            let vs = v.row(k, &offset(t, j as u32), r);
+            for (cc, u_tj) in C::lanes(u_t).iter().enumerate() {
+                for (kk, v_tk) in vs.iter().enumerate() {
+                    // `acc(j, k) += u[t, j]·v[t, k]`
+                    let o = cc as u32 * r + kk as u32;
+                    k.store_op(&acc, o, BinaryOp::Add, u_tj * v_tk);
+                }
+            }
+        }
+    };
+    k.for_step("t", &first, &full, unroll, |k, t| rows_at(k, &t, unroll));
+    k.for_range("t", &full, &end, |k, t| rows_at(k, &t, 1));
+    k.comment("Add the lanes' sums, `round_sums` per invocation a round.");
+    let total_outputs = C::N * r;
+    for pass in 0..total_outputs.div_ceil(round_sums) {
+        let base = pass * round_sums;
+        let len = round_sums.min(total_outputs - base);
+        for o in 0..len {
+            k.store(
+                &sums,
+                (&lane * cols + &c) * round_sums + o,
+                acc.at(base + o),
+            );
+        }
+        k.workgroup_barrier();
+        let threads = tile.invocations();
+        for part in 0..(cols * len).div_ceil(threads) {
+            let e = k.let_("e", offset(&lid, part * threads));
+            k.if_(e.lt(cols * len), |k| {
+                let ec = k.let_("ec", &e / len);
+                let eo = k.let_("eo", &e % len);
+                let total = k.var("total", 0.0f32);
+                for l in 0..lanes {
+                    k.add_assign(&total, sums.at((l * cols + &ec) * round_sums + &eo));
+                }
+                let eg = k.let_("eg", &g0 + &ec);
+                // A block past the tokens (a workgroup the 2-D grid rounds up to) stores nothing.
+                let live = eg
+                    .lt(groups)
+                    .and((&block * tile.block_tokens()).lt(&tokens));
+                k.if_(live, |k| {
+                    // Output `base + eo` is column `cc` of the invocation's, rank `kk`.
+                    let o = k.let_("o", &eo + base);
+                    let col = k.let_("col", &eg * C::N + &o / r);
+                    let at = &first_partial + (&block * n + &col) * r + &o % r;
+                    k.store(&partials, at, total.get());
+                });
+            });
+        }
+        k.workgroup_barrier();
+    }
+}
+
+/// The second pass's key: one gradient `n` wide in `layout`, and, when `second` is not 0, a
+/// second one `second` wide, rank-major (`dA` after `dB` in the fused backward: one launch).
+fn sum_key(n: u32, r: u32, layout: Layout, second: u32, tile: SumTile) -> KernelKey {
+    adapter_key("lora_weight_grad_sum", n, r, layout)
+        .workgroup_size(tile.invocations)
+        .shape("second", second)
+        .shape("loads", tile.loads)
+        .assume_in_bounds()
+}
+
+/// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout —
+/// for `grad`, and for `grad2` (whose partials follow `grad`'s) when the key has a second.
+fn sum_body(k: &mut KernelBuilder) {
+    let (n, r, layout) = adapter_shapes(k);
+    let second = k.shape::<u32>("second");
+    let partials = k.storage::<f32>("partials");
+    let grad = k.storage_rw::<f32>("grad");
+    let grad2 = (second > 0).then(|| k.storage_rw::<f32>("grad2"));
+    let blocks = k.param::<u32>("blocks");
+    let scale = k.param::<f32>("scale");
+    let loads = k.shape::<u32>("loads");
+    let i = k.global_index();
+    // `loads` independent sums, so that many loads are in flight per step (a 4096-token
+    // backward has 16 blocks: one step); a block past the last reads the last one (in range)
+    // and adds nothing.
+    let add_blocks = |k: &mut KernelBuilder, (at, width, base): (Expr<u32>, u32, Expr<u32>)| {
+        let accs: Vec<_> = (0..loads).map(|_| k.var("acc", 0.0f32)).collect();
+        // With no blocks (no tokens) this wraps, unused: the loop below does not run.
+        let last = k.let_("last", &blocks - 1u32);
+        k.for_step("b", 0u32, &blocks, loads, |k, b| {
+            for (q, acc) in accs.iter().enumerate() {
+                let bq = k.let_("bq", offset(&b, q as u32).min(&last));
+                let live = offset(&b, q as u32).lt(&blocks);
+                let value = partials.at(&base + &bq * (width * r) + &at);
+                k.add_assign(acc, select(live, value, 0.0f32));
+            }
+        });
+        let total = accs
+            .iter()
+            .map(|acc| acc.get())
+            .reduce(|a, b| a + b)
+            .expect("loads > 0");
+        // `G(j, k) = s·Σ_blocks partials[block, j, k]`
+        &scale * total
+    };
+    k.if_(i.lt(n * r), |k| {
+        let j = k.let_("j", &i / r);
+        let kk = k.let_("k", &i % r);
+        let total = add_blocks(k, (i.clone(), n, lit(0u32)));
+        k.store(&grad, layout.at(&j, &kk, n, r), total);
+    });
+    if let Some(grad2) = &grad2 {
+        k.if_(i.ge(n * r).and(i.lt((n + second) * r)), |k| {
+            let at = k.let_("at", &i - n * r);
+            let j = k.let_("j", &at / r);
+            let kk = k.let_("k", &at % r);
+            let base = k.let_("base", &blocks * (n * r));
+            let total = add_blocks(k, (at.clone(), second, base));
+            k.store(grad2, Layout::RankMajor.at(&j, &kk, second, r), total);
+        });
+    }
+}
+
+/// One weight gradient: `grad(j, k) = s·Σ_t u[t, j]·v[t, k]` for `u: [T, n]`, `v: [T, r]`.
+pub(super) struct Gradient<'a> {
+    pub(super) u: &'a GpuBuffer<f32>,
+    pub(super) v: &'a GpuBuffer<f32>,
+    pub(super) grad: &'a GpuBuffer<f32>,
+    pub(super) n: u32,
+}
+
+/// Records both passes for `first` (laid out as `layout`) and, when given, a rank-major `second`
+/// whose partials follow `first`'s in `scratch` and which the same second-pass launch adds up.
+/// `scratch` holds [`lora_scratch_len`] for the gradients' widths (checked by the caller).
+pub(super) fn launch(
+    rec: &mut Recorder<'_>,
+    (first, layout): (&Gradient<'_>, Layout),
+    second: Option<&Gradient<'_>>,
+    (tokens, r, scale): (u32, u32, f32),
+    scratch: &GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let tile = PartialsTile::DEFAULT;
+    tile.check("lora_weight_grad_partials")?;
+    let blocks = tokens.div_ceil(tile.block_tokens());
+    launch_partials(rec, first, (tokens, r, tile), scratch, 0)?;
+    if let Some(second) = second {
+        let base = blocks * first.n * r;
+        launch_partials(rec, second, (tokens, r, tile), scratch, base)?;
+    }
+    let second_n = second.map_or(0, |s| s.n);
+    let sum_tile = SumTile::DEFAULT;
+    sum_tile.check("lora_weight_grad_sum")?;
+    let key = sum_key(first.n, r, layout, second_n, sum_tile);
+    let kernel = rec.gpu().kernel(&key, sum_body)?;
+    let args = Args::new()
+        .buffer("partials", scratch)
+        .buffer("grad", first.grad);
+    let args = match second {
+        Some(second) => args.buffer("grad2", second.grad),
+        None => args,
+    };
+    let args = args.param("blocks", blocks).param("scale", scale);
+    let outputs = (first.n + second_n) as u64 * r as u64;
+    rec.launch(&kernel, &args, Grid::Threads(outputs))
+}
+
+/// The first pass for one gradient, into `scratch` from `base`.
+fn launch_partials(
+    rec: &mut Recorder<'_>,
+    gradient: &Gradient<'_>,
+    (tokens, r, tile): (u32, u32, PartialsTile),
+    scratch: &GpuBuffer<f32>,
+    base: u32,
+) -> Result<(), ExecError> {
+    let blocks = tokens.div_ceil(tile.block_tokens());
+    if blocks == 0 {
+        return Ok(());
+    }
+    let n = gradient.n;
+    let kernel = rec.gpu().kernel(&partials_key(n, r, tile), partials_body)?;
+    let args = bind_columns(Args::new(), "u", gradient.u, n);
+    let args = bind_rank_rows(args, "v", gradient.v, r)
+        .buffer("partials", scratch)
+        .param("tokens", tokens)
+        .param("base", base);
+    let workgroups = blocks as u64 * row_elements(n).div_ceil(tile.cols) as u64;
+    let threads = workgroups * tile.invocations() as u64;
+    rec.launch(&kernel, &args, Grid::Threads(threads))
+}
+
+/// The kernels at a small shape, for snapshots and review.
+pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    Ok(vec![
+        Kernel::build(&partials_key(64, 2, PartialsTile::DEFAULT), partials_body)?,
+        Kernel::build(
+            &sum_key(64, 2, Layout::RankMinor, 48, SumTile::DEFAULT),
+            sum_body,
+        )?,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_tile_passes_its_check_and_a_broken_one_says_why() {
+        PartialsTile::DEFAULT
+            .check("lora_weight_grad_partials")
+            .unwrap();
+        let err = PartialsTile {
+            lanes: 0,
+            ..PartialsTile::DEFAULT
+        }
+        .check("lora_weight_grad_partials")
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("must be positive"), "{err}");
+        SumTile::DEFAULT.check("lora_weight_grad_sum").unwrap();
+        let err = SumTile {
+            loads: 0,
+            ..SumTile::DEFAULT
+        }
+        .check("lora_weight_grad_sum")
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("must be positive"), "{err}");
+    }
+}
