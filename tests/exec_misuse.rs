@@ -406,3 +406,60 @@ fn messages_name_values_and_why_a_feature_is_missing() {
          (GpuOptions)"
     );
 }
+
+/// A kernel that indexes by workgroup (`workgroup_index()`, never `global_index`) launched with
+/// a thread grid would run `items / invocations` workgroups: refused, naming the grid to use
+/// and the line that asked for the workgroup index. With `WorkgroupPerItem` every row is done.
+#[test]
+fn a_per_workgroup_kernel_is_refused_a_thread_grid() {
+    let g = gpu();
+    let rows = 300usize;
+    let key = KernelKey::new("row_first").workgroup_size(64);
+    let row_line = line!() + 4;
+    let kernel = Kernel::build(&key, |k| {
+        let x = k.storage::<u32>("x");
+        let y = k.storage_rw::<u32>("y");
+        let row = k.workgroup_index();
+        let row = k.let_("row", row);
+        k.if_(k.local_index().eq(0u32), |k| {
+            k.store(&y, &row, x.at(&row * 64u32) + 1u32)
+        });
+    })
+    .unwrap();
+    assert_eq!(
+        kernel.indexes_by_workgroup().map(|at| at.location.line()),
+        Some(row_line)
+    );
+    let x: Vec<u32> = (0..rows as u32 * 64).collect();
+    let xb = g.upload(&x).unwrap();
+    let y = g.filled(rows, u32::MAX).unwrap();
+    let args = Args::new().buffer("x", &xb).buffer("y", &y);
+    let err = g
+        .run(&kernel, &args, Grid::Threads(rows as u64))
+        .unwrap_err();
+    let message = err.to_string();
+    assert!(
+        matches!(err, ExecError::Dispatch { .. })
+            && message.contains("Grid::WorkgroupPerItem(items)")
+            && message.contains(&format!("{}:{row_line}:", file!())),
+        "{message}"
+    );
+    g.run(&kernel, &args, Grid::WorkgroupPerItem(rows as u64))
+        .unwrap();
+    let want: Vec<u32> = (0..rows as u32).map(|r| r * 64 + 1).collect();
+    assert_eq!(y.read(g).unwrap(), want);
+
+    // Indexing by invocation too (`global_index`): a thread grid may be meant; not refused.
+    let mixed = Kernel::build(&KernelKey::new("mixed").workgroup_size(64), |k| {
+        let y = k.storage_rw::<u32>("y");
+        let i = k.global_index();
+        let w = k.workgroup_index();
+        k.if_(i.lt(rows as u32), |k| k.store(&y, &i, w));
+    })
+    .unwrap();
+    assert_eq!(mixed.indexes_by_workgroup(), None);
+    let args = Args::new().buffer("y", &y);
+    g.run(&mixed, &args, Grid::Threads(rows as u64)).unwrap();
+    let want: Vec<u32> = (0..rows as u32).map(|i| i / 64).collect();
+    assert_eq!(y.read(g).unwrap(), want);
+}

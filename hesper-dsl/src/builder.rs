@@ -4,6 +4,7 @@
 //! Builder misuse never panics and never reaches naga: it is recorded, and [`KernelBuilder::finish`]
 //! returns the first error, naming the kernel and the item.
 
+use std::cell::Cell;
 use std::collections::BTreeSet;
 use std::marker::PhantomData;
 use std::panic::Location;
@@ -123,6 +124,11 @@ pub struct KernelBuilder {
     /// Inside a combinator: its statements are the author's call of it, not the combinator's
     /// own lines (see [`KernelBuilder::within`]).
     pinned: Option<Origin>,
+    /// Where the author first asked for `workgroup_index()` (one workgroup per item), and
+    /// whether the kernel indexes by invocation (`global_index`, `global_id`): see
+    /// [`Kernel::indexes_by_workgroup`].
+    pub(crate) workgroup_indexed: Cell<Option<Origin>>,
+    pub(crate) invocation_indexed: Cell<bool>,
 }
 
 // ---------------------------------------------------------------- handles
@@ -384,6 +390,8 @@ impl KernelBuilder {
             functions: vec![],
             errors: vec![],
             pinned: None,
+            workgroup_indexed: Cell::new(None),
+            invocation_indexed: Cell::new(false),
         };
         for (name, _) in key.shape_params() {
             if let Err(why) = names::check_user_name(name) {
@@ -483,6 +491,10 @@ impl KernelBuilder {
             helpers: found.helpers,
             body,
             uses_f16: found.uses_f16,
+            indexes_by_workgroup: self
+                .workgroup_indexed
+                .get()
+                .filter(|_| !self.invocation_indexed.get()),
             wgsl: String::new(),
         };
         (kernel.var_names, kernel.fn_names) = names::assign(&kernel);
@@ -689,6 +701,7 @@ impl KernelBuilder {
     }
     /// `@builtin(global_invocation_id)`
     pub fn global_id(&self) -> Expr<crate::Vec3<u32>> {
+        self.invocation_indexed.set(true);
         self.builtin(Builtin::GlobalInvocationId)
     }
     /// `@builtin(local_invocation_id)`

@@ -101,6 +101,7 @@ impl KernelBuilder {
     /// Right for any number of workgroups up to 65535², given a 2-D dispatch.
     #[track_caller]
     pub fn global_index(&mut self) -> Expr<u32> {
+        self.invocation_indexed.set(true);
         let lid = self.local_index();
         let wg = self.invocations();
         let group = self.workgroup_index();
@@ -112,7 +113,11 @@ impl KernelBuilder {
     /// This workgroup's flat index over a 1-D grid of workgroups,
     /// `workgroup_id.y * num_workgroups.x + workgroup_id.x` (for one workgroup per row: the
     /// executor lays more than 65535 out 2-D). Not bound: the caller names it.
+    #[track_caller]
     pub fn workgroup_index(&self) -> Expr<u32> {
+        if self.workgroup_indexed.get().is_none() {
+            self.workgroup_indexed.set(Some(self.origin()));
+        }
         let wid = self.workgroup_id();
         wid.y() * self.num_workgroups().x() + wid.x()
     }

@@ -282,6 +282,7 @@ pub struct Kernel {
     pub(crate) helpers: Vec<Func>,
     pub(crate) body: Block,
     pub(crate) uses_f16: bool,
+    pub(crate) indexes_by_workgroup: Option<crate::Origin>,
     pub(crate) wgsl: String,
 }
 
@@ -291,6 +292,12 @@ impl Kernel {
     }
     pub fn name(&self) -> &str {
         self.key.name()
+    }
+    /// Where the kernel asks for `workgroup_index()` when it never indexes by invocation
+    /// (`global_index`, `global_id`): one workgroup per item, so a thread grid
+    /// (`Grid::Threads(items)`) would launch too few workgroups. The executor refuses that.
+    pub fn indexes_by_workgroup(&self) -> Option<crate::Origin> {
+        self.indexes_by_workgroup
     }
     /// The emitted WGSL (deterministic for a given key).
     pub fn wgsl(&self) -> &str {

@@ -160,7 +160,8 @@ pub enum Grid {
     /// One workgroup per item (a row, a head, a block), `n` of them, laid out 2-D past 65535
     /// like `Threads` (pair with `KernelBuilder::workgroup_index`, and guard it by `n`: a few
     /// spare workgroups may run). For a kernel that indexes by workgroup, `Threads(rows)` would
-    /// launch `rows / invocations` workgroups and leave most rows unwritten.
+    /// launch `rows / invocations` workgroups and leave most rows unwritten, so a kernel that
+    /// calls `workgroup_index()` and never `global_index()` is refused a `Threads` grid.
     WorkgroupPerItem(u64),
     /// Exactly these workgroup counts.
     Workgroups([u32; 3]),
@@ -305,6 +306,19 @@ impl Gpu {
             && n > 1 << 32
         {
             return Err(too_many(n));
+        }
+        if let (Grid::Threads(n), Some(at)) = (grid, kernel.indexes_by_workgroup()) {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.name().into(),
+                what: format!("{grid:?}"),
+                why: format!(
+                    "the kernel indexes by workgroup (`workgroup_index()` at {at}): launch it \
+                     with Grid::WorkgroupPerItem(items); Grid::Threads({n}) runs {n} / {} \
+                     workgroups, which leaves items undone unless {n} is exactly items × {}",
+                    kernel.key().invocations(),
+                    kernel.key().invocations()
+                ),
+            });
         }
         let groups = match grid {
             Grid::Workgroups(g) => g,

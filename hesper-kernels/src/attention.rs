@@ -188,7 +188,6 @@ pub fn execute_softmax_backward(
     }
     let vec4 = cols.is_multiple_of(4);
     let key = softmax_key(vec4, rec.gpu().kernel_features());
-    let wg = key.invocations();
     let kernel = rec.gpu().kernel(&key, softmax_body)?;
     let (args, width) = if vec4 {
         let args = Args::new()
@@ -205,7 +204,7 @@ pub fn execute_softmax_backward(
     let args = args
         .param("rows", rows)
         .param("width", expect_u32(name, "cols", width)?);
-    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * wg as u64))
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(rows as u64))
 }
 
 /// The shape of one decoded token's attention.

@@ -398,7 +398,7 @@ pub fn execute_cross_entropy_forward(
 }
 
 fn one_workgroup_per_token(sizes: &Sizes) -> Grid {
-    Grid::Threads(u64::from(sizes.tokens) * u64::from(sizes.wg))
+    Grid::WorkgroupPerItem(u64::from(sizes.tokens))
 }
 
 /// Bind a `[T, V]` buffer as the row kernels read it: `vec4`s when `V` is a multiple of 4.

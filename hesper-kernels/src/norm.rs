@@ -214,7 +214,7 @@ fn rows_of(
 
 /// One workgroup per row, 2-D past 65535 rows.
 fn row_grid(rows: u32) -> Grid {
-    Grid::Threads(rows as u64 * WG as u64)
+    Grid::WorkgroupPerItem(rows as u64)
 }
 
 /// `y = x·r·γ` per row, saving `r` in `rstd` (one per row). `x` and `y` are `[rows, cols]`,
@@ -266,7 +266,6 @@ pub fn execute_rms_norm_backward(
         return Ok(());
     }
     let key = backward_key(cols, accumulate, rec.gpu().kernel_features());
-    let wg = key.invocations();
     let kernel = rec.gpu().kernel(&key, backward_body)?;
     let args = if cols.is_multiple_of(4) {
         Args::new()
@@ -282,7 +281,7 @@ pub fn execute_rms_norm_backward(
             .buffer("dx", dx)
     };
     let args = args.buffer("rstd", rstd).param("rows", rows);
-    rec.launch(&kernel, &args, Grid::Threads(rows as u64 * wg as u64))
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(rows as u64))
 }
 
 /// Elements of the scratch buffer [`execute_rms_norm_dgamma`] needs for `rows` × `cols`.

@@ -334,26 +334,22 @@ pub(super) fn project(
         (Layout::RankMajor, Some(_)) => bind_columns(args, "w", w, n),
         (Layout::RankMajor, None) => args.buffer("w", w),
     };
-    let (kernel, tokens_per_group, invocations) = match subgroups {
+    let (kernel, tokens_per_group) = match subgroups {
         Some(size) => {
             sg_tile.check("lora_down_subgroups")?;
             let key = subgroups::key(n, r, layout, size, sg_tile);
             let kernel = rec.gpu().kernel(&key, subgroups::body)?;
-            (kernel, sg_tile.tokens(), sg_tile.invocations())
+            (kernel, sg_tile.tokens())
         }
         None => {
             let tile = DownTile::DEFAULT;
             tile.check("lora_down")?;
             let kernel = rec.gpu().kernel(&key(n, r, layout, tile), body)?;
-            (kernel, tile.tokens(), tile.invocations())
+            (kernel, tile.tokens())
         }
     };
     let groups = t.div_ceil(tokens_per_group);
-    rec.launch(
-        &kernel,
-        &args,
-        Grid::Threads(groups as u64 * invocations as u64),
-    )
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(groups as u64))
 }
 
 /// The kernel at a small shape, for snapshots and review.

@@ -26,9 +26,6 @@ impl SubgroupTile {
         unroll: 4,
     };
 
-    pub(super) fn invocations(&self) -> u32 {
-        self.invocations
-    }
     /// Tokens per workgroup.
     pub(super) fn tokens(&self) -> u32 {
         self.group_tokens

@@ -355,8 +355,7 @@ fn launch_partials(
         .param("tokens", tokens)
         .param("base", base);
     let workgroups = blocks as u64 * row_elements(n).div_ceil(tile.cols) as u64;
-    let threads = workgroups * tile.invocations() as u64;
-    rec.launch(&kernel, &args, Grid::Threads(threads))
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(workgroups))
 }
 
 /// The kernels at a small shape, for snapshots and review.
