@@ -213,6 +213,8 @@ fn macro_and_builder_emit_identical_wgsl() {
     insta::assert_snapshot!("macro_scale_rows", pairs[4].0.wgsl());
 }
 
+/// The typed launcher, positional and by name (`<Name>Launch`: two inputs of one type cannot
+/// trade places, `gate` and `up` here); outputs poisoned before each.
 #[test]
 fn typed_launcher_runs_the_macro_kernel() {
     let g = gpu();
@@ -224,30 +226,46 @@ fn typed_launcher_runs_the_macro_kernel() {
         g.upload(&up).unwrap(),
         g.upload(&dh).unwrap(),
     );
-    let (mut d_gate, mut d_up) = (
-        g.filled(n, f32::NAN).unwrap(),
-        g.filled(n, f32::NAN).unwrap(),
-    );
-    let mut rec = g.recorder();
-    relu_sqr_mul_backward::launch(
-        &mut rec,
-        &gb,
-        &ub,
-        &db,
-        &mut d_gate,
-        &mut d_up,
-        n as u32,
-        Grid::Threads(n as u64),
-    )
-    .unwrap();
-    rec.submit().unwrap();
     let r = |i: usize| (gate[i] as f64).max(0.0);
     let want_gate: Vec<f64> = (0..n)
         .map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i))
         .collect();
     let want_up: Vec<f64> = (0..n).map(|i| dh[i] as f64 * r(i) * r(i)).collect();
-    assert!(max_rel_err(&d_gate.read(g).unwrap(), &want_gate, 1.0) < 1e-6);
-    assert!(max_rel_err(&d_up.read(g).unwrap(), &want_up, 1.0) < 1e-6);
+    for by_name in [false, true] {
+        let (mut d_gate, mut d_up) = (
+            g.filled(n, f32::NAN).unwrap(),
+            g.filled(n, f32::NAN).unwrap(),
+        );
+        let mut rec = g.recorder();
+        let grid = Grid::Threads(n as u64);
+        if by_name {
+            // Fields in any order: each binds by its name.
+            ReluSqrMulBackwardLaunch {
+                up: &ub,
+                gate: &gb,
+                d_up: &mut d_up,
+                d_hidden: &db,
+                d_gate: &mut d_gate,
+                n: n as u32,
+            }
+            .record(&mut rec, grid)
+        } else {
+            relu_sqr_mul_backward::launch(
+                &mut rec,
+                &gb,
+                &ub,
+                &db,
+                &mut d_gate,
+                &mut d_up,
+                n as u32,
+                grid,
+            )
+        }
+        .unwrap();
+        rec.submit().unwrap();
+        assert!(max_rel_err(&d_gate.read(g).unwrap(), &want_gate, 1.0) < 1e-6);
+        assert!(max_rel_err(&d_up.read(g).unwrap(), &want_up, 1.0) < 1e-6);
+    }
 }
 
 #[test]
@@ -583,43 +601,4 @@ fn macro_workgroup_shapes_loops_and_subgroup_variants_run() {
     rec.submit().unwrap();
     let want: Vec<f32> = x.iter().map(|v| v * -3.0).collect();
     assert_eq!(xb.read(g).unwrap(), want);
-}
-
-/// `<Name>Launch`: the launcher's parameters by name, so two inputs of one type cannot trade
-/// places (`gate` and `up` here).
-#[test]
-fn named_launch_binds_by_field_name() {
-    let g = gpu();
-    let n = 300usize;
-    let mut rng = Rng::new(8);
-    let (gate, up, dh) = (rng.vec(n, 1.0), rng.vec(n, 1.0), rng.vec(n, 1.0));
-    let (gb, ub, db) = (
-        g.upload(&gate).unwrap(),
-        g.upload(&up).unwrap(),
-        g.upload(&dh).unwrap(),
-    );
-    let (mut d_gate, mut d_up) = (
-        g.filled(n, f32::NAN).unwrap(),
-        g.filled(n, f32::NAN).unwrap(),
-    );
-    let mut rec = g.recorder();
-    // Fields in any order: each binds by its name.
-    ReluSqrMulBackwardLaunch {
-        up: &ub,
-        gate: &gb,
-        d_up: &mut d_up,
-        d_hidden: &db,
-        d_gate: &mut d_gate,
-        n: n as u32,
-    }
-    .record(&mut rec, Grid::Threads(n as u64))
-    .unwrap();
-    rec.submit().unwrap();
-    let r = |i: usize| (gate[i] as f64).max(0.0);
-    let want_gate: Vec<f64> = (0..n)
-        .map(|i| dh[i] as f64 * up[i] as f64 * 2.0 * r(i))
-        .collect();
-    let want_up: Vec<f64> = (0..n).map(|i| dh[i] as f64 * r(i) * r(i)).collect();
-    assert!(max_rel_err(&d_gate.read(g).unwrap(), &want_gate, 1.0) < 1e-6);
-    assert!(max_rel_err(&d_up.read(g).unwrap(), &want_up, 1.0) < 1e-6);
 }

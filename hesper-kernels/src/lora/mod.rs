@@ -20,11 +20,11 @@
 //!
 //! Ranks past 32 (more sums than registers) go through the tiled GEMM ([`crate::linear`]).
 //!
-//! One file per kernel family, each kernel's block sizes a tile value in its key: [`down`]
-//! (`lora_down`, and the routing of the products into `r`), [`subgroups`]
-//! (`lora_down_subgroups`), [`up`] (`lora_up`), [`weight_grad`] (the two passes); this file holds
-//! the `execute_*` functions, which check every buffer and route each product, and the helpers
-//! the kernels share; [`reference`] the f64 references.
+//! One file per kernel family, each kernel's block sizes a tile value in its key: `down.rs`
+//! (`lora_down`, and the routing of the products into `r`), `subgroups.rs`
+//! (`lora_down_subgroups`), `up.rs` (`lora_up`), `weight_grad.rs` (the two passes); this file
+//! holds the `execute_*` functions, which check every buffer and route each product, and the
+//! helpers the kernels share; `reference.rs` the f64 references.
 
 use hesper_dsl::ReadBuffer;
 use hesper_dsl::prelude::*;
