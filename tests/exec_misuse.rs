@@ -458,6 +458,23 @@ fn a_per_workgroup_kernel_is_refused_a_thread_grid() {
     })
     .unwrap();
     assert_eq!(mixed.indexes_by_workgroup(), None);
+
+    // A 2-D workgroup with a 1-D thread grid: refused, naming the 2-D grid to use.
+    let tiled = Kernel::build(&KernelKey::new("tiled").workgroup_size_3d([8, 8, 1]), |k| {
+        let y = k.storage_rw::<u32>("y");
+        let id = k.global_id();
+        k.if_(id.x().lt(rows as u32), |k| k.store(&y, id.x(), id.y()));
+    })
+    .unwrap();
+    let args = Args::new().buffer("y", &y);
+    let err = g
+        .run(&tiled, &args, Grid::Threads(rows as u64))
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("workgroup is 8×8×1: launch a 2-D (3-D) kernel with Grid::Workgroups(["),
+        "{err}"
+    );
     let args = Args::new().buffer("y", &y);
     g.run(&mixed, &args, Grid::Threads(rows as u64)).unwrap();
     let want: Vec<u32> = (0..rows as u32).map(|i| i / 64).collect();

@@ -406,7 +406,7 @@ fn typed_launcher_checks_stated_lengths() {
     .unwrap_err();
     assert_eq!(
         err.to_string(),
-        "kernel `add_bias`, binding `x`: expected at least 35 elements, given 34 elements"
+        "kernel `add_bias`, binding `x`: expected at least 35 elements (#[len(rows * cols)]), given 34 elements"
     );
     let err = add_bias::launch(&mut rec, &xb, &bb, &mut y, cols as u32, 1 << 30, grid).unwrap_err();
     assert!(

@@ -8,7 +8,7 @@
 use proc_macro::TokenStream;
 use proc_macro_crate::{FoundCrate, crate_name};
 use proc_macro2::{Span, TokenStream as Tokens};
-use quote::{format_ident, quote, quote_spanned};
+use quote::{ToTokens, format_ident, quote, quote_spanned};
 use syn::parse::Parser;
 use syn::punctuated::Punctuated;
 use syn::spanned::Spanned;
@@ -19,7 +19,7 @@ use syn::{
 
 /// Write a kernel as a Rust function: the function becomes a unit struct of the same name with
 /// `key(shapes…)`, `body(&mut KernelBuilder)`, `build(shapes…)` and — where hesper-exec is a
-/// dependency — a typed `launch(&mut Recorder, parameters in their order…, Grid)`, which takes
+/// dependency, directly or through `hesper` — a typed `launch(&mut Recorder, parameters in their order…, Grid)`, which takes
 /// read buffers by `&GpuBuffer`, written ones by `&mut GpuBuffer`, and checks each `#[len(…)]`;
 /// beside it, a struct `<Name>Launch` (`axpy` → `AxpyLaunch`) with the same parameters as named
 /// fields, whose `.record(&mut rec, grid)` is `launch` without an argument order to get wrong.
@@ -48,18 +48,18 @@ use syn::{
 /// | write | means |
 /// |---|---|
 /// | `let v = e;` | a WGSL `let` when `e` is an expression (the name stays `v` in the WGSL), plain Rust when it is a Rust value |
-/// | `let mut v = e;`, `v = e`, `v += e` | a WGSL `var` and its updates (`+= -= *= /= %= &= \|= ^= <<= >>=`) |
+/// | `let mut v = e;`, `v = e`, `v += e` | always a WGSL `var` (also from a Rust value: `let mut s = 0.0;`) and its updates (`+= -= *= /= %= &= \|= ^= <<= >>=`) |
 /// | `x[i]`, `x[i] = e`, `x[i] += e`, `x.len()` | buffer and workgroup-array elements, a buffer's length (`arrayLength`) |
 /// | `if c { … } else { … }` | comptime when `c` is a Rust `bool` (shapes, literals), WGSL when an expression |
 /// | `for i in a..b`, `for i in (a..b).step_by(s)` | unrolled at build time over Rust bounds, a WGSL loop over expressions |
 /// | `for i in grid_stride(n)` | each invocation takes `i = global_index(), + total_invocations(), …` below `n` |
-/// | `for c in row_loop(len)` | the workgroup's invocations stride over `0..len` from their `local_index()` |
+/// | `for c in row_loop(len)` | the workgroup's invocations stride over `0..len` from their `local_index()` (the counter keeps your name) |
 /// | `while c { … }`, `loop { … }`, `break`, `continue`, `return` | WGSL control flow |
 /// | `+ - * / % & \| ^ << >> ! -`, `< <= > >= == !=`, `&& \|\|`, `e as f32` | on expressions and Rust values alike |
 /// | `v.x`, `v.y`, `v.z`, `v.w`, `v.swizzle::<Vec2<f32>>("xy")` | vector components |
 /// | `global_index()`, `workgroup_index()`, `total_invocations()`, `invocations()` | flat indices (right past 65535 workgroups) and the workgroup's size |
 /// | `local_index()`, `global_id()`, `local_id()`, `workgroup_id()`, `num_workgroups()` | WGSL builtins |
-/// | `workgroup_reduce(v, Reduce::Sum \| Max \| Min)` | every invocation gets the workgroup's sum, max or min (call it where all arrive) |
+/// | `workgroup_reduce(v, Reduce::Sum \| Max \| Min)` | every invocation gets the workgroup's sum, max or min (call it where all arrive; start a running max at `f32::MIN`, a min at `f32::MAX`: WGSL has no infinities) |
 /// | `workgroup_barrier()`, `storage_barrier()` | barriers (checked to be in uniform control flow) |
 /// | `subgroup_add(v)`, `subgroup_max`, `subgroup_min`, `subgroup_shuffle_xor(v, m)`, `subgroup_broadcast(v, lane)`, `subgroup_size()`, `subgroup_invocation_id()`, `subgroup_id()`, `num_subgroups()` | subgroup operations (the key must ask for subgroups) |
 /// | `max(a, b)`, `min`, `clamp(x, lo, hi)`, `abs`, `exp`, `exp2`, `log`, `log2`, `sqrt`, `inverse_sqrt`, `tanh`, `sin`, `cos`, `floor`, `ceil`, `pow(x, y)`, `fma(a, b, c)`, `select(c, if_true, if_false)` | WGSL builtins as functions |
@@ -68,10 +68,27 @@ use syn::{
 /// | `helper(a, b)` | a [`macro@kernel_fn`] helper (a plain Rust function here is an error that says so) |
 /// | `self::f(…)`, `u32::div_ceil(…)` | ordinary Rust, by a path, on Rust values |
 ///
-/// Literals take their type from Rust: `2.0` is f32, `2u32` u32, and a bare `2` against an f32
-/// expression is a type error that says to write `2.0`. A misuse the types cannot catch (a
-/// barrier under a per-invocation `if`, a shape missing from the key) is a `DslError` from
-/// `build` naming the body's line. Examples: `hesper_dsl`'s crate docs.
+/// Literals take their type from Rust: `2.0` is f32, `2u32` u32, a bare `2` is whichever
+/// integer type the expression beside it has, and a bare `2` against an f32 expression is a
+/// type error that says to write `2.0`. A misuse the types cannot catch (a barrier under a
+/// per-invocation `if`, a shape missing from the key) is a `DslError` from `build` naming the
+/// body's line.
+///
+/// Barriers, reductions and subgroup operations must be reached by every invocation together:
+/// only conditions and loop bounds built from values all invocations share may surround them —
+/// literals, shapes, runtime scalars, `workgroup_id()`, `workgroup_index()`,
+/// `num_workgroups()`, reads of read-only buffers at such indices, and `let`s of those.
+///
+/// The launcher: `launch(&mut rec, <every parameter but #[workgroup] arrays, in declared
+/// order>, grid)` — buffers, shapes and runtime scalars alike; `<Name>Launch` has the same
+/// fields. One item per invocation: `Grid::Threads(n)` with `global_index()`; one workgroup
+/// per row: `Grid::WorkgroupPerItem(rows)` with `workgroup_index()`; 2-D tiles of `TX×TY`:
+/// `Grid::Workgroups([cols.div_ceil(TX), rows.div_ceil(TY), 1])` with `workgroup_id()` and
+/// `local_id()`. The executor refuses a thread grid for the last two.
+///
+/// Precision: the builtins are the device's (`tanh`, `exp` to a few ulps); prefer forms that
+/// do not cancel in f32, e.g. GELU's `0.5·x·(1 + tanh u)` as `x·sigmoid(2u)` (for u ≲ −8,
+/// `1 + tanh u` is 0 in f32). Examples: `hesper_dsl`'s crate docs.
 #[proc_macro_attribute]
 pub fn kernel(attr: TokenStream, item: TokenStream) -> TokenStream {
     expand_kernel(attr.into(), item.into())
@@ -349,14 +366,17 @@ fn expand_kernel(attr: Tokens, item: Tokens) -> syn::Result<Tokens> {
                         quote_spanned!(elem.span()=> pub #ident: &'a #host)
                     });
                     field_names.push(ident.clone());
-                    let at_least = match len {
-                        Some(len) => quote_spanned!(len.span()=> {
-                            #(#widen)*
-                            (#len) as usize
-                        }),
-                        None => quote!(1),
-                    };
-                    bind_buffers.push(quote!(.buffer_at_least(#s, &*#ident, #at_least)));
+                    bind_buffers.push(match len {
+                        Some(len) => {
+                            let rule = format!("#[len({})]", len.to_token_stream());
+                            let at_least = quote_spanned!(len.span()=> {
+                                #(#widen)*
+                                (#len) as usize
+                            });
+                            quote!(.buffer_at_least_by(#s, &*#ident, #at_least, #rule))
+                        }
+                        None => quote!(.buffer_at_least(#s, &*#ident, 1)),
+                    });
                 }
             }
             Param::Runtime(ty) => {
@@ -747,9 +767,10 @@ impl Translator {
                         t.declare(ident, Kind::Value);
                         t.block_stmts(&f.body)
                     })?;
+                    let method = format_ident!("{}_as", name);
                     return Ok(with_temps(vec![len], |a| {
                         let n = &a[0];
-                        quote_spanned!(span=> __k.#name(#n, |__k, #ident| { #body });)
+                        quote_spanned!(span=> __k.#method(#hint, #n, |__k, #ident| { #body });)
                     }));
                 }
                 let (range, step) = match &*f.expr {

@@ -136,10 +136,21 @@ impl KernelBuilder {
     /// dispatch size covers any `n`.
     #[track_caller]
     pub fn grid_stride(&mut self, n: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
+        self.grid_stride_as("i", n, body);
+    }
+
+    /// [`KernelBuilder::grid_stride`] with its counter named from `hint` in the WGSL.
+    #[track_caller]
+    pub fn grid_stride_as(
+        &mut self,
+        hint: &str,
+        n: impl IntoExpr<u32>,
+        body: impl FnOnce(&mut Self, Expr<u32>),
+    ) {
         self.within("grid_stride", |k| {
             let start = k.global_index();
             let step = k.total_invocations();
-            k.for_step("i", start, n, step, |k, i| k.unpinned(|k| body(k, i)));
+            k.for_step(hint, start, n, step, |k, i| k.unpinned(|k| body(k, i)));
         })
     }
 
@@ -147,10 +158,21 @@ impl KernelBuilder {
     /// `local_index` (`body(column)`).
     #[track_caller]
     pub fn row_loop(&mut self, len: impl IntoExpr<u32>, body: impl FnOnce(&mut Self, Expr<u32>)) {
+        self.row_loop_as("col", len, body);
+    }
+
+    /// [`KernelBuilder::row_loop`] with its counter named from `hint` in the WGSL.
+    #[track_caller]
+    pub fn row_loop_as(
+        &mut self,
+        hint: &str,
+        len: impl IntoExpr<u32>,
+        body: impl FnOnce(&mut Self, Expr<u32>),
+    ) {
         let lid = self.local_index();
         let wg = self.invocations();
         self.within("row_loop", |k| {
-            k.for_step("col", lid, len, wg, |k, c| k.unpinned(|k| body(k, c)))
+            k.for_step(hint, lid, len, wg, |k, c| k.unpinned(|k| body(k, c)))
         });
     }
 

@@ -167,7 +167,8 @@ impl fmt::Display for DslError {
                  Every invocation must reach it together. Compute the condition from values all \
                  invocations share (shapes, runtime scalars, `workgroup_id`, read-only buffers at \
                  such indices), or move the barrier or reduction out of the branch and guard only \
-                 the loads and stores around it (invocations past the end contribute 0)"
+                 the loads and stores around it (invocations past the end contribute the \
+                 reduction's identity: 0 to a sum)"
             ),
             ErrorKind::NotAssignable { target } => write!(f, "`{target}` cannot be assigned"),
             ErrorKind::WorkgroupMemory { used, limit } => write!(

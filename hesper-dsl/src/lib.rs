@@ -89,6 +89,39 @@
 //! assert_eq!(kernel.wgsl().matches("if i").count(), 2); // two unrolled iterations
 //! ```
 //!
+//! One workgroup per row, with reductions: a numerically safe softmax. `workgroup_index()` is
+//! the same for every invocation of a workgroup, so the `if row < rows` around the
+//! reductions is uniform (the spare workgroups of a 2-D layout skip it together); launch it with
+//! `Grid::WorkgroupPerItem(rows)`.
+//!
+//! ```
+//! use hesper_dsl::prelude::*;
+//!
+//! #[kernel(workgroup_size = 128)]
+//! fn softmax_rows(x: &[f32], y: &mut [f32], #[runtime] rows: u32, #[shape] cols: u32) {
+//!     let row = workgroup_index();
+//!     if row < rows {
+//!         let base = row * cols;
+//!         let mut biggest = f32::MIN; // the identity of max (WGSL has no -inf literal)
+//!         for c in row_loop(cols) {
+//!             biggest = max(biggest, x[base + c]);
+//!         }
+//!         let row_max = workgroup_reduce(biggest, Reduce::Max);
+//!         let mut sum = 0.0;
+//!         for c in row_loop(cols) {
+//!             sum += exp(x[base + c] - row_max);
+//!         }
+//!         let total = workgroup_reduce(sum, Reduce::Sum);
+//!         for c in row_loop(cols) {
+//!             y[base + c] = exp(x[base + c] - row_max) / total;
+//!         }
+//!     }
+//! }
+//!
+//! let wgsl = softmax_rows::build(300).unwrap().wgsl().to_string();
+//! assert!(wgsl.contains("let row_max = ") && wgsl.contains("for (var c: u32 = local_index;"));
+//! ```
+//!
 //! Storing into a read-only buffer does not compile:
 //!
 //! ```compile_fail

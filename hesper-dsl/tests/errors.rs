@@ -374,7 +374,7 @@ fn a_non_uniform_barrier_says_where_which_operation_and_why() {
              from values all invocations share (shapes, runtime scalars, `workgroup_id`, \
              read-only buffers at such indices), or move the barrier or reduction out of the \
              branch and guard only the loads and stores around it (invocations past the end \
-             contribute 0)"
+             contribute the reduction's identity: 0 to a sum)"
         )
     );
 

@@ -72,8 +72,10 @@ struct BoundBuffer<'a> {
     tracking: &'a Arc<BufferTracking>,
     ty: Ty,
     len: usize,
-    /// The fewest elements the launch reads or writes through this binding.
+    /// The fewest elements the launch reads or writes through this binding, and how that was
+    /// reckoned (`#[len(rows * cols)]`), for the error.
     min_len: usize,
+    rule: Option<&'a str>,
 }
 
 /// The buffers and runtime scalars of one launch, by the names the kernel declared.
@@ -106,8 +108,24 @@ impl<'a> Args<'a> {
             ty: T::ty(),
             len: buffer.len(),
             min_len: min_len.max(1),
+            rule: None,
         });
         self
+    }
+    /// [`Args::buffer_at_least`], with the rule `min_len` came from (`#[len(rows * cols)]`,
+    /// as `#[kernel]`'s launcher gives it) named in the error.
+    pub fn buffer_at_least_by<T: Element>(
+        self,
+        name: &'a str,
+        buffer: &'a GpuBuffer<T>,
+        min_len: usize,
+        rule: &'a str,
+    ) -> Self {
+        let mut args = self.buffer_at_least(name, buffer, min_len);
+        if let Some(bound) = args.buffers.last_mut() {
+            bound.rule = Some(rule);
+        }
+        args
     }
     /// Bind an f32 buffer as `array<vec4<f32>>` (four elements per load, for bandwidth-bound
     /// kernels). Its allocation is padded to 16 bytes, so the last vec4 is whole; the kernel must
@@ -121,6 +139,7 @@ impl<'a> Args<'a> {
             ty: Ty::Vector(4, Scalar::F32),
             len,
             min_len: len.max(1),
+            rule: None,
         });
         self
     }
@@ -140,6 +159,7 @@ impl<'a> Args<'a> {
             ty,
             len,
             min_len: len.max(1),
+            rule: None,
         });
         self
     }
@@ -155,7 +175,8 @@ impl<'a> Args<'a> {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Grid {
     /// At least `n` invocations in 1-D: `ceil(n / workgroup invocations)` workgroups, laid out
-    /// 2-D past 65535 (pair with `KernelBuilder::global_index`, which flattens them back).
+    /// 2-D past 65535 (pair with `KernelBuilder::global_index`, which flattens them back; the
+    /// layout is not a 2-D problem's). Refused for a kernel with a 2-D or 3-D workgroup.
     Threads(u64),
     /// One workgroup per item (a row, a head, a block), `n` of them, laid out 2-D past 65535
     /// like `Threads` (pair with `KernelBuilder::workgroup_index`, and guard it by `n`: a few
@@ -163,7 +184,8 @@ pub enum Grid {
     /// launch `rows / invocations` workgroups and leave most rows unwritten, so a kernel that
     /// calls `workgroup_index()` and never `global_index()` is refused a `Threads` grid.
     WorkgroupPerItem(u64),
-    /// Exactly these workgroup counts.
+    /// Exactly these workgroup counts: for 2-D tiles, `[cols.div_ceil(TX), rows.div_ceil(TY), 1]`
+    /// with a `TX×TY` workgroup, read back as `workgroup_id()` and `local_id()`.
     Workgroups([u32; 3]),
 }
 
@@ -306,6 +328,23 @@ impl Gpu {
             && n > 1 << 32
         {
             return Err(too_many(n));
+        }
+        let [wx, wy, wz] = kernel.key().wg_size();
+        if matches!(grid, Grid::Threads(_)) && (wy, wz) != (1, 1) {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.name().into(),
+                what: format!("{grid:?}"),
+                why: format!(
+                    "Threads is a 1-D grid, and the kernel's workgroup is {wx}×{wy}×{wz}: launch \
+                     a 2-D (3-D) kernel with Grid::Workgroups([cols.div_ceil({wx}), \
+                     rows.div_ceil({wy}), {}])",
+                    if wz == 1 {
+                        "1".to_string()
+                    } else {
+                        format!("depth.div_ceil({wz})")
+                    }
+                ),
+            });
         }
         if let (Grid::Threads(n), Some(at)) = (grid, kernel.indexes_by_workgroup()) {
             return Err(ExecError::Dispatch {
@@ -667,7 +706,10 @@ fn check_buffers(gpu: &Gpu, kernel: &Kernel, args: &Args<'_>) -> Result<(), Exec
             return Err(err_binding(
                 kernel,
                 &b.name,
-                format!("at least {} elements", a.min_len),
+                match a.rule {
+                    Some(rule) => format!("at least {} elements ({rule})", a.min_len),
+                    None => format!("at least {} elements", a.min_len),
+                },
                 format!("{} elements", a.len),
             ));
         }
