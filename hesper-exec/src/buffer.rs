@@ -170,15 +170,36 @@ impl<T: Element> GpuBuffer<T> {
 
     /// Copy every element back to the host, once everything submitted before has run (waits,
     /// at most [`GpuOptions::wait_timeout`](crate::GpuOptions::wait_timeout)).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn read(&self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
         self.check_host_access(gpu, "a read to the host")?;
         if self.len == 0 {
             return Ok(vec![]);
         }
-        let bytes = gpu.read_raw(&self.raw, self.bytes(), &|| {
-            format!("reading buffer `{}` back", self.label())
-        })?;
+        let bytes = gpu.read_raw(&self.raw, self.bytes(), &|| self.reading())?;
         Ok(bytemuck::cast_slice(&bytes).to_vec())
+    }
+
+    /// [`GpuBuffer::read`] for code that must also run in a web page, where a readback is
+    /// awaited (on native it waits, as `read` does).
+    pub async fn read_async(&self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        return self.read(gpu);
+        #[cfg(target_arch = "wasm32")]
+        {
+            self.check_host_access(gpu, "a read to the host")?;
+            if self.len == 0 {
+                return Ok(vec![]);
+            }
+            let bytes = gpu
+                .read_raw_async(&self.raw, self.bytes(), &|| self.reading())
+                .await?;
+            Ok(bytemuck::cast_slice(&bytes).to_vec())
+        }
+    }
+
+    fn reading(&self) -> String {
+        format!("reading buffer `{}` back", self.label())
     }
 
     /// How error messages name the buffer: its number, length and element type.
@@ -285,24 +306,16 @@ impl Gpu {
 
     /// Copy `bytes` bytes of `buffer` to the host through a reused staging buffer; waits, at
     /// most `wait_timeout`. `what` names the readback in errors.
+    #[cfg(not(target_arch = "wasm32"))]
     pub(crate) fn read_raw(
         &self,
         buffer: &wgpu::Buffer,
         bytes: u64,
         what: &dyn Fn() -> String,
     ) -> Result<Vec<u8>, ExecError> {
-        let staging = self.take_staging(bytes, what)?;
         let (tx, rx) = std::sync::mpsc::channel();
-        let index = self.scoped(what, || {
-            let mut enc = self.device.create_command_encoder(&Default::default());
-            enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
-            let index = self.queue.submit([enc.finish()]);
-            staging
-                .slice(..bytes)
-                .map_async(wgpu::MapMode::Read, move |r| {
-                    let _ = tx.send(r);
-                });
-            index
+        let (staging, index) = self.start_readback(buffer, bytes, what, move |r| {
+            let _ = tx.send(r);
         })?;
         // On a timeout or a loss the staging buffer is dropped, not reused: its map is pending.
         self.wait_for(Some(index), what)?;
@@ -313,6 +326,56 @@ impl Gpu {
                     what: format!("{} (the buffer's mapping)", what()),
                     waited: self.options.wait_timeout,
                 })?;
+        self.finish_readback(staging, bytes, mapped, what)
+    }
+
+    /// [`Gpu::read_raw`] in a web page: the browser maps the staging buffer from its event
+    /// loop, so the readback is awaited, not waited for.
+    #[cfg(target_arch = "wasm32")]
+    pub(crate) async fn read_raw_async(
+        &self,
+        buffer: &wgpu::Buffer,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<u8>, ExecError> {
+        let mapped = web::Mapped::default();
+        let callback = mapped.callback();
+        let (staging, _) = self.start_readback(buffer, bytes, what, callback)?;
+        let result = mapped.await;
+        self.check_alive(what)?;
+        self.finish_readback(staging, bytes, result, what)
+    }
+
+    /// Submit the copy of `buffer` into a staging buffer and ask for its mapping, which calls
+    /// `on_mapped` once done.
+    fn start_readback(
+        &self,
+        buffer: &wgpu::Buffer,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+        on_mapped: impl FnOnce(Result<(), wgpu::BufferAsyncError>) + wgpu::WasmNotSend + 'static,
+    ) -> Result<(wgpu::Buffer, wgpu::SubmissionIndex), ExecError> {
+        let staging = self.take_staging(bytes, what)?;
+        let index = self.scoped(what, || {
+            let mut enc = self.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
+            let index = self.queue.submit([enc.finish()]);
+            staging
+                .slice(..bytes)
+                .map_async(wgpu::MapMode::Read, on_mapped);
+            index
+        })?;
+        Ok((staging, index))
+    }
+
+    /// The mapped staging buffer's bytes; the buffer goes back to the pool.
+    fn finish_readback(
+        &self,
+        staging: wgpu::Buffer,
+        bytes: u64,
+        mapped: Result<(), wgpu::BufferAsyncError>,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<u8>, ExecError> {
         mapped.map_err(|e| ExecError::Device(format!("{}: mapping failed: {e}", what())))?;
         let out = {
             let view = staging
@@ -443,5 +506,55 @@ impl Recorder<'_> {
             .raw("dst", dst, VEC4, n)
             .param("n", n as u32);
         self.launch(&kernel, &args, Grid::Threads(n as u64))
+    }
+}
+
+/// The browser's side of a readback.
+#[cfg(target_arch = "wasm32")]
+mod web {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context, Poll, Waker};
+
+    type Slot = Option<Result<(), wgpu::BufferAsyncError>>;
+
+    /// The result of a `map_async`, as a future: the browser calls the callback from its event
+    /// loop, which wakes the task awaiting it.
+    #[derive(Default)]
+    pub(super) struct Mapped {
+        state: Arc<Mutex<(Slot, Option<Waker>)>>,
+    }
+
+    impl Mapped {
+        pub(super) fn callback(
+            &self,
+        ) -> impl FnOnce(Result<(), wgpu::BufferAsyncError>) + Send + 'static {
+            let state = Arc::clone(&self.state);
+            move |r| {
+                let waker = {
+                    let mut s = state.lock().unwrap_or_else(|p| p.into_inner());
+                    s.0 = Some(r);
+                    s.1.take()
+                };
+                if let Some(w) = waker {
+                    w.wake();
+                }
+            }
+        }
+    }
+
+    impl Future for Mapped {
+        type Output = Result<(), wgpu::BufferAsyncError>;
+        fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+            let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            match s.0.take() {
+                Some(r) => Poll::Ready(r),
+                None => {
+                    s.1 = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            }
+        }
     }
 }

@@ -121,16 +121,34 @@ pub struct Gpu {
 
 impl Gpu {
     /// Open the first high-performance adapter with default [`GpuOptions`].
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn new() -> Result<Gpu, ExecError> {
         Gpu::with_options(GpuOptions::default())
     }
 
     /// Open the first high-performance adapter. The device gets the adapter's full limits (wgpu's
     /// defaults are WebGPU's, far below a real GPU's) and the features hesper uses that it has.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn with_options(options: GpuOptions) -> Result<Gpu, ExecError> {
         // One `Gpu` opens at a time (see the `pool` module).
         let _opening = pool::lock(&pool::OPENING);
         pollster::block_on(Gpu::open(options))
+    }
+
+    /// [`Gpu::new`] for code that must also run in a web page, where opening a device is
+    /// asynchronous (on native it completes at once).
+    pub async fn new_async() -> Result<Gpu, ExecError> {
+        Gpu::with_options_async(GpuOptions::default()).await
+    }
+
+    /// [`Gpu::with_options`], asynchronously: in a web page it awaits the browser; on native it
+    /// opens at once (native adapters answer without waiting).
+    pub async fn with_options_async(options: GpuOptions) -> Result<Gpu, ExecError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        return Gpu::with_options(options);
+        // One thread in a page: nothing opens concurrently.
+        #[cfg(target_arch = "wasm32")]
+        return Gpu::open(options).await;
     }
 
     async fn open(options: GpuOptions) -> Result<Gpu, ExecError> {
@@ -257,9 +275,22 @@ impl Gpu {
         Ok(())
     }
 
+    /// In a web page: the browser answers error scopes asynchronously, so `f`'s errors come
+    /// through the uncaptured-error handler instead, reported by the next check.
+    #[cfg(target_arch = "wasm32")]
+    pub(crate) fn scoped<T>(
+        &self,
+        what: &dyn Fn() -> String,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, ExecError> {
+        self.check_alive(what)?;
+        Ok(f())
+    }
+
     /// Run `f`, which calls wgpu, inside error scopes: a validation error, an allocation that
     /// failed or an internal error becomes an [`ExecError::Wgpu`] naming `what`, not a panic in
     /// wgpu's default handler. Scopes are per thread, so concurrent calls do not mix errors.
+    #[cfg(not(target_arch = "wasm32"))]
     pub(crate) fn scoped<T>(
         &self,
         what: &dyn Fn() -> String,
@@ -310,6 +341,7 @@ impl Gpu {
 
     /// Wait until `index` (or everything submitted, for `None`) has finished, at most
     /// [`GpuOptions::wait_timeout`].
+    #[cfg(not(target_arch = "wasm32"))]
     pub(crate) fn wait_for(
         &self,
         index: Option<wgpu::SubmissionIndex>,
@@ -417,6 +449,7 @@ impl Gpu {
 
     /// Wait until the GPU has finished all work submitted so far, at most
     /// [`GpuOptions::wait_timeout`].
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn wait(&self) -> Result<(), ExecError> {
         self.wait_for(None, &|| "Gpu::wait (all submitted work)".into())
     }

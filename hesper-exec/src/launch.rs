@@ -590,6 +590,7 @@ impl<'g> Recorder<'g> {
     }
 
     /// Submit, wait, and return each launch's GPU time (a timing recorder only).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn submit_timed(mut self) -> Result<Vec<LaunchTiming>, ExecError> {
         let Some(timing) = self.timing.take() else {
             return Err(ExecError::Device(

@@ -3,7 +3,14 @@
 //! The runtime of hesper, and the only crate that touches wgpu: a [`Gpu`] (device, queue,
 //! features, limits), typed buffers ([`GpuBuffer`]), a pipeline cache keyed by
 //! `KernelKey` ([`Gpu::kernel`]), launches checked by binding name and recorded many to a
-//! submit ([`Recorder`]), and GPU timing with timestamp queries ([`profile`]).
+//! submit ([`Recorder`]), and GPU timing with timestamp queries (`profile`, native only).
+//!
+//! The same API runs in a web page (`wasm32-unknown-unknown`, WebGPU): there the device opens
+//! and buffers read back asynchronously ([`Gpu::new_async`], [`GpuBuffer::read_async`], also
+//! on native, so one code path serves both), while the blocking calls ([`Gpu::new`],
+//! `GpuBuffer::read`, `Gpu::wait`), timing and the pipeline cache file are native only. A
+//! wgpu error in the browser surfaces at the next call that checks the device (a browser
+//! resolves error scopes asynchronously), at the latest the next `read_async`.
 
 mod buffer;
 mod cache;
@@ -11,7 +18,16 @@ mod error;
 mod gpu;
 mod launch;
 mod pool;
+#[cfg(not(target_arch = "wasm32"))]
 pub mod profile;
+
+/// `Instant` where `std`'s exists, `performance.now()` in the browser.
+mod time {
+    #[cfg(not(target_arch = "wasm32"))]
+    pub use std::time::Instant;
+    #[cfg(target_arch = "wasm32")]
+    pub use web_time::Instant;
+}
 
 pub use buffer::{Element, GpuBuffer, HostElement};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};

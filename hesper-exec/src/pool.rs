@@ -101,6 +101,7 @@ impl PooledDevice {
 
 static INSTANCES: Mutex<Vec<(wgpu::Backends, wgpu::Instance)>> = Mutex::new(vec![]);
 /// Held while a `Gpu` opens: adapters are enumerated and devices created one at a time.
+#[cfg(not(target_arch = "wasm32"))]
 pub(crate) static OPENING: Mutex<()> = Mutex::new(());
 static IDLE: Mutex<Vec<PooledDevice>> = Mutex::new(vec![]);
 static RETIRED: Mutex<Vec<PooledDevice>> = Mutex::new(vec![]);

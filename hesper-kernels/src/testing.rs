@@ -23,12 +23,16 @@
 //! assert!(c.max_rel < 1e-6 && c.max_abs < 1e-6, "{c}");
 //! ```
 
+#[cfg(not(target_arch = "wasm32"))]
 use std::sync::OnceLock;
 
 use hesper_dsl::Kernel;
+#[cfg(not(target_arch = "wasm32"))]
 use hesper_exec::Gpu;
 
-/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe).
+/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe). Native only:
+/// a test in a web page opens its device with `Gpu::new_async().await`.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| match Gpu::new() {
@@ -39,6 +43,7 @@ pub fn gpu() -> &'static Gpu {
 
 /// A second device on the same adapter without subgroups, for the paths of devices that lack
 /// them.
+#[cfg(not(target_arch = "wasm32"))]
 pub fn gpu_without_subgroups() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| {
