@@ -47,6 +47,12 @@ pub struct GpuOptions {
     /// device that allows no more (WebGPU promises 256): how the kernels that size their
     /// workgroups to the device are tested at smaller sizes. `None`: the adapter's. At least 1.
     pub max_invocations_per_workgroup: Option<u32>,
+    /// Open the device with only what WebGPU guarantees in every browser: its default limits
+    /// (256 invocations per workgroup, 8 storage buffers per stage, 16 KiB of workgroup memory,
+    /// 128 MiB bindings) and, of the optional features hesper uses, only timestamps (no
+    /// subgroups, f16, immediates or pipeline cache). How the kernels' portable paths are tested
+    /// on native; `HESPER_WEBGPU_LIMITS=1` turns it on for the testing kit's devices.
+    pub webgpu_limits: bool,
     /// The longest any wait for the GPU may take (a readback, [`Gpu::wait`], a timed submit)
     /// before it returns [`ExecError::Timeout`] naming what it waited for. Five minutes by
     /// default: raise it for long submissions on a software device.
@@ -65,6 +71,7 @@ impl Default for GpuOptions {
             subgroups: true,
             force_bounds_checks: false,
             max_invocations_per_workgroup: None,
+            webgpu_limits: false,
             wait_timeout: Duration::from_secs(300),
         }
     }
@@ -175,8 +182,13 @@ impl Gpu {
             wanted.remove(wgpu::Features::SUBGROUP);
         }
         let adapter_features = adapter.features();
-        let features = adapter_features & wanted;
+        let mut features = adapter_features & wanted;
         let mut limits = adapter.limits();
+        if options.webgpu_limits {
+            features &= wgpu::Features::TIMESTAMP_QUERY;
+            // wgpu's defaults are WebGPU's guarantees.
+            limits = wgpu::Limits::default();
+        }
         if let Some(most) = options.max_invocations_per_workgroup {
             let clamp = |limit: &mut u32| *limit = (*limit).min(most);
             clamp(&mut limits.max_compute_invocations_per_workgroup);

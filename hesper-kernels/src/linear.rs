@@ -107,6 +107,17 @@ impl Tile {
         tn: 4,
     };
 
+    /// 64×64 outputs, 8 deep, 4×8 per invocation, 128 invocations, 8.5 KiB: within what
+    /// WebGPU guarantees every device (16 KiB of workgroup memory), for devices that offer no
+    /// more.
+    pub const PORTABLE: Tile = Tile {
+        bm: 64,
+        bn: 64,
+        bk: 8,
+        tm: 4,
+        tn: 8,
+    };
+
     /// The tile for an output of `rows × cols`: `LARGE` when that gives enough workgroups to fill
     /// the GPU, else `SMALL`.
     pub fn for_shape(rows: usize, cols: usize) -> Tile {
@@ -122,6 +133,26 @@ impl Tile {
     /// Invocations per workgroup.
     pub fn invocations(&self) -> u32 {
         (self.bm / self.tm.max(1)) * (self.bn / self.tn.max(1))
+    }
+
+    /// Bytes of workgroup memory the GEMM kernels use at most: two `bk`-deep slices
+    /// (double-buffered) of each operand's tile, rows padded by up to 4 floats (against bank
+    /// conflicts).
+    pub fn workgroup_bytes(&self) -> u32 {
+        2 * 4 * self.bk * (self.bm + self.bn + 8)
+    }
+
+    /// This tile if a device with `limits` runs it, else the first standard tile that fits
+    /// (`SMALL`, then `PORTABLE`): a choice made for the shape, kept within the device.
+    pub fn within(self, limits: &Limits) -> Tile {
+        let fits = |t: &Tile| {
+            t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
+                && t.invocations() <= limits.max_invocations_per_workgroup
+        };
+        [self, Tile::SMALL, Tile::PORTABLE]
+            .into_iter()
+            .find(fits)
+            .unwrap_or(self)
     }
 
     /// `Ok` when the kernels can run this tile; else an error naming `kernel` and the rule.
@@ -668,7 +699,8 @@ pub fn execute_gemm(
     expect_u32(name, "k", gemm.k)?;
     // Ternary weights are indexed by their flat position.
     expect_u32(name, "n·k", gemm.n * gemm.k)?;
-    gemm.tile.check(name)?;
+    let tile = gemm.tile.within(&rec.gpu().kernel_limits());
+    tile.check(name)?;
     expect_len(name, input_name, input, gemm.m * depth, in_dims)?;
     match weights {
         Weights::Dense(w) | Weights::ScaledDense { w, .. } => {
@@ -695,7 +727,7 @@ pub fn execute_gemm(
         };
     }
     let shape = (cols as u32, depth as u32);
-    let key = gemm_key(product, ternary, shape, gemm.tile, gemm.accumulate);
+    let key = gemm_key(product, ternary, shape, tile, gemm.accumulate);
     let kernel = rec
         .gpu()
         .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
@@ -719,7 +751,7 @@ pub fn execute_gemm(
         Weights::ScaledDense { scale, .. } | Weights::Ternary { scale, .. } => scale,
     };
     let args = args.param("rows", m).param("scale", scale);
-    let Tile { bm, bn, .. } = gemm.tile;
+    let Tile { bm, bn, .. } = tile;
     let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))
 }
@@ -862,11 +894,15 @@ pub mod reference {
 mod tests {
     use super::*;
 
-    /// The standard tiles, for every product, fit the 32 KiB of workgroup memory the kernels
-    /// are written for (the snapshots are taken at a smaller tile).
+    /// The standard tiles, for every product, use at most the workgroup memory
+    /// `workgroup_bytes` says (what `within` chooses by), and pass their checks: `LARGE` and `SMALL` fit 32 KiB, `PORTABLE` WebGPU's 16 KiB
+    /// (the snapshots are taken at a smaller tile).
     #[test]
-    fn standard_tiles_fit_32_kib_of_workgroup_memory() {
-        for tile in [Tile::LARGE, Tile::SMALL] {
+    fn standard_tiles_use_the_workgroup_memory_they_say() {
+        assert!(Tile::LARGE.workgroup_bytes() <= 32 * 1024);
+        assert!(Tile::SMALL.workgroup_bytes() <= 32 * 1024);
+        assert!(Tile::PORTABLE.workgroup_bytes() <= 16 * 1024);
+        for tile in [Tile::LARGE, Tile::SMALL, Tile::PORTABLE] {
             for (product, ternary) in [
                 (Product::Nt, false),
                 (Product::Nn, false),
@@ -875,7 +911,9 @@ mod tests {
             ] {
                 let key = gemm_key(product, ternary, (1536, 576), tile, false);
                 let kernel = Kernel::build(&key, |k| gemm_kernel(k, product, ternary)).unwrap();
-                assert!(kernel.workgroup_memory_bytes() <= 32 * 1024, "{key}");
+                let used = kernel.workgroup_memory_bytes();
+                assert!(used <= tile.workgroup_bytes(), "{key}");
+                assert!(tile.check(kernel.name()).is_ok(), "{key}");
             }
         }
     }

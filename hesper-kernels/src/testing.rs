@@ -28,17 +28,29 @@ use std::sync::OnceLock;
 
 use hesper_dsl::Kernel;
 #[cfg(not(target_arch = "wasm32"))]
-use hesper_exec::Gpu;
+use hesper_exec::{Gpu, GpuOptions};
 
-/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe). Native only:
-/// a test in a web page opens its device with `Gpu::new_async().await`.
+/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe). With
+/// `HESPER_WEBGPU_LIMITS=1` it has only what WebGPU guarantees ([`GpuOptions::webgpu_limits`](hesper_exec::GpuOptions::webgpu_limits)),
+/// so the library's tests check that every kernel runs in any browser. Native only: a test in a
+/// web page opens its device with `Gpu::new_async().await`.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
-    GPU.get_or_init(|| match Gpu::new() {
+    GPU.get_or_init(|| open(GpuOptions::default()))
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+fn open(options: GpuOptions) -> Gpu {
+    let webgpu_limits = std::env::var("HESPER_WEBGPU_LIMITS").is_ok_and(|v| v == "1");
+    let options = GpuOptions {
+        webgpu_limits,
+        ..options
+    };
+    match Gpu::with_options(options) {
         Ok(g) => g,
         Err(e) => panic!("the GPU tests need an adapter: {e}"),
-    })
+    }
 }
 
 /// A second device on the same adapter without subgroups, for the paths of devices that lack
@@ -47,14 +59,10 @@ pub fn gpu() -> &'static Gpu {
 pub fn gpu_without_subgroups() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
     GPU.get_or_init(|| {
-        let options = hesper_exec::GpuOptions {
+        open(GpuOptions {
             subgroups: false,
             ..Default::default()
-        };
-        match Gpu::with_options(options) {
-            Ok(g) => g,
-            Err(e) => panic!("the GPU tests need an adapter: {e}"),
-        }
+        })
     })
 }
 

@@ -45,6 +45,31 @@ impl DownTile {
         span: 8,
     };
 
+    /// 4 × 32 invocations, 16 tokens × 128 columns a step, 13.5 KiB: within the 16 KiB of
+    /// workgroup memory WebGPU guarantees, for devices that offer no more.
+    pub(super) const PORTABLE: DownTile = DownTile {
+        column_lanes: 32,
+        ..DownTile::DEFAULT
+    };
+
+    /// `DEFAULT`, or `PORTABLE` on a device without the workgroup memory for it.
+    pub(super) fn for_device(limits: &hesper_dsl::Limits) -> DownTile {
+        if DownTile::DEFAULT.workgroup_bytes() <= limits.max_workgroup_storage_bytes {
+            DownTile::DEFAULT
+        } else {
+            DownTile::PORTABLE
+        }
+    }
+
+    /// Bytes of workgroup memory: the staged slice, the per-invocation partial sums and the
+    /// first level's sums of the reduction.
+    pub(super) fn workgroup_bytes(&self) -> u32 {
+        let slice = self.step() * self.pitch;
+        let partial = self.invocations() * self.round_sums;
+        let group_sums = self.column_lanes / self.span * self.token_lanes * self.round_sums;
+        4 * (slice + partial + group_sums)
+    }
+
     pub(super) fn invocations(&self) -> u32 {
         self.token_lanes * self.column_lanes
     }
@@ -342,7 +367,7 @@ pub(super) fn project(
             (kernel, sg_tile.tokens())
         }
         None => {
-            let tile = DownTile::DEFAULT;
+            let tile = DownTile::for_device(&rec.gpu().kernel_limits());
             tile.check("lora_down")?;
             let kernel = rec.gpu().kernel(&key(n, r, layout, tile), body)?;
             (kernel, tile.tokens())
@@ -361,6 +386,19 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Both tiles pass their checks and use the workgroup memory `workgroup_bytes` says (what
+    /// `for_device` chooses by); `PORTABLE` fits WebGPU's 16 KiB.
+    #[test]
+    fn tiles_use_the_workgroup_memory_they_say() {
+        assert!(DownTile::PORTABLE.workgroup_bytes() <= 16 * 1024);
+        for tile in [DownTile::DEFAULT, DownTile::PORTABLE] {
+            tile.check("lora_down").unwrap();
+            let key = key(64, 4, Layout::RankMinor, tile);
+            let kernel = Kernel::build(&key, body).unwrap();
+            assert_eq!(kernel.workgroup_memory_bytes(), tile.workgroup_bytes(), "{key}");
+        }
+    }
 
     #[test]
     fn default_tile_passes_its_check_and_a_broken_one_says_why() {
