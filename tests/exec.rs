@@ -340,3 +340,24 @@ fn one_workgroup_per_item_reaches_every_row() {
         .count();
     assert_eq!(wrong, 0, "{wrong} of {rows} rows wrong or unwritten");
 }
+
+/// The async calls a web page must use also run on native, so one code path serves both:
+/// `Gpu::new_async`, and `read_async` after a launch reads what a blocking `read` does.
+#[test]
+fn async_open_and_readback_run_on_native_too() {
+    pollster::block_on(async {
+        let g = Gpu::new_async().await.unwrap();
+        let x: Vec<u32> = (0..1000).collect();
+        let mut b = g.upload(&x).unwrap();
+        let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+        let mut rec = g.recorder();
+        let args = Args::new().buffer("x", &b).param("step", 5u32).param("n", 1000u32);
+        rec.launch(&kernel, &args, Grid::Threads(1000)).unwrap();
+        rec.submit().unwrap();
+        let want: Vec<u32> = x.iter().map(|v| v * 3 + 5).collect();
+        assert_eq!(b.read_async(&g).await.unwrap(), want);
+        assert_eq!(b.read(&g).unwrap(), want);
+        b = g.upload(&[]).unwrap();
+        assert!(b.read_async(&g).await.unwrap().is_empty());
+    });
+}
