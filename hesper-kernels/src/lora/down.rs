@@ -396,7 +396,11 @@ mod tests {
             tile.check("lora_down").unwrap();
             let key = key(64, 4, Layout::RankMinor, tile);
             let kernel = Kernel::build(&key, body).unwrap();
-            assert_eq!(kernel.workgroup_memory_bytes(), tile.workgroup_bytes(), "{key}");
+            assert_eq!(
+                kernel.workgroup_memory_bytes(),
+                tile.workgroup_bytes(),
+                "{key}"
+            );
         }
     }
 
