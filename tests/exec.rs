@@ -351,7 +351,10 @@ fn async_open_and_readback_run_on_native_too() {
         let mut b = g.upload(&x).unwrap();
         let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
         let mut rec = g.recorder();
-        let args = Args::new().buffer("x", &b).param("step", 5u32).param("n", 1000u32);
+        let args = Args::new()
+            .buffer("x", &b)
+            .param("step", 5u32)
+            .param("n", 1000u32);
         rec.launch(&kernel, &args, Grid::Threads(1000)).unwrap();
         rec.submit().unwrap();
         let want: Vec<u32> = x.iter().map(|v| v * 3 + 5).collect();
