@@ -301,7 +301,7 @@ fn kernel_options_reach_the_key() {
             && k.wgsl().contains("var<immediate> params: Params;")
     );
     assert!(
-        k.wgsl().contains("var best: f32 = -3.4028235e38f;"),
+        k.wgsl().contains("var best: f32 = -3.40282346e38f;"),
         "{}",
         k.wgsl()
     );

@@ -84,8 +84,14 @@ fn literal(l: &Literal) -> (String, Class) {
 
 /// An exact float literal: Rust's `{:?}` is the shortest text that reads back to the same value
 /// (Hesper once printed 1e-7 as 0), with the type suffix so it is not read as an abstract float.
+/// The one exception is ±f32::MAX, whose shortest text (3.4028235e38) lies above it: Tint (the
+/// browsers' compiler) rejects that as not representable, so it is written below it instead.
 fn float(v: f32, suffix: &str) -> (String, Class) {
-    let text = format!("{:?}{suffix}", v.abs());
+    let digits = match v.abs() == f32::MAX {
+        true => "3.40282346e38".to_string(),
+        false => format!("{:?}", v.abs()),
+    };
+    let text = format!("{digits}{suffix}");
     if v.is_sign_negative() {
         (format!("-{text}"), Class::Unary)
     } else {
@@ -511,11 +517,22 @@ mod tests {
         assert_eq!(literal(&Literal::F32(1.0)).0, "1.0f");
         assert_eq!(literal(&Literal::F32(-0.5)).0, "-0.5f");
         assert_eq!(literal(&Literal::F32(0.1)).0, "0.1f");
-        assert_eq!(literal(&Literal::F32(3.4028235e38)).0, "3.4028235e38f");
-        for v in [1e-7f32, 0.1, 1.0 / 3.0, 6.022_141e23, 1.175_494_4e-38] {
+        assert_eq!(literal(&Literal::F32(f32::MAX)).0, "3.40282346e38f");
+        assert_eq!(literal(&Literal::F32(f32::MIN)).0, "-3.40282346e38f");
+        for v in [
+            1e-7f32,
+            0.1,
+            1.0 / 3.0,
+            6.022_141e23,
+            1.175_494_4e-38,
+            f32::MAX,
+        ] {
             let text = literal(&Literal::F32(v)).0;
-            let back: f32 = text.trim_end_matches('f').parse().unwrap();
+            let digits = text.trim_end_matches('f');
+            let back: f32 = digits.parse().unwrap();
             assert_eq!(back.to_bits(), v.to_bits(), "{text}");
+            // Within f32's range as written, not only once rounded (Tint checks the text).
+            assert!(digits.parse::<f64>().unwrap() <= f32::MAX as f64, "{text}");
         }
         assert_eq!(literal(&Literal::I32(i32::MIN)).0, "i32(-2147483648)");
         assert_eq!(literal(&Literal::I32(-3)).0, "-3i");
