@@ -4,14 +4,12 @@ use hesper_dsl::DslError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
-    #[error(
-        "no GPU adapter found (backends: {backends}). On headless Linux install Mesa's lavapipe \
-         (`apt-get install mesa-vulkan-drivers libvulkan1`, or run through scripts/with-gpu) and \
-         set WGPU_BACKEND=vulkan. With an NVIDIA driver, the Vulkan loader also needs the glvnd \
-         libraries (libglvnd0, libglx0, libegl1); VK_LOADER_DEBUG=error shows why a driver was \
-         not loaded"
-    )]
-    NoAdapter { backends: String },
+    /// `hint`: what to do about it, on native or in a browser.
+    #[error("no GPU adapter found (backends: {backends}). {hint}")]
+    NoAdapter {
+        backends: String,
+        hint: &'static str,
+    },
     #[error("could not create the device on `{adapter}`: {message}")]
     RequestDevice { adapter: String, message: String },
     /// `why` says whether the adapter lacks the feature or this `Gpu` was opened without it.

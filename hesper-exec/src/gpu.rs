@@ -21,6 +21,17 @@ const WANTED: wgpu::Features = wgpu::Features::SHADER_F16
     .union(wgpu::Features::IMMEDIATES)
     .union(wgpu::Features::PIPELINE_CACHE);
 
+/// What to do when no adapter is found.
+#[cfg(not(target_arch = "wasm32"))]
+const NO_ADAPTER_HINT: &str = "On headless Linux install Mesa's lavapipe (`apt-get install \
+    mesa-vulkan-drivers libvulkan1`, or run through scripts/with-gpu) and set \
+    WGPU_BACKEND=vulkan. With an NVIDIA driver, the Vulkan loader also needs the glvnd libraries \
+    (libglvnd0, libglx0, libegl1); VK_LOADER_DEBUG=error shows why a driver was not loaded";
+#[cfg(target_arch = "wasm32")]
+const NO_ADAPTER_HINT: &str = "This browser offers no WebGPU adapter: WebGPU is missing or \
+    turned off (it needs a recent Chrome, Edge, Safari or Firefox; headless Chromium needs \
+    --enable-unsafe-webgpu)";
+
 /// How to open a [`Gpu`].
 #[derive(Clone, Debug)]
 pub struct GpuOptions {
@@ -172,7 +183,10 @@ impl Gpu {
                 ..Default::default()
             })
             .await
-            .map_err(|_| ExecError::NoAdapter { backends })?;
+            .map_err(|_| ExecError::NoAdapter {
+                backends,
+                hint: NO_ADAPTER_HINT,
+            })?;
         let info = adapter.get_info();
         let mut wanted = WANTED;
         if options.cooperative_matrix {
@@ -381,11 +395,13 @@ impl Gpu {
     }
 
     /// A one-line description: `llvmpipe (LLVM 15.0.6, 256 bits) (Vulkan, Mesa 22.3.6)`.
+    /// A browser names neither: `a BrowserWebGpu adapter`.
     pub fn describe(&self) -> String {
-        format!(
-            "{} ({:?}, {})",
-            self.info.name, self.info.backend, self.info.driver_info
-        )
+        let info = &self.info;
+        match (info.name.is_empty(), info.driver_info.is_empty()) {
+            (true, true) => format!("a {:?} adapter", info.backend),
+            _ => format!("{} ({:?}, {})", info.name, info.backend, info.driver_info),
+        }
     }
 
     /// The wgpu features the device was created with.

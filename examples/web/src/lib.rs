@@ -6,8 +6,44 @@
 //!
 //! ```sh
 //! scripts/web-test        # installs the wasm target, wasm-bindgen's runner, Chromium and its driver
+//! scripts/web-demo        # builds the demo page and serves it on http://127.0.0.1:8000
 //! ```
 //!
 //! In a page, open the device and read buffers back with the async calls, which also work on
 //! native: `Gpu::new_async().await`, `buffer.read_async(&gpu).await`. Everything else —
 //! building kernels, uploads, recorders, `execute_*` — is the same code as on native.
+//!
+//! The demo page ([`demo`], `index.html`): set a kernel's shape and see its WGSL, run it and one
+//! projection's LoRA backward on the page's GPU, and see the error against the CPU reference.
+
+pub mod demo;
+
+/// What the page's JavaScript calls (`pkg/hesper_web.js`, made by `wasm-bindgen --target web`).
+#[cfg(target_arch = "wasm32")]
+mod page {
+    use wasm_bindgen::prelude::*;
+
+    /// The demo kernel's WGSL for `unroll` elements per invocation.
+    #[wasm_bindgen]
+    pub fn kernel_wgsl(unroll: u32) -> Result<String, JsError> {
+        crate::demo::kernel_wgsl(unroll).map_err(|e| JsError::new(&e))
+    }
+
+    /// Run the demo on the page's GPU: the device, then one line per result against its
+    /// reference, then `all within tolerance` or `NOT within tolerance`.
+    #[wasm_bindgen]
+    pub async fn run(n: u32, unroll: u32, tokens: u32, rank: u32) -> Result<String, JsError> {
+        let report = crate::demo::run(n, unroll, tokens, rank)
+            .await
+            .map_err(|e| JsError::new(&e))?;
+        let verdict = match report.ok {
+            true => "all within tolerance",
+            false => "NOT within tolerance",
+        };
+        Ok(format!(
+            "{}\n{}\n{verdict}",
+            report.device,
+            report.lines.join("\n")
+        ))
+    }
+}
