@@ -14,6 +14,51 @@ use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::{expect_len, expect_rows, expect_u32};
 
+// WGSL promises sin and cos only to 2⁻¹¹ absolute, and only on [−π, π]; browsers' software
+// devices (SwiftShader) are that far off (1.9e-4), and angles here reach the last position.
+// So both are computed here, as Cephes' sinf/cosf do: θ reduced by the nearest multiple of
+// π/2 in three parts (each product exact for |θ| < 2¹⁶), then a polynomial on [−π/4, π/4]
+// (≤ 1 ulp there) picked and signed by the quadrant.
+
+/// `θ − q·π/2` for the nearest integer `q` (as a float), `θ ≥ 0`.
+#[kernel_fn]
+fn reduced(theta: f32, q: f32) -> f32 {
+    theta - q * 1.5703125 - q * 4.837512969970703125e-4 - q * 7.549789948768648e-8
+}
+
+/// `sin(r)` for `|r| ≤ π/4`.
+#[kernel_fn]
+fn sin_poly(r: f32) -> f32 {
+    r + r * r * r * (-1.6666654611e-1 + r * r * (8.3321608736e-3 + r * r * -1.9515295891e-4))
+}
+
+/// `cos(r)` for `|r| ≤ π/4`.
+#[kernel_fn]
+fn cos_poly(r: f32) -> f32 {
+    1.0 - 0.5 * r * r
+        + r * r * r * r * (4.166664568298827e-2 + r * r * (-1.388731625493765e-3 + r * r * 2.443315711809948e-5))
+}
+
+/// `sin(θ)` for `θ ≥ 0`, to about an ulp of the reduced angle.
+#[kernel_fn]
+fn sin_accurate(theta: f32) -> f32 {
+    let q = (theta * 0.63661975).round();
+    let r = reduced(theta, q);
+    let quadrant = (q as u32) % 4u32;
+    let v = select(quadrant % 2u32 == 0u32, sin_poly(r), cos_poly(r));
+    select(quadrant >= 2u32, -v, v)
+}
+
+/// `cos(θ)` for `θ ≥ 0`: `sin(θ + π/2)`, by quadrant.
+#[kernel_fn]
+fn cos_accurate(theta: f32) -> f32 {
+    let q = (theta * 0.63661975).round();
+    let r = reduced(theta, q);
+    let quadrant = (q as u32) % 4u32;
+    let v = select(quadrant % 2u32 == 0u32, cos_poly(r), sin_poly(r));
+    select(quadrant == 1u32 || quadrant == 2u32, -v, v)
+}
+
 #[kernel(workgroup_size = 256)]
 fn rope(
     x: &mut [f32],
@@ -34,8 +79,8 @@ fn rope(
         let first = token * pairs_per_token * 2 + (in_token - i) * 2 + i;
         let pos = offset + token % seq_len;
         let theta = pos as f32 * inv_freq[i];
-        let c = cos(theta);
-        let mut s = sin(theta);
+        let c = cos_accurate(theta);
+        let mut s = sin_accurate(theta);
         if backward {
             s = -s;
         }

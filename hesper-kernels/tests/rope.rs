@@ -13,6 +13,8 @@ fn forward_and_backward_match_reference() {
         (6, 3, 64, 3, 5),
         (1, 4, 128, 1, 300),
         (10, 1, 6, 10, 0),
+        // Angles of thousands of radians (long contexts), which sin/cos are reduced from.
+        (3, 2, 64, 1, 8000),
     ];
     for (seed, (t, heads, hd, seq_len, offset)) in cases.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 3);

@@ -12,7 +12,7 @@ use hesper_kernels::linear;
 use hesper_kernels::lora::{self, LoraBackward};
 use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs};
 use hesper_kernels::optim::{self, AdamW, Clip, Step};
-use hesper_kernels::rope;
+use hesper_kernels::rope::{self, Positions};
 use hesper_kernels::testing::{Rng, assert_close, f64s};
 use hesper_kernels::{ffn, norm};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
@@ -728,6 +728,42 @@ async fn cross_entropy_matches_reference() {
                     "{what}: masked row {i} of d_logits is not 0"
                 );
             }
+        }
+    }
+}
+
+/// RoPE forward and backward in place (`tests/rope.rs`): batches of sequences, one decoded
+/// token far into its sequence, a head_dim whose half is not a power of two.
+#[wasm_bindgen_test]
+async fn rope_matches_reference() {
+    let g = gpu().await;
+    // (tokens, heads, head_dim, seq_len, offset)
+    let cases = [
+        (8, 2, 8, 4, 0),
+        (6, 3, 64, 3, 5),
+        (1, 4, 128, 1, 300),
+        (10, 1, 6, 10, 0),
+        (3, 2, 64, 1, 8000),
+    ];
+    for (seed, (t, heads, hd, seq_len, offset)) in cases.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 3);
+        let x = rng.vec(t * heads * hd, 1.0);
+        let inv = rope::inverse_frequencies(hd, 10_000.0);
+        let ib = g.upload(&inv).unwrap();
+        let pos = Positions {
+            seq_len: seq_len as u32,
+            offset: offset as u32,
+        };
+        for backward in [false, true] {
+            let mut xb = g.upload(&x).unwrap();
+            let mut rec = g.recorder();
+            rope::execute_rope(&mut rec, &mut xb, &ib, heads, pos, backward).unwrap();
+            rec.submit().unwrap();
+            let want = rope::reference::rope(&f64s(&x), &inv, heads, seq_len, offset, backward);
+            // The angle is formed in f32: |θ|·6e-8 absolute error, θ up to the last position.
+            let atol = 1e-6 + (offset + seq_len) as f64 * 1.2e-7;
+            let what = format!("rope T={t} heads={heads} hd={hd} backward={backward}");
+            assert_close(&what, &read(&g, &xb).await, &want, 1e-6, atol);
         }
     }
 }
