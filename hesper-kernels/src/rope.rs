@@ -23,20 +23,20 @@ use crate::{expect_len, expect_rows, expect_u32};
 /// `θ − q·π/2` for the nearest integer `q` (as a float), `θ ≥ 0`.
 #[kernel_fn]
 fn reduced(theta: f32, q: f32) -> f32 {
-    theta - q * 1.5703125 - q * 4.837512969970703125e-4 - q * 7.549789948768648e-8
+    theta - q * 1.5703125 - q * 4.837_513e-4 - q * 7.549_79e-8
 }
 
 /// `sin(r)` for `|r| ≤ π/4`.
 #[kernel_fn]
 fn sin_poly(r: f32) -> f32 {
-    r + r * r * r * (-1.6666654611e-1 + r * r * (8.3321608736e-3 + r * r * -1.9515295891e-4))
+    r + r * r * r * (-0.166_666_55 + r * r * (8.332_161e-3 + r * r * -1.951_529_6e-4))
 }
 
 /// `cos(r)` for `|r| ≤ π/4`.
 #[kernel_fn]
 fn cos_poly(r: f32) -> f32 {
     1.0 - 0.5 * r * r
-        + r * r * r * r * (4.166664568298827e-2 + r * r * (-1.388731625493765e-3 + r * r * 2.443315711809948e-5))
+        + r * r * r * r * (4.166_664_6e-2 + r * r * (-1.388_731_6e-3 + r * r * 2.443_315_7e-5))
 }
 
 /// `sin(θ)` for `θ ≥ 0`, to about an ulp of the reduced angle.
