@@ -1,5 +1,5 @@
-//! Single-token attention backward and the softmax backward on the GPU against f64 references;
-//! the references against finite differences.
+//! One decoded token's attention (the cache append, the forward, the backward) and the softmax
+//! backward on the GPU against f64 references; the references against finite differences.
 
 use hesper_exec::Gpu;
 use hesper_kernels::attention::{self, DecodeGrads, DecodeInputs, DecodeShape, reference};
@@ -124,7 +124,7 @@ fn decode_attention_backward_matches_reference() {
         let q = rng.vec(h * hd, 1.0);
         let (k_cache, v_cache) = (cache(&mut rng, &shape), cache(&mut rng, &shape));
         let d_out = rng.vec(h * hd, 1.0);
-        let a: Vec<f32> = reference::attention_probs(&shape, &f64s(&q), &f64s(&k_cache))
+        let a: Vec<f32> = reference::decode_probs(&shape, &f64s(&q), &f64s(&k_cache))
             .iter()
             .map(|v| *v as f32)
             .collect();
@@ -161,7 +161,7 @@ fn decode_attention_backward_matches_reference() {
             d_k_cache: &mut dk,
             d_v_cache: &mut dv,
         };
-        attention::execute_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
+        attention::execute_decode_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
         rec.submit().unwrap();
 
         // The reference takes the A the kernel was given (f32-rounded) through its own math.
@@ -170,7 +170,7 @@ fn decode_attention_backward_matches_reference() {
                 .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
                 .collect()
         };
-        let (want_dq, want_dk, want_dv) = reference::attention_backward(
+        let (want_dq, want_dk, want_dv) = reference::decode_backward(
             &shape,
             &f64s(&q),
             &zero_nan(&k_cache),
@@ -206,6 +206,170 @@ fn decode_attention_backward_matches_reference() {
     }
 }
 
+/// The token's keys and values land in row `pos` of each KV head, stride `max_seq`; the other
+/// rows keep what they held.
+#[test]
+fn kv_cache_append_writes_one_row() {
+    let g = gpu();
+    let shape = DecodeShape {
+        heads: 6,
+        kv_heads: 3,
+        head_dim: 12,
+        max_seq: 9,
+        pos: 4,
+    };
+    let mut rng = Rng::new(70);
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    let (k0, v0) = (rng.vec(cache, 1.0), rng.vec(cache, 1.0));
+    let row = shape.kv_heads * shape.head_dim;
+    let (k_new, v_new) = (rng.vec(row, 1.0), rng.vec(row, 1.0));
+    let (mut kc, mut vc) = (g.upload(&k0).unwrap(), g.upload(&v0).unwrap());
+    let (kn, vn) = (g.upload(&k_new).unwrap(), g.upload(&v_new).unwrap());
+    let mut rec = g.recorder();
+    attention::execute_kv_cache_append(&mut rec, shape, (&kn, &vn), &mut kc, &mut vc).unwrap();
+    rec.submit().unwrap();
+    let expect = |old: &[f32], new: &[f32]| -> Vec<f64> {
+        let mut c = f64s(old);
+        for kv in 0..shape.kv_heads {
+            let at = (kv * shape.max_seq + shape.pos) * shape.head_dim;
+            for d in 0..shape.head_dim {
+                c[at + d] = new[kv * shape.head_dim + d] as f64;
+            }
+        }
+        c
+    };
+    assert_close(
+        "k_cache",
+        &kc.read(g).unwrap(),
+        &expect(&k0, &k_new),
+        0.0,
+        0.0,
+    );
+    assert_close(
+        "v_cache",
+        &vc.read(g).unwrap(),
+        &expect(&v0, &v_new),
+        0.0,
+        0.0,
+    );
+}
+
+/// The decode forward's probabilities and output against the reference, over caches whose rows
+/// past the cached positions are NaN; a token appended then attended at each position of a
+/// short generation matches the reference at every step.
+#[test]
+fn decode_attention_matches_reference() {
+    let g = gpu();
+    let shapes = [
+        (1, 1, 4, 4, 0),
+        (4, 2, 8, 16, 9),
+        (9, 3, 64, 40, 33),
+        (2, 2, 128, 300, 299),
+        (3, 1, 12, 700, 600),
+    ];
+    for (seed, (heads, kv_heads, head_dim, max_seq, pos)) in shapes.into_iter().enumerate() {
+        let shape = DecodeShape {
+            heads,
+            kv_heads,
+            head_dim,
+            max_seq,
+            pos,
+        };
+        let mut rng = Rng::new(seed as u64 + 80);
+        let q = rng.vec(heads * head_dim, 1.5);
+        let (k_cache, v_cache) = (cache(&mut rng, &shape), cache(&mut rng, &shape));
+        let (qb, kb, vb) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k_cache).unwrap(),
+            g.upload(&v_cache).unwrap(),
+        );
+        let mut attn = g.filled(heads * (pos + 1), f32::NAN).unwrap();
+        let mut o = g.filled(heads * head_dim, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        attention::execute_decode_attention(&mut rec, shape, &qb, (&kb, &vb), &mut attn, &mut o)
+            .unwrap();
+        rec.submit().unwrap();
+        let zero_nan = |v: &[f32]| -> Vec<f64> {
+            v.iter()
+                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
+                .collect()
+        };
+        let want_a = reference::decode_probs(&shape, &f64s(&q), &zero_nan(&k_cache));
+        let want_o = reference::decode_out(&shape, &want_a, &zero_nan(&v_cache));
+        let what = format!("{shape:?}");
+        assert_close(
+            &format!("A {what}"),
+            &attn.read(g).unwrap(),
+            &want_a,
+            1e-4,
+            1e-6,
+        );
+        assert_close(
+            &format!("O {what}"),
+            &o.read(g).unwrap(),
+            &want_o,
+            1e-4,
+            1e-5,
+        );
+    }
+}
+
+/// Generation: each step appends its token and attends over everything cached so far.
+#[test]
+fn decode_steps_append_then_attend() {
+    let g = gpu();
+    let (heads, kv_heads, head_dim, max_seq) = (4, 2, 8, 6);
+    let mut rng = Rng::new(90);
+    let cache = kv_heads * max_seq * head_dim;
+    let (mut kc, mut vc) = (
+        g.zeros::<f32>(cache).unwrap(),
+        g.zeros::<f32>(cache).unwrap(),
+    );
+    let (mut k_host, mut v_host) = (vec![0.0f64; cache], vec![0.0f64; cache]);
+    for pos in 0..5 {
+        let shape = DecodeShape {
+            heads,
+            kv_heads,
+            head_dim,
+            max_seq,
+            pos,
+        };
+        let q = rng.vec(heads * head_dim, 1.5);
+        let (k_new, v_new) = (
+            rng.vec(kv_heads * head_dim, 1.5),
+            rng.vec(kv_heads * head_dim, 1.0),
+        );
+        for kv in 0..kv_heads {
+            for d in 0..head_dim {
+                let at = (kv * max_seq + pos) * head_dim + d;
+                k_host[at] = k_new[kv * head_dim + d] as f64;
+                v_host[at] = v_new[kv * head_dim + d] as f64;
+            }
+        }
+        let (qb, kn, vn) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k_new).unwrap(),
+            g.upload(&v_new).unwrap(),
+        );
+        let mut attn = g.filled(heads * (pos + 1), f32::NAN).unwrap();
+        let mut o = g.filled(heads * head_dim, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        attention::execute_kv_cache_append(&mut rec, shape, (&kn, &vn), &mut kc, &mut vc).unwrap();
+        attention::execute_decode_attention(&mut rec, shape, &qb, (&kc, &vc), &mut attn, &mut o)
+            .unwrap();
+        rec.submit().unwrap();
+        let a = reference::decode_probs(&shape, &f64s(&q), &k_host);
+        let want = reference::decode_out(&shape, &a, &v_host);
+        assert_close(
+            &format!("O at {pos}"),
+            &o.read(g).unwrap(),
+            &want,
+            1e-4,
+            1e-5,
+        );
+    }
+}
+
 /// `Σ dO ⊙ O` differentiated by finite differences w.r.t. q, the cached keys and values.
 #[test]
 fn decode_attention_reference_matches_finite_differences() {
@@ -225,14 +389,14 @@ fn decode_attention_reference_matches_finite_differences() {
         f64s(&rng.vec(16, 1.0)),
     );
     let loss = |q: &[f64], k: &[f64], v: &[f64]| {
-        let a = reference::attention_probs(&shape, q, k);
-        reference::attention_out(&shape, &a, v)
+        let a = reference::decode_probs(&shape, q, k);
+        reference::decode_out(&shape, &a, v)
             .iter()
             .zip(&d_out)
             .map(|(o, d)| o * d)
             .sum::<f64>()
     };
-    let (dq, dk, dv) = reference::attention_backward(&shape, &q, &k, &v, &d_out);
+    let (dq, dk, dv) = reference::decode_backward(&shape, &q, &k, &v, &d_out);
     check_gradient("dQ", &q, &dq, q.len(), |q| loss(q, &k, &v));
     check_gradient("dK", &k, &dk, k.len(), |k| loss(&q, k, &v));
     check_gradient("dV", &v, &dv, v.len(), |v| loss(&q, &k, v));
@@ -275,10 +439,16 @@ fn bad_shapes_are_errors() {
 #[test]
 fn wgsl_snapshots() {
     let names = [
+        "kv_cache_append_hd128",
+        "decode_attention_hd128_group4_tau0.088388346_subgroups",
         "softmax_backward_lanes4_subgroups",
         "apply_backward_hd128_group4",
         "score_backward_q_hd128_group4",
         "cache_backward_hd128_group4",
+        "attention_forward_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
+        "attention_backward_stats_hd64_heads9_padded",
+        "attention_backward_kv_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
+        "attention_backward_q_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
     ];
     let kernels = attention::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -570,7 +570,7 @@ async fn decode_attention_backward_matches_reference() {
         let q = rng.vec(h * hd, 1.0);
         let (k_cache, v_cache) = (cache(&mut rng, &shape), cache(&mut rng, &shape));
         let d_out = rng.vec(h * hd, 1.0);
-        let a: Vec<f32> = attention::reference::attention_probs(&shape, &f64s(&q), &f64s(&k_cache))
+        let a: Vec<f32> = attention::reference::decode_probs(&shape, &f64s(&q), &f64s(&k_cache))
             .iter()
             .map(|v| *v as f32)
             .collect();
@@ -607,7 +607,7 @@ async fn decode_attention_backward_matches_reference() {
             d_k_cache: &mut dk,
             d_v_cache: &mut dv,
         };
-        attention::execute_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
+        attention::execute_decode_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
         rec.submit().unwrap();
 
         let zero_nan = |v: &[f32]| -> Vec<f64> {
@@ -615,7 +615,7 @@ async fn decode_attention_backward_matches_reference() {
                 .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
                 .collect()
         };
-        let (want_dq, want_dk, want_dv) = attention::reference::attention_backward(
+        let (want_dq, want_dk, want_dv) = attention::reference::decode_backward(
             &shape,
             &f64s(&q),
             &zero_nan(&k_cache),

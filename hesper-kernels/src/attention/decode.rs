@@ -1,10 +1,13 @@
-//! Attention backward for one decoded token (Hesper's single-token path, without its bugs) and
-//! the row softmax backward (KERNELS.md).
+//! One decoded token's attention over the KV cache: appending its keys and values
+//! ([`execute_kv_cache_append`]), the forward for generation ([`execute_decode_attention`]) and
+//! the backward (Hesper's single-token path, without its bugs), and the row softmax backward
+//! (KERNELS.md).
 //!
 //! The token's query is at position `pos` and attends over `L = pos + 1` cached positions. The
 //! KV cache is `[KV, max_seq, hd]` — its stride is `max_seq`, not `L` (Hesper used `L`). Query
-//! head `h` reads KV head `h / G`, `G = H / KV`. With `A = softmax(τ·q·Kᵀ)` (`[H, L]`, saved)
-//! and `τ = 1/√hd`:
+//! head `h` reads KV head `h / G`, `G = H / KV`. With `A = softmax(τ·q·Kᵀ)` (`[H, L]`, saved
+//! by the forward) and `τ = 1/√hd`:
+//! - forward:          `O[h, d] = Σ_s A[h, s]·V[h/G, s, d]`
 //! - apply backward:   `dA[h, s] = Σ_d dO[h, d]·V[h/G, s, d]`
 //! - softmax backward: `dS = A ⊙ (dA − Σ_s A·dA)` (one reduction per row)
 //! - score backward:   `dQ[h, d] = τ·Σ_s dS[h, s]·K[h/G, s, d]`
@@ -13,9 +16,10 @@
 //!   (summed over the `G` query heads of each KV head; added, since the cache gradients collect
 //!   every later token's contribution).
 //!
-//! `q` and `K` are the rotated (post-RoPE) values; `dQ` comes out rotated too — apply
-//! `rope::execute_rope_backward` at `pos` (done by [`execute_attention_backward`]), and to the
-//! cache gradient once all tokens have added to it.
+//! `q` and `K` are the rotated (post-RoPE) values: rotate the query and the new key at `pos`
+//! (`rope::execute_rope`) before the append and the forward. The backward's `dQ` comes out
+//! rotated too — [`execute_decode_attention_backward`] applies `rope::execute_rope_backward` at
+//! `pos`; apply it to the cache gradient once all tokens have added to it.
 
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
@@ -159,10 +163,106 @@ fn cache_backward(
     }
 }
 
+/// Writes one token's keys and values (`[KV, hd]`) into row `pos` of each KV head's cache.
+#[kernel(workgroup_size = WG)]
+fn kv_cache_append(
+    k_new: &[f32],
+    v_new: &[f32],
+    k_cache: &mut [f32],
+    v_cache: &mut [f32],
+    #[shape] head_dim: u32,
+    #[runtime] kv_heads: u32,
+    #[runtime] pos: u32,
+    #[runtime] max_seq: u32,
+) {
+    let i = global_index();
+    if i < kv_heads * head_dim {
+        let at = ((i / head_dim) * max_seq + pos) * head_dim + i % head_dim;
+        k_cache[at] = k_new[i];
+        v_cache[at] = v_new[i];
+    }
+}
+
+/// Invocations of the decode forward: one workgroup per query head, one invocation per column
+/// of its output (`hd ≤ 128`) and a strided share of its cached positions.
+const DECODE_WG: u32 = 128;
+
+fn decode_key(head_dim: u32, group: u32, tau: f32, features: Features) -> KernelKey {
+    KernelKey::new("decode_attention")
+        .workgroup_size(DECODE_WG)
+        .shape("head_dim", head_dim)
+        .shape("group", group)
+        .shape("tau", tau)
+        .features(features & Features::SUBGROUPS)
+        .assume_in_bounds()
+}
+
+/// `A[h] = softmax(τ·q_h·Kᵀ)` over the `L` cached positions (written into `attn`, the backward's
+/// input), then `O[h] = A[h]·V`.
+fn decode_body(k: &mut KernelBuilder) {
+    let hd: u32 = k.shape("head_dim");
+    let group: u32 = k.shape("group");
+    let tau = k.shape_const::<f32>("tau");
+    let q = k.storage::<f32>("q");
+    let k_cache = k.storage::<f32>("k_cache");
+    let v_cache = k.storage::<f32>("v_cache");
+    let attn = k.storage_rw::<f32>("attn");
+    let out = k.storage_rw::<f32>("o");
+    let heads = k.param::<u32>("heads");
+    let len = k.param::<u32>("len");
+    let max_seq = k.param::<u32>("max_seq");
+    let h = k.let_("h", k.workgroup_index());
+    // Whole workgroups leave together: the reductions' barriers stay uniform.
+    k.if_(h.ge(&heads), |k| k.return_());
+    let cache0 = k.let_("cache0", (&h / group) * &max_seq * hd);
+    let row0 = k.let_("row0", &h * &len);
+    let lid = k.local_index();
+    let local_max = k.var("local_max", lit(-3.0e38f32));
+    k.comment("Scores; each invocation keeps the positions it wrote, so no barrier is needed.");
+    k.for_step("s", lid.clone(), &len, DECODE_WG, |k, s| {
+        let key = k.let_("key", &cache0 + &s * hd);
+        let dot = k.var("dot", lit(0.0f32));
+        k.for_range("d", 0u32, hd, |k, d| {
+            k.assign(
+                &dot,
+                q.at(&h * hd + &d).fma(k_cache.at(&key + &d), dot.get()),
+            );
+        });
+        let score = k.let_("score", dot.get() * &tau);
+        k.store(&attn, &row0 + &s, &score);
+        k.assign(&local_max, local_max.get().max(&score));
+    });
+    let m = k.workgroup_reduce(local_max.get(), Reduce::Max);
+    let local_sum = k.var("local_sum", lit(0.0f32));
+    k.for_step("s", lid.clone(), &len, DECODE_WG, |k, s| {
+        let e = k.let_("e", (attn.at(&row0 + &s) - &m).exp());
+        k.store(&attn, &row0 + &s, &e);
+        k.add_assign(&local_sum, e);
+    });
+    let z = k.workgroup_reduce(local_sum.get(), Reduce::Sum);
+    let inv = k.let_("inv", 1.0f32 / z);
+    k.for_step("s", lid.clone(), &len, DECODE_WG, |k, s| {
+        let at = k.let_("at", &row0 + &s);
+        k.store(&attn, &at, attn.at(&at) * &inv);
+    });
+    k.comment("Every invocation reads every position's probability.");
+    k.storage_barrier();
+    k.if_(lid.lt(hd), |k| {
+        let acc = k.var("acc", lit(0.0f32));
+        k.for_range("s", 0u32, &len, |k, s| {
+            let value = v_cache.at(&cache0 + &s * hd + &lid);
+            k.assign(&acc, attn.at(&row0 + &s).fma(value, acc.get()));
+        });
+        k.store(&out, &h * hd + &lid, acc.get());
+    });
+}
+
 /// The WGSL of this module's kernels at a representative shape (hd 128, GQA group 4).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let tau = 1.0 / (128f32).sqrt();
     Ok(vec![
+        kv_cache_append::build(128)?,
+        Kernel::build(&decode_key(128, 4, tau, Features::SUBGROUPS), decode_body)?,
         Kernel::build(&softmax_key(true, Features::SUBGROUPS), softmax_body)?,
         apply_backward::build(128, 4)?,
         score_backward_q::build(128, 4, tau)?,
@@ -283,7 +383,7 @@ struct DecodeDims {
     max_seq: u32,
 }
 
-/// Workspace and outputs of [`execute_attention_backward`].
+/// Workspace and outputs of [`execute_decode_attention_backward`].
 pub struct DecodeGrads<'a> {
     /// Workspace of exactly `[H, L]` (`L = pos + 1`): `dA`, then `dS`.
     pub d_attn: &'a mut GpuBuffer<f32>,
@@ -486,9 +586,97 @@ pub fn execute_cache_backward(
     )
 }
 
+/// Writes one token's rotated keys and values `[KV, hd]` into row `pos` of the caches
+/// `[KV, max_seq, hd]`; the other rows are untouched.
+pub fn execute_kv_cache_append(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    (k_new, v_new): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    k_cache: &mut GpuBuffer<f32>,
+    v_cache: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = kv_cache_append::NAME;
+    shape.check(name)?;
+    let row = shape.kv_heads * shape.head_dim;
+    expect_len(name, "k_new", k_new, row, "[kv_heads, head_dim]")?;
+    expect_len(name, "v_new", v_new, row, "[kv_heads, head_dim]")?;
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    let what = "[kv_heads, max_seq, head_dim]";
+    expect_len(name, "k_cache", k_cache, cache, what)?;
+    expect_len(name, "v_cache", v_cache, cache, what)?;
+    let dims = shape.dims(name)?;
+    let kernel = rec
+        .gpu()
+        .kernel(&kv_cache_append::key(dims.head_dim), kv_cache_append::body)?;
+    let args = Args::new()
+        .buffer("k_new", k_new)
+        .buffer("v_new", v_new)
+        .buffer("k_cache", k_cache)
+        .buffer("v_cache", v_cache)
+        .param("kv_heads", dims.kv_heads)
+        .param("pos", expect_u32(name, "pos", shape.pos)?)
+        .param("max_seq", dims.max_seq);
+    rec.launch(&kernel, &args, Grid::Threads(row as u64))
+}
+
+/// One decoded token's attention over the `pos + 1` cached positions: the probabilities
+/// `attn [H, pos + 1]` (kept for [`execute_decode_attention_backward`]) and `O [H, hd]`, from
+/// the rotated query `q [H, hd]` and the caches `[KV, max_seq, hd]` (append the token's keys
+/// and values first).
+pub fn execute_decode_attention(
+    rec: &mut Recorder<'_>,
+    shape: DecodeShape,
+    q: &GpuBuffer<f32>,
+    (k_cache, v_cache): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    attn: &mut GpuBuffer<f32>,
+    o: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "decode_attention";
+    shape.check(name)?;
+    if shape.head_dim > DECODE_WG as usize {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("head_dim = {}", shape.head_dim),
+            why: format!("at most {DECODE_WG} (one invocation per output column)"),
+        });
+    }
+    let per_head = shape.heads * shape.head_dim;
+    expect_len(name, "q", q, per_head, "[heads, head_dim]")?;
+    let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
+    let what = "[kv_heads, max_seq, head_dim]";
+    expect_len(name, "k_cache", k_cache, cache, what)?;
+    expect_len(name, "v_cache", v_cache, cache, what)?;
+    expect_len(
+        name,
+        "attn",
+        attn,
+        shape.heads * shape.len(),
+        "[heads, pos + 1]",
+    )?;
+    expect_len(name, "o", o, per_head, "[heads, head_dim]")?;
+    let dims = shape.dims(name)?;
+    let key = decode_key(
+        dims.head_dim,
+        dims.group,
+        shape.tau(),
+        rec.gpu().kernel_features(),
+    );
+    let kernel = rec.gpu().kernel(&key, decode_body)?;
+    let args = Args::new()
+        .buffer("q", q)
+        .buffer("k_cache", k_cache)
+        .buffer("v_cache", v_cache)
+        .buffer("attn", attn)
+        .buffer("o", o)
+        .param("heads", dims.heads)
+        .param("len", dims.len)
+        .param("max_seq", dims.max_seq);
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(shape.heads as u64))
+}
+
 /// One decoded token's attention backward: `dA`, `dS`, `dQ` (un-rotated at `pos`), and the
 /// cache gradients added for every cached position.
-pub fn execute_attention_backward(
+pub fn execute_decode_attention_backward(
     rec: &mut Recorder<'_>,
     shape: DecodeShape,
     inputs: &DecodeInputs<'_>,
@@ -496,7 +684,7 @@ pub fn execute_attention_backward(
 ) -> Result<(), ExecError> {
     // Check every buffer before recording anything: an error must not leave half a backward
     // in the caller's recorder.
-    let name = "attention_backward";
+    let name = "decode_attention_backward";
     shape.check(name)?;
     let (scores, per_head) = (shape.heads * shape.len(), shape.heads * shape.head_dim);
     let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
@@ -545,7 +733,7 @@ pub fn execute_attention_backward(
     execute_score_backward_q(rec, shape, grads.d_scores, inputs.k_cache, grads.d_q)?;
     let at = Positions {
         seq_len: 1,
-        offset: expect_u32("attention_backward", "pos", shape.pos)?,
+        offset: expect_u32(name, "pos", shape.pos)?,
     };
     rope::execute_rope_backward(rec, grads.d_q, inputs.inv_freq, shape.heads, at)?;
     execute_cache_backward(
@@ -558,101 +746,4 @@ pub fn execute_attention_backward(
         grads.d_k_cache,
         grads.d_v_cache,
     )
-}
-
-/// f64 references.
-pub mod reference {
-    use super::DecodeShape;
-
-    /// `ds = p ⊙ (dp − rowsum(p ⊙ dp))`.
-    pub fn softmax_backward(p: &[f64], dp: &[f64], cols: usize) -> Vec<f64> {
-        let mut ds = vec![0.0; p.len()];
-        for r in 0..p.len() / cols {
-            let row = r * cols..(r + 1) * cols;
-            let dot: f64 = p[row.clone()]
-                .iter()
-                .zip(&dp[row.clone()])
-                .map(|(a, b)| a * b)
-                .sum();
-            for i in row {
-                ds[i] = p[i] * (dp[i] - dot);
-            }
-        }
-        ds
-    }
-
-    /// `A = softmax(τ·q·Kᵀ)` over the `L` cached positions, `[H, L]`.
-    pub fn attention_probs(shape: &DecodeShape, q: &[f64], k_cache: &[f64]) -> Vec<f64> {
-        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
-        let g = h_n / shape.kv_heads;
-        let tau = 1.0 / (hd as f64).sqrt();
-        let mut a = vec![0.0; h_n * len];
-        for h in 0..h_n {
-            let row: Vec<f64> = (0..len)
-                .map(|s| {
-                    let k = &k_cache[((h / g) * shape.max_seq + s) * hd..][..hd];
-                    tau * (0..hd).map(|d| q[h * hd + d] * k[d]).sum::<f64>()
-                })
-                .collect();
-            let m = row.iter().cloned().fold(f64::MIN, f64::max);
-            let z: f64 = row.iter().map(|v| (v - m).exp()).sum();
-            for s in 0..len {
-                a[h * len + s] = (row[s] - m).exp() / z;
-            }
-        }
-        a
-    }
-
-    /// `O = A·V`, `[H, hd]`.
-    pub fn attention_out(shape: &DecodeShape, a: &[f64], v_cache: &[f64]) -> Vec<f64> {
-        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
-        let g = h_n / shape.kv_heads;
-        let mut o = vec![0.0; h_n * hd];
-        for h in 0..h_n {
-            for s in 0..len {
-                for d in 0..hd {
-                    o[h * hd + d] +=
-                        a[h * len + s] * v_cache[((h / g) * shape.max_seq + s) * hd + d];
-                }
-            }
-        }
-        o
-    }
-
-    /// `(dQ, dK_cache, dV_cache)` (all w.r.t. the rotated values) of `Σ dO ⊙ O`.
-    pub fn attention_backward(
-        shape: &DecodeShape,
-        q: &[f64],
-        k_cache: &[f64],
-        v_cache: &[f64],
-        d_out: &[f64],
-    ) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-        let (h_n, hd, len) = (shape.heads, shape.head_dim, shape.pos + 1);
-        let g = h_n / shape.kv_heads;
-        let tau = 1.0 / (hd as f64).sqrt();
-        let a = attention_probs(shape, q, k_cache);
-        let at = |kv: usize, s: usize, d: usize| (kv * shape.max_seq + s) * hd + d;
-        let mut da = vec![0.0; h_n * len];
-        for h in 0..h_n {
-            for s in 0..len {
-                da[h * len + s] = (0..hd)
-                    .map(|d| d_out[h * hd + d] * v_cache[at(h / g, s, d)])
-                    .sum();
-            }
-        }
-        let ds = softmax_backward(&a, &da, len);
-        let mut dq = vec![0.0; h_n * hd];
-        let mut dk = vec![0.0; k_cache.len()];
-        let mut dv = vec![0.0; v_cache.len()];
-        for h in 0..h_n {
-            for s in 0..len {
-                for d in 0..hd {
-                    dq[h * hd + d] += tau * ds[h * len + s] * k_cache[at(h / g, s, d)];
-                    dk[at(h / g, s, d)] += tau * ds[h * len + s] * q[h * hd + d];
-                    dv[at(h / g, s, d)] += a[h * len + s] * d_out[h * hd + d];
-                }
-            }
-        }
-        (dq, dk, dv)
-    }
 }

@@ -1,0 +1,1271 @@
+//! Causal attention over whole sequences, forward and backward, flash style (FlashAttention-2,
+//! without float atomics): the `S×S` score matrix never exists in memory.
+//!
+//! `B` sequences of `S` positions (token `t = b·S + s`); `Q`, `O` are `[T, H·hd]`, `K`, `V`
+//! `[T, KV·hd]`, query head `h` reads KV head `h / G`. Position `s` attends to the positions
+//! `≤ s` of its own sequence, scaled by `τ` ([`SeqShape::scale`], `1/√hd` by default). With
+//! [`ValidLengths`] (right padding) sequence `b` has `len_b ≤ S` real positions: keys at or past
+//! `len_b` are excluded, and query rows past it produce zeros (never NaN) in every output.
+//!
+//! - forward ([`execute_attention_forward`]): `O = softmax(τ·Q·Kᵀ + causal)·V` by an online
+//!   softmax over blocks of keys, and the rows' log-sum-exp `lse [T, H]` for the backward;
+//! - backward ([`execute_attention_backward`]): a pre-pass writes `(lse, D = rowsum(dO ⊙ O))`
+//!   per row into one packed `stats [T, H, 2]` buffer, then one kernel per KV block writes `dK`
+//!   and `dV` (looping over the `G` query heads of its KV head and over the query blocks at or
+//!   after it) and one kernel per query block writes `dQ`, both recomputing `P = exp(τ·S − lse)`.
+//!   Packing `lse` and `D` keeps the dK/dV kernel at 8 storage buffers, what WebGPU guarantees.
+//!
+//! ## Tiling
+//! A workgroup owns a block of `block` query rows (forward, dQ) or keys (dK/dV) of one head, with
+//! `(block/4)²` invocations: invocation `(tx, ty)` holds the scores of rows `4·ty .. 4·ty+4` and
+//! keys `4·tx .. 4·tx+4`, and of a `[block, hd]` accumulator the rows `4·ty ..` and the `vec4`
+//! columns `tx, tx + block/4, …`. Products step through workgroup memory: the score tile
+//! `S = Q·Kᵀ` stages `bk`-deep slices of both operands depth-major, the accumulator products
+//! (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`) stage the probabilities (or `dS`) of the block and `vk`
+//! rows of the other operand at a time. Reads past the sequence's end are clamped into it and
+//! masked; rows past the end are never stored.
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
+
+use crate::{expect_len, expect_u32};
+
+/// Scores of excluded keys take part in no maximum: a finite stand-in for `−∞` (no `inf - inf`).
+const NEG_BIG: f32 = -1.0e30;
+
+/// The largest head dimension the kernels take (the accumulators are registers).
+pub const MAX_HEAD_DIM: usize = 128;
+
+/// The shape of one attention call: `batch` sequences of `seq_len` positions, `heads` query heads
+/// reading `kv_heads` key/value heads of `head_dim`, scores scaled by `scale`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SeqShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// `τ`: [`SeqShape::new`] sets `1/√head_dim`.
+    pub scale: f32,
+}
+
+impl SeqShape {
+    /// The shape with the usual scale `τ = 1/√head_dim`.
+    pub fn new(
+        batch: usize,
+        seq_len: usize,
+        heads: usize,
+        kv_heads: usize,
+        head_dim: usize,
+    ) -> Self {
+        SeqShape {
+            batch,
+            seq_len,
+            heads,
+            kv_heads,
+            head_dim,
+            scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+        }
+    }
+
+    /// Tokens `T = B·S`.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    /// `G = H / KV`.
+    pub fn group(&self) -> usize {
+        self.heads / self.kv_heads.max(1)
+    }
+
+    /// Elements of `Q` and `O` (`[T, H·hd]`).
+    pub fn q_len(&self) -> usize {
+        self.tokens() * self.heads * self.head_dim
+    }
+
+    /// Elements of `K` and `V` (`[T, KV·hd]`).
+    pub fn kv_len(&self) -> usize {
+        self.tokens() * self.kv_heads * self.head_dim
+    }
+
+    /// `Ok` when the kernels take this shape; else an error naming `kernel` and the rule.
+    pub fn check(&self, kernel: &str) -> Result<(), ExecError> {
+        let bad = |what: String, why: &str| {
+            Err(ExecError::Dispatch {
+                kernel: kernel.into(),
+                what,
+                why: why.into(),
+            })
+        };
+        let SeqShape {
+            heads,
+            kv_heads,
+            head_dim,
+            ..
+        } = *self;
+        if kv_heads == 0 || heads == 0 || !heads.is_multiple_of(kv_heads) {
+            return bad(
+                format!("heads = {heads}, kv_heads = {kv_heads}"),
+                "heads must be a positive multiple of kv_heads (GQA)",
+            );
+        }
+        if head_dim == 0 || !head_dim.is_multiple_of(4) || head_dim > MAX_HEAD_DIM {
+            return bad(
+                format!("head_dim = {head_dim}"),
+                "head_dim must be a positive multiple of 4, at most 128",
+            );
+        }
+        if !self.scale.is_finite() {
+            return bad(
+                format!("scale = {}", self.scale),
+                "the scale must be finite",
+            );
+        }
+        for (what, n) in [
+            ("tokens", self.q_len().max(self.kv_len())),
+            ("batch", self.batch),
+            ("seq_len", self.seq_len),
+        ] {
+            expect_u32(kernel, what, n)?;
+        }
+        if self.batch > 65535 || self.heads > 65535 {
+            return bad(
+                format!("batch = {}, heads = {}", self.batch, self.heads),
+                "at most 65535 sequences and 65535 heads (one workgroup row each)",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The real lengths of a batch's sequences (right padding), on the GPU and on the host: checked
+/// once against the sequence length when made, then bound by every kernel that takes them.
+pub struct ValidLengths {
+    lengths: Vec<usize>,
+    seq_len: usize,
+    buffer: GpuBuffer<u32>,
+}
+
+impl ValidLengths {
+    /// `lengths[b]` real positions of sequence `b`, each at most `seq_len`.
+    pub fn upload(gpu: &Gpu, lengths: &[usize], seq_len: usize) -> Result<Self, ExecError> {
+        let name = "attention valid lengths";
+        if let Some((b, &len)) = lengths.iter().enumerate().find(|(_, l)| **l > seq_len) {
+            return Err(ExecError::Dispatch {
+                kernel: name.into(),
+                what: format!("lengths[{b}] = {len}"),
+                why: format!("a valid length is at most the sequence length {seq_len}"),
+            });
+        }
+        let words = lengths
+            .iter()
+            .map(|&l| expect_u32(name, "length", l))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(ValidLengths {
+            lengths: lengths.to_vec(),
+            seq_len,
+            buffer: gpu.upload(&words)?,
+        })
+    }
+
+    /// The lengths, one a sequence.
+    pub fn lengths(&self) -> &[usize] {
+        &self.lengths
+    }
+
+    fn check(&self, kernel: &str, shape: &SeqShape) -> Result<(), ExecError> {
+        if self.lengths.len() == shape.batch && self.seq_len == shape.seq_len {
+            return Ok(());
+        }
+        Err(ExecError::Binding {
+            kernel: kernel.into(),
+            binding: "lens".into(),
+            expected: format!(
+                "{} lengths of sequences of {} (the shape)",
+                shape.batch, shape.seq_len
+            ),
+            given: format!(
+                "{} lengths of sequences of {}",
+                self.lengths.len(),
+                self.seq_len
+            ),
+        })
+    }
+}
+
+/// The blocking of the sequence kernels: `block` rows (and keys) per workgroup, `bk` of the
+/// head dimension per step of the score tile, `vk` rows per step of the accumulator products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SeqTile {
+    pub block: u32,
+    pub bk: u32,
+    pub vk: u32,
+}
+
+impl SeqTile {
+    /// 64 rows and keys, 256 invocations, up to 28 KiB of workgroup memory.
+    pub const LARGE: SeqTile = SeqTile {
+        block: 64,
+        bk: 16,
+        vk: 16,
+    };
+    /// 32 rows and keys, 64 invocations, within WebGPU's 16 KiB of workgroup memory.
+    pub const PORTABLE: SeqTile = SeqTile {
+        block: 32,
+        bk: 16,
+        vk: 8,
+    };
+
+    /// `LARGE` where the device has the memory for it at this head dimension, else `PORTABLE`.
+    pub fn for_device(limits: &Limits, head_dim: usize) -> SeqTile {
+        let large = SeqTile::LARGE;
+        if large.workgroup_bytes(head_dim as u32) <= limits.max_workgroup_storage_bytes
+            && large.invocations() <= limits.max_invocations_per_workgroup
+        {
+            large
+        } else {
+            SeqTile::PORTABLE
+        }
+    }
+
+    pub fn invocations(&self) -> u32 {
+        (self.block / 4) * (self.block / 4)
+    }
+
+    /// Depth of one score step: `bk`, or the largest of 8 and 4 dividing `hd`.
+    fn depth_step(&self, head_dim: u32) -> u32 {
+        [self.bk, 8, 4]
+            .into_iter()
+            .find(|s| head_dim.is_multiple_of(*s))
+            .unwrap_or(4)
+    }
+
+    /// Workgroup memory of the largest kernel: the staging area, the block's probabilities and
+    /// the forward's row partials.
+    pub fn workgroup_bytes(&self, head_dim: u32) -> u32 {
+        let b = self.block;
+        let stage = (2 * self.depth_step(head_dim) * b).max(self.vk * head_dim);
+        4 * (stage + b * b + b * (b / 4))
+    }
+}
+
+/// What the three kernels' keys share.
+fn seq_key(name: &str, shape: &SeqShape, tile: SeqTile, padded: bool) -> KernelKey {
+    KernelKey::new(name)
+        .workgroup_size(tile.invocations())
+        .shape("head_dim", shape.head_dim as u32)
+        .shape("heads", shape.heads as u32)
+        .shape("kv_heads", shape.kv_heads as u32)
+        .shape("block", tile.block)
+        .shape("bk", tile.depth_step(shape.head_dim as u32))
+        .shape("vk", tile.vk)
+        .shape("padded", padded)
+        // Every index is clamped into its sequence (reads) or guarded (stores) by construction.
+        .assume_in_bounds()
+}
+
+/// The shapes every sequence kernel reads from its key.
+struct Dims {
+    hd: u32,
+    heads: u32,
+    kv_heads: u32,
+    group: u32,
+    block: u32,
+    bk: u32,
+    vk: u32,
+    /// Invocations along a row group (`block / 4`), and `vec4`s of the head dimension each
+    /// invocation holds of an accumulator row.
+    tx_n: u32,
+    cols: u32,
+}
+
+/// The launch-wide values and the invocation's place, bound once at the top of a kernel.
+struct Place {
+    dims: Dims,
+    seq_len: Expr<u32>,
+    /// `S` − 1: reads clamp to it.
+    last: Expr<u32>,
+    /// `len_b` (or `S` without valid lengths).
+    len: Expr<u32>,
+    /// The block's first row (query or key) inside the sequence, and the sequence's first token.
+    origin: Expr<u32>,
+    token0: Expr<u32>,
+    /// The head (query head, or KV head for dK/dV) of the workgroup.
+    head: Expr<u32>,
+    tx: Expr<u32>,
+    ty: Expr<u32>,
+}
+
+fn dims(k: &mut KernelBuilder) -> Dims {
+    let hd: u32 = k.shape("head_dim");
+    let heads: u32 = k.shape("heads");
+    let kv_heads: u32 = k.shape("kv_heads");
+    let block: u32 = k.shape("block");
+    let tx_n = block / 4;
+    Dims {
+        hd,
+        heads,
+        kv_heads,
+        group: heads / kv_heads,
+        block,
+        bk: k.shape("bk"),
+        vk: k.shape("vk"),
+        tx_n,
+        cols: (hd / 4).div_ceil(tx_n),
+    }
+}
+
+/// Binds the runtime values (`seq_len`, and `lens` when the key says `padded`) and the
+/// invocation's place: workgroup `(block, head, sequence)`.
+fn place(k: &mut KernelBuilder) -> Place {
+    let dims = dims(k);
+    let padded = k.shape::<bool>("padded");
+    let seq_len = k.param::<u32>("seq_len");
+    let wid = k.workgroup_id();
+    let b = k.let_("b", wid.z());
+    let len = if padded {
+        let lens = k.storage::<u32>("lens");
+        k.let_("len", lens.at(&b).min(&seq_len))
+    } else {
+        seq_len.clone()
+    };
+    let last = k.let_("last", &seq_len - 1u32);
+    let origin = k.let_("origin", wid.x() * dims.block);
+    let token0 = k.let_("token0", &b * &seq_len);
+    let head = k.let_("head", wid.y());
+    let lid = k.let_("lid", k.local_index());
+    let tx = k.let_("tx", &lid % dims.tx_n);
+    let ty = k.let_("ty", &lid / dims.tx_n);
+    Place {
+        dims,
+        seq_len,
+        last,
+        len,
+        origin,
+        token0,
+        head,
+        tx,
+        ty,
+    }
+}
+
+/// One operand of a product read from a `[T, heads·hd]` buffer: rows of a block of one head.
+struct Rows<'a> {
+    buf: &'a ReadBuffer<f32>,
+    /// Elements per token (`heads·hd`) and the head's first column.
+    stride: u32,
+    head_col: Expr<u32>,
+}
+
+impl Rows<'_> {
+    /// Flat index of `(row inside the sequence, clamped to S − 1; column 0 of the head)`.
+    fn base(&self, k: &mut KernelBuilder, p: &Place, row: Expr<u32>) -> Expr<u32> {
+        k.let_(
+            "row_at",
+            (&p.token0 + row.min(&p.last)) * self.stride + &self.head_col,
+        )
+    }
+}
+
+/// Stages, depth-major, `bk` columns (from `d0`) of `block` rows starting at `first`:
+/// `stage[at + kk·block/4 + j] = (rows 4j .. 4j+4 at column d0 + kk)`.
+fn stage_depth_major(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<f32>>,
+    at: u32,
+    (rows, first): (&Rows<'_>, &Expr<u32>),
+    d0: &Expr<u32>,
+) {
+    let Dims { block, bk, .. } = p.dims;
+    let n = k.invocations();
+    let slots = block / 4 * bk;
+    let lid = k.local_index();
+    for i in 0..slots.div_ceil(n) {
+        let s = k.let_("s", crate::linear::offset(&lid, i * n));
+        let body = |k: &mut KernelBuilder| {
+            let kk = k.let_("kk", &s % bk);
+            let j = k.let_("j", &s / bk);
+            let col = k.let_("col", d0 + &kk);
+            let lanes: Vec<Expr<f32>> = (0..4u32)
+                .map(|q| {
+                    let base = rows.base(k, p, first + &j * 4u32 + q);
+                    rows.buf.at(base + &col)
+                })
+                .collect();
+            let v = vec4(
+                lanes[0].clone(),
+                lanes[1].clone(),
+                lanes[2].clone(),
+                lanes[3].clone(),
+            );
+            k.store(stage, &kk * (block / 4) + &j + at, v);
+        };
+        if slots.is_multiple_of(n) || (i + 1) * n <= slots {
+            body(k);
+        } else {
+            k.if_(s.lt(slots), body);
+        }
+    }
+}
+
+/// Stages `vk` whole rows (from `first + r0`) as `vec4`s along the head dimension:
+/// `stage[c·hd/4 + v] = row c's vec4 v`, zero for rows at or past `valid`.
+fn stage_rows(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<f32>>,
+    (rows, first): (&Rows<'_>, &Expr<u32>),
+    valid: &Expr<u32>,
+) {
+    let Dims { hd, vk, .. } = p.dims;
+    let per_row = hd / 4;
+    let n = k.invocations();
+    let slots = vk * per_row;
+    let lid = k.local_index();
+    for i in 0..slots.div_ceil(n) {
+        let s = k.let_("s", crate::linear::offset(&lid, i * n));
+        let body = |k: &mut KernelBuilder| {
+            let c = k.let_("c", &s / per_row);
+            let v = k.let_("v", &s % per_row);
+            let row = k.let_("row", first + &c);
+            let base = rows.base(k, p, row.clone());
+            let col = k.let_("col", &base + &v * 4u32);
+            let lanes: Vec<Expr<f32>> = (0..4u32)
+                .map(|q| rows.buf.at(crate::linear::offset(&col, q)))
+                .collect();
+            let value = vec4(
+                lanes[0].clone(),
+                lanes[1].clone(),
+                lanes[2].clone(),
+                lanes[3].clone(),
+            );
+            let zero = Expr::<Vec4<f32>>::splat(0.0f32);
+            k.store(stage, &s, select(row.lt(valid), value, zero));
+        };
+        if slots.is_multiple_of(n) || (i + 1) * n <= slots {
+            body(k);
+        } else {
+            k.if_(s.lt(slots), body);
+        }
+    }
+}
+
+/// Component `q` of `v`.
+fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
+    match q {
+        0 => v.x(),
+        1 => v.y(),
+        2 => v.z(),
+        _ => v.w(),
+    }
+}
+
+/// The score tile `acc[i] (i = row 0..4) = vec4 over keys` of `A_rows·B_rowsᵀ` over the head
+/// dimension: the invocation's rows `4·ty ..` of `a` (from `a_first`) against keys `4·tx ..` of
+/// `b` (from `b_first`).
+fn score_tile(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<f32>>,
+    a: (&Rows<'_>, &Expr<u32>),
+    b: (&Rows<'_>, &Expr<u32>),
+) -> LocalArray<Vec4<f32>> {
+    let Dims { hd, bk, block, .. } = p.dims;
+    let quarter = block / 4;
+    let acc: LocalArray<Vec4<f32>> = k.var_array("score", 4);
+    for i in 0..4u32 {
+        k.store(&acc, i, Expr::<Vec4<f32>>::splat(0.0f32));
+    }
+    k.for_step("d0", 0u32, hd, bk, |k, d0| {
+        // The previous step's (or product's) readers are done with the staging area.
+        k.workgroup_barrier();
+        stage_depth_major(k, p, stage, 0, a, &d0);
+        stage_depth_major(k, p, stage, bk * quarter, b, &d0);
+        k.workgroup_barrier();
+        for kk in 0..bk {
+            let av = k.let_("a", stage.at(&p.ty + kk * quarter));
+            let bv = k.let_("b", stage.at(&p.tx + (bk + kk) * quarter));
+            for i in 0..4u32 {
+                let ai = Expr::<Vec4<f32>>::splat(lane(&av, i));
+                k.store(&acc, i, ai.fma(&bv, acc.at(i)));
+            }
+        }
+    });
+    acc
+}
+
+/// `acc[i·cols + j] += Σ_c lhs[c][rows 4·ty + i]·rows[c][vec4 tx + j·block/4]` over the
+/// `block` rows of `lhs` (`[block][block/4]` vec4s, depth-major), staging `vk` rows of `rhs`
+/// (from `first`, zero at or past `valid`) at a time.
+fn accumulate_product(
+    k: &mut KernelBuilder,
+    p: &Place,
+    (stage, lhs): (&WorkgroupArray<Vec4<f32>>, &WorkgroupArray<Vec4<f32>>),
+    acc: &LocalArray<Vec4<f32>>,
+    (rhs, first): (&Rows<'_>, &Expr<u32>),
+    valid: &Expr<u32>,
+) {
+    let Dims {
+        hd,
+        vk,
+        block,
+        tx_n,
+        cols,
+        ..
+    } = p.dims;
+    let per_row = hd / 4;
+    // Columns past the head dimension (when hd/4 is not a multiple of block/4) read the last
+    // one; they are never stored.
+    let col_at: Vec<Expr<u32>> = (0..cols)
+        .map(|j| {
+            let c = crate::linear::offset(&p.tx, j * tx_n);
+            if per_row.is_multiple_of(tx_n) {
+                c
+            } else {
+                k.let_("v_col", c.min(per_row - 1))
+            }
+        })
+        .collect();
+    k.for_step("c0", 0u32, block, vk, |k, c0| {
+        k.workgroup_barrier();
+        let from = k.let_("from", first + &c0);
+        stage_rows(k, p, stage, (rhs, &from), valid);
+        k.workgroup_barrier();
+        for c in 0..vk {
+            let lv = k.let_("l", lhs.at((&c0 + c) * (block / 4) + &p.ty));
+            let rv: Vec<Expr<Vec4<f32>>> = col_at
+                .iter()
+                .map(|col| k.let_("r", stage.at(col + c * per_row)))
+                .collect();
+            for i in 0..4u32 {
+                let li = Expr::<Vec4<f32>>::splat(lane(&lv, i));
+                for (j, r) in rv.iter().enumerate() {
+                    let at = i * cols + j as u32;
+                    k.store(acc, at, li.fma(r, acc.at(at)));
+                }
+            }
+        }
+    });
+}
+
+/// A `[block, hd]` accumulator in registers, zeroed.
+fn accumulator(k: &mut KernelBuilder, p: &Place, hint: &str) -> LocalArray<Vec4<f32>> {
+    let acc: LocalArray<Vec4<f32>> = k.var_array(hint, 4 * p.dims.cols);
+    for i in 0..4 * p.dims.cols {
+        k.store(&acc, i, Expr::<Vec4<f32>>::splat(0.0f32));
+    }
+    acc
+}
+
+/// `out[token0 + origin + 4·ty + i, head's columns] = scales[i]·acc[i]` for rows inside the
+/// sequence.
+fn store_rows(
+    k: &mut KernelBuilder,
+    p: &Place,
+    out: &hesper_dsl::RwBuffer<Vec4<f32>>,
+    (stride4, head_col4): (u32, &Expr<u32>),
+    acc: &LocalArray<Vec4<f32>>,
+    scales: [Expr<f32>; 4],
+) {
+    let Dims { hd, tx_n, cols, .. } = p.dims;
+    let per_row = hd / 4;
+    for (i, scale) in (0..4u32).zip(scales) {
+        let row = k.let_("row", &p.origin + &p.ty * 4u32 + i);
+        k.if_(row.lt(&p.seq_len), |k| {
+            let scale = k.let_("row_scale", scale);
+            let base = k.let_("out_at", (&p.token0 + &row) * stride4 + head_col4);
+            for j in 0..cols {
+                let col = crate::linear::offset(&p.tx, j * tx_n);
+                let value = acc.at(i * cols + j) * Expr::<Vec4<f32>>::splat(scale.clone());
+                if per_row.is_multiple_of(tx_n) || (j + 1) * tx_n <= per_row {
+                    k.store(out, &base + &col, value);
+                } else {
+                    k.if_(col.lt(per_row), |k| k.store(out, &base + &col, value));
+                }
+            }
+        });
+    }
+}
+
+/// The invocation's 4×4 of `P = exp(τ·S − m)` for query rows from `q0` and keys from `c0`,
+/// zero where the key is excluded (after the row, at or past `len`) or the row is padded.
+struct Masked {
+    /// `valid[i][j]`
+    valid: Vec<Vec<Expr<bool>>>,
+}
+
+fn mask(k: &mut KernelBuilder, p: &Place, q0: &Expr<u32>, c0: &Expr<u32>) -> Masked {
+    let rows: Vec<Expr<u32>> = (0..4u32)
+        .map(|i| k.let_("q_row", q0 + &p.ty * 4u32 + i))
+        .collect();
+    let keys: Vec<Expr<u32>> = (0..4u32)
+        .map(|j| k.let_("key", c0 + &p.tx * 4u32 + j))
+        .collect();
+    let valid = rows
+        .iter()
+        .map(|r| {
+            let row_ok = k.let_("row_ok", r.lt(&p.len));
+            keys.iter()
+                .map(|c| k.let_("valid", c.le(r).and(&row_ok)))
+                .collect()
+        })
+        .collect();
+    Masked { valid }
+}
+
+/// Binding names and their `Rows`.
+fn rows_of<'a>(buf: &'a ReadBuffer<f32>, hd: u32, heads: u32, head: &Expr<u32>) -> Rows<'a> {
+    Rows {
+        buf,
+        stride: heads * hd,
+        head_col: head * hd,
+    }
+}
+
+/// The forward: `O` and `lse` of one block of query rows of one head.
+fn forward_body(k: &mut KernelBuilder) {
+    let q = k.storage::<f32>("q");
+    let kb = k.storage::<f32>("k");
+    let v = k.storage::<f32>("v");
+    let o = k.storage_rw::<Vec4<f32>>("o");
+    let lse = k.storage_rw::<f32>("lse");
+    let tau = k.param::<f32>("scale");
+    let p = place(k);
+    let Dims {
+        hd,
+        heads,
+        kv_heads,
+        group,
+        block,
+        bk,
+        vk,
+        tx_n,
+        ..
+    } = p.dims;
+    let stage_len = (2 * bk * block / 4).max(vk * hd / 4);
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", stage_len);
+    let probs = k.workgroup_array::<Vec4<f32>>("probs", block * block / 4);
+    let partials = k.workgroup_array::<f32>("row_partials", block * tx_n);
+
+    let kv = k.let_("kv", &p.head / group);
+    let q_rows = rows_of(&q, hd, heads, &p.head);
+    let k_rows = rows_of(&kb, hd, kv_heads, &kv);
+    let v_rows = rows_of(&v, hd, kv_heads, &kv);
+    let m: Vec<Var<f32>> = (0..4).map(|_| k.var("m", lit(NEG_BIG))).collect();
+    let l: Vec<Var<f32>> = (0..4).map(|_| k.var("l", lit(0.0f32))).collect();
+    let acc = accumulator(k, &p, "o_acc");
+
+    k.comment("Key blocks up to the block's last real row (none for a block of padding).");
+    let end = k.let_("end", (&p.origin + block).min(&p.len));
+    let blocks = k.let_(
+        "blocks",
+        select(p.origin.lt(&p.len), (&end + (block - 1)) / block, lit(0u32)),
+    );
+    k.for_range("key_block", 0u32, &blocks, |k, key_block| {
+        let c0 = k.let_("c0", &key_block * block);
+        let s = score_tile(k, &p, &stage, (&q_rows, &p.origin), (&k_rows, &c0));
+        let masked = mask(k, &p, &p.origin, &c0);
+        let scores: Vec<Vec<Expr<f32>>> = (0..4u32)
+            .map(|i| {
+                let row = k.let_("s_row", s.at(i) * Expr::<Vec4<f32>>::splat(tau.clone()));
+                (0..4).map(|j| lane(&row, j)).collect()
+            })
+            .collect();
+        k.comment("Row maxima over the block: each invocation's, then across the row's.");
+        for (i, (row, valid)) in scores.iter().zip(&masked.valid).enumerate() {
+            let partial = row
+                .iter()
+                .zip(valid)
+                .fold(lit(NEG_BIG), |m: Expr<f32>, (s, ok)| {
+                    m.max(select(ok.clone(), s.clone(), lit(NEG_BIG)))
+                });
+            let at = (&p.ty * 4u32 + i as u32) * tx_n + &p.tx;
+            k.store(&partials, at, partial);
+        }
+        k.workgroup_barrier();
+        let mut alphas = Vec::new();
+        let mut probs_of = Vec::new();
+        for i in 0..4u32 {
+            let base = k.let_("partials_at", (&p.ty * 4u32 + i) * tx_n);
+            let mut block_max = m[i as usize].get();
+            for t in 0..tx_n {
+                block_max = block_max.max(partials.at(crate::linear::offset(&base, t)));
+            }
+            let m_new = k.let_("m_new", block_max);
+            let alpha = k.let_("alpha", (m[i as usize].get() - &m_new).exp());
+            let ps: Vec<Expr<f32>> = (0..4)
+                .map(|j| {
+                    let e = (scores[i as usize][j].clone() - &m_new).exp();
+                    k.let_(
+                        "p",
+                        select(masked.valid[i as usize][j].clone(), e, lit(0.0f32)),
+                    )
+                })
+                .collect();
+            let sum = ps[0].clone() + ps[1].clone() + ps[2].clone() + ps[3].clone();
+            k.assign(&l[i as usize], l[i as usize].get() * &alpha + sum);
+            k.assign(&m[i as usize], m_new);
+            alphas.push(alpha);
+            probs_of.push(ps);
+        }
+        for i in 0..4u32 {
+            for j in 0..p.dims.cols {
+                let at = i * p.dims.cols + j;
+                let a = Expr::<Vec4<f32>>::splat(alphas[i as usize].clone());
+                k.store(&acc, at, acc.at(at) * a);
+            }
+        }
+        k.comment("The block's probabilities, depth (key) major, for P·V.");
+        for j in 0..4u32 {
+            let col: Vec<Expr<f32>> = (0..4).map(|i| probs_of[i][j as usize].clone()).collect();
+            let at = (&p.tx * 4u32 + j) * (block / 4) + &p.ty;
+            k.store(
+                &probs,
+                at,
+                vec4(
+                    col[0].clone(),
+                    col[1].clone(),
+                    col[2].clone(),
+                    col[3].clone(),
+                ),
+            );
+        }
+        accumulate_product(k, &p, (&stage, &probs), &acc, (&v_rows, &c0), &p.len);
+    });
+
+    k.comment("Row sums across the row's invocations.");
+    k.workgroup_barrier();
+    for i in 0..4u32 {
+        k.store(
+            &partials,
+            (&p.ty * 4u32 + i) * tx_n + &p.tx,
+            l[i as usize].get(),
+        );
+    }
+    k.workgroup_barrier();
+    let totals: Vec<Expr<f32>> = (0..4u32)
+        .map(|i| {
+            let base = k.let_("partials_at", (&p.ty * 4u32 + i) * tx_n);
+            let mut total: Expr<f32> = lit(0.0f32);
+            for t in 0..tx_n {
+                total = total + partials.at(crate::linear::offset(&base, t));
+            }
+            k.let_("row_sum", total)
+        })
+        .collect();
+    // A padded row (or one with no key at all) has a sum of 0: it writes zeros.
+    let real: Vec<Expr<bool>> = (0..4u32)
+        .map(|i| {
+            let row = &p.origin + &p.ty * 4u32 + i;
+            k.let_("real", row.lt(&p.len).and(totals[i as usize].gt(0.0f32)))
+        })
+        .collect();
+    let head_col4 = k.let_("head_col4", &p.head * (hd / 4));
+    let scales =
+        std::array::from_fn(|i| select(real[i].clone(), 1.0f32 / totals[i].clone(), lit(0.0f32)));
+    store_rows(k, &p, &o, (heads * hd / 4, &head_col4), &acc, scales);
+    for i in 0..4u32 {
+        let row = k.let_("row", &p.origin + &p.ty * 4u32 + i);
+        k.if_(row.lt(&p.seq_len).and(p.tx.eq(0u32)), |k| {
+            let value = m[i as usize].get() + totals[i as usize].log();
+            k.store(
+                &lse,
+                (&p.token0 + &row) * heads + &p.head,
+                select(real[i as usize].clone(), value, lit(0.0f32)),
+            );
+        });
+    }
+}
+
+/// The backward's pre-pass: `stats[t, h] = (lse, D = Σ_d dO·O)`, zeros on padded rows. One
+/// invocation per `(t, h)`.
+fn stats_body(k: &mut KernelBuilder) {
+    let hd: u32 = k.shape("head_dim");
+    let heads: u32 = k.shape("heads");
+    let padded = k.shape::<bool>("padded");
+    let o = k.storage::<Vec4<f32>>("o");
+    let d_out = k.storage::<Vec4<f32>>("d_out");
+    let lse = k.storage::<f32>("lse");
+    let stats = k.storage_rw::<f32>("stats");
+    let seq_len = k.param::<u32>("seq_len");
+    let rows = k.param::<u32>("rows");
+    let index = k.global_index();
+    let i = k.let_("i", index);
+    k.if_(i.lt(&rows), |k| {
+        let t = k.let_("t", &i / heads);
+        let real = if padded {
+            let lens = k.storage::<u32>("lens");
+            let b = k.let_("b", &t / &seq_len);
+            k.let_("real", (&t % &seq_len).lt(lens.at(&b)))
+        } else {
+            lit(true)
+        };
+        let base = k.let_("base", &i * (hd / 4));
+        let dot = k.var("dot", Expr::<Vec4<f32>>::splat(0.0f32));
+        k.for_range("v", 0u32, hd / 4, |k, v| {
+            let at = k.let_("at", &base + &v);
+            k.assign(&dot, o.at(&at).fma(d_out.at(&at), dot.get()));
+        });
+        let d = dot.get().dot(Expr::<Vec4<f32>>::splat(1.0f32));
+        let real = k.let_("real", real);
+        k.store(
+            &stats,
+            &i * 2u32,
+            select(real.clone(), lse.at(&i), lit(0.0f32)),
+        );
+        k.store(&stats, &i * 2u32 + 1u32, select(real, d, lit(0.0f32)));
+    });
+}
+
+/// `(lse, D)` of the invocation's four query rows from `q0` (rows clamped into the sequence).
+fn row_stats(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stats: &ReadBuffer<f32>,
+    q0: &Expr<u32>,
+    head: &Expr<u32>,
+) -> Vec<(Expr<f32>, Expr<f32>)> {
+    let heads = p.dims.heads;
+    (0..4u32)
+        .map(|i| {
+            let row = (q0 + &p.ty * 4u32 + i).min(&p.last);
+            let at = k.let_("stat_at", ((&p.token0 + row) * heads + head) * 2u32);
+            let lse = k.let_("lse", stats.at(&at));
+            (lse, k.let_("delta", stats.at(&at + 1u32)))
+        })
+        .collect()
+}
+
+/// An invocation's 4×4 of a score-shaped tile: `[row i][key j]`.
+type Quad = Vec<Vec<Expr<f32>>>;
+
+/// The invocation's `P = exp(τ·S − lse)` and `dS = P ⊙ (dP − D)` for query rows from `q0` of
+/// query head `head` and keys from `c0` of its KV head.
+#[allow(clippy::too_many_arguments)]
+fn probs_and_grads(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<f32>>,
+    (q_rows, k_rows, v_rows, do_rows): (&Rows<'_>, &Rows<'_>, &Rows<'_>, &Rows<'_>),
+    stats: &ReadBuffer<f32>,
+    (q0, c0, head): (&Expr<u32>, &Expr<u32>, &Expr<u32>),
+    tau: &Expr<f32>,
+) -> (Quad, Quad) {
+    let s = score_tile(k, p, stage, (q_rows, q0), (k_rows, c0));
+    let dp = score_tile(k, p, stage, (do_rows, q0), (v_rows, c0));
+    let masked = mask(k, p, q0, c0);
+    let st = row_stats(k, p, stats, q0, head);
+    let mut probs = Vec::new();
+    let mut grads = Vec::new();
+    for i in 0..4u32 {
+        let (lse, d) = &st[i as usize];
+        let srow = k.let_("s_row", s.at(i));
+        let dprow = k.let_("dp_row", dp.at(i));
+        let mut pr = Vec::new();
+        let mut gr = Vec::new();
+        for j in 0..4 {
+            let e = (lane(&srow, j) * tau - lse).exp();
+            let pv = k.let_(
+                "p",
+                select(masked.valid[i as usize][j as usize].clone(), e, lit(0.0f32)),
+            );
+            gr.push(k.let_("ds", &pv * (lane(&dprow, j) - d)));
+            pr.push(pv);
+        }
+        probs.push(pr);
+        grads.push(gr);
+    }
+    (probs, grads)
+}
+
+/// `tile[r][keys 4·tx ..]` (row-major, `[block][block/4]` vec4s) from the invocation's 4×4 of
+/// `values[i][j]` (rows `4·ty + i`, keys `4·tx + j`): the left operand of a product that
+/// contracts over query rows.
+fn store_by_rows(
+    k: &mut KernelBuilder,
+    p: &Place,
+    tile: &WorkgroupArray<Vec4<f32>>,
+    values: &Quad,
+) {
+    let quarter = p.dims.block / 4;
+    for (i, row) in values.iter().enumerate() {
+        let at = (&p.ty * 4u32 + i as u32) * quarter + &p.tx;
+        k.store(
+            tile,
+            at,
+            vec4(
+                row[0].clone(),
+                row[1].clone(),
+                row[2].clone(),
+                row[3].clone(),
+            ),
+        );
+    }
+}
+
+/// `tile[c][rows 4·ty ..]` (key-major) from the invocation's 4×4: the left operand of a
+/// product that contracts over keys.
+fn store_by_keys(
+    k: &mut KernelBuilder,
+    p: &Place,
+    tile: &WorkgroupArray<Vec4<f32>>,
+    values: &Quad,
+) {
+    let quarter = p.dims.block / 4;
+    for j in 0..4u32 {
+        let at = (&p.tx * 4u32 + j) * quarter + &p.ty;
+        let key: Vec<Expr<f32>> = values.iter().map(|row| row[j as usize].clone()).collect();
+        k.store(
+            tile,
+            at,
+            vec4(
+                key[0].clone(),
+                key[1].clone(),
+                key[2].clone(),
+                key[3].clone(),
+            ),
+        );
+    }
+}
+
+/// The backward to `K` and `V` of one block of keys of one KV head: over the `G` query heads
+/// reading it and the query blocks at or after it, `dV += Pᵀ·dO`, `dK += τ·dSᵀ·Q`.
+fn key_grads_body(k: &mut KernelBuilder) {
+    let q = k.storage::<f32>("q");
+    let kb = k.storage::<f32>("k");
+    let v = k.storage::<f32>("v");
+    let d_out = k.storage::<f32>("d_out");
+    let stats = k.storage::<f32>("stats");
+    let d_k = k.storage_rw::<Vec4<f32>>("d_k");
+    let d_v = k.storage_rw::<Vec4<f32>>("d_v");
+    let tau = k.param::<f32>("scale");
+    let p = place(k);
+    let Dims {
+        hd,
+        heads,
+        kv_heads,
+        group,
+        block,
+        bk,
+        vk,
+        ..
+    } = p.dims;
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", (2 * bk * block / 4).max(vk * hd / 4));
+    let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
+    let dk = accumulator(k, &p, "dk_acc");
+    let dv = accumulator(k, &p, "dv_acc");
+    // The workgroup's head is the KV head; its keys start at `origin`.
+    let kv = &p.head;
+    let k_rows = rows_of(&kb, hd, kv_heads, kv);
+    let v_rows = rows_of(&v, hd, kv_heads, kv);
+
+    k.comment("Query blocks from the one holding the block's first key to the last real row.");
+    let first = k.let_("first", &p.origin / block);
+    let blocks = k.let_("blocks", (&p.len + (block - 1)) / block);
+    k.for_range("g", 0u32, group, |k, g| {
+        let h = k.let_("h", kv * group + &g);
+        let q_rows = rows_of(&q, hd, heads, &h);
+        let do_rows = rows_of(&d_out, hd, heads, &h);
+        k.for_range("query_block", &first, &blocks, |k, qb| {
+            let q0 = k.let_("q0", &qb * block);
+            // Rows are queries, columns keys (this workgroup's).
+            let (probs, grads) = probs_and_grads(
+                k,
+                &p,
+                &stage,
+                (&q_rows, &k_rows, &v_rows, &do_rows),
+                &stats,
+                (&q0, &p.origin, &h),
+                &tau,
+            );
+            // Stored query-row major, the tile's `vec4` `ty` of a row is the keys this
+            // invocation accumulates: `dV[keys 4·ty ..] += Σ_r P[r, keys]·dO[r]`.
+            k.workgroup_barrier();
+            store_by_rows(k, &p, &tile, &probs);
+            accumulate_product(k, &p, (&stage, &tile), &dv, (&do_rows, &q0), &p.len);
+            k.workgroup_barrier();
+            store_by_rows(k, &p, &tile, &grads);
+            accumulate_product(k, &p, (&stage, &tile), &dk, (&q_rows, &q0), &p.len);
+        });
+    });
+    let head_col4 = k.let_("head_col4", kv * (hd / 4));
+    let stride4 = kv_heads * hd / 4;
+    store_rows(
+        k,
+        &p,
+        &d_v,
+        (stride4, &head_col4),
+        &dv,
+        [(); 4].map(|_| lit(1.0f32)),
+    );
+    store_rows(
+        k,
+        &p,
+        &d_k,
+        (stride4, &head_col4),
+        &dk,
+        [(); 4].map(|_| tau.clone()),
+    );
+}
+
+/// The backward to `Q` of one block of query rows of one head: over the key blocks up to the
+/// block's last real row, `dQ += τ·dS·K`.
+fn query_grads_body(k: &mut KernelBuilder) {
+    let q = k.storage::<f32>("q");
+    let kb = k.storage::<f32>("k");
+    let v = k.storage::<f32>("v");
+    let d_out = k.storage::<f32>("d_out");
+    let stats = k.storage::<f32>("stats");
+    let d_q = k.storage_rw::<Vec4<f32>>("d_q");
+    let tau = k.param::<f32>("scale");
+    let p = place(k);
+    let Dims {
+        hd,
+        heads,
+        kv_heads,
+        group,
+        block,
+        bk,
+        vk,
+        ..
+    } = p.dims;
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", (2 * bk * block / 4).max(vk * hd / 4));
+    let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
+    let dq = accumulator(k, &p, "dq_acc");
+    let kv = k.let_("kv", &p.head / group);
+    let q_rows = rows_of(&q, hd, heads, &p.head);
+    let do_rows = rows_of(&d_out, hd, heads, &p.head);
+    let k_rows = rows_of(&kb, hd, kv_heads, &kv);
+    let v_rows = rows_of(&v, hd, kv_heads, &kv);
+
+    let end = k.let_("end", (&p.origin + block).min(&p.len));
+    let blocks = k.let_(
+        "blocks",
+        select(p.origin.lt(&p.len), (&end + (block - 1)) / block, lit(0u32)),
+    );
+    k.for_range("key_block", 0u32, &blocks, |k, key_block| {
+        let c0 = k.let_("c0", &key_block * block);
+        let (_, grads) = probs_and_grads(
+            k,
+            &p,
+            &stage,
+            (&q_rows, &k_rows, &v_rows, &do_rows),
+            &stats,
+            (&p.origin, &c0, &p.head),
+            &tau,
+        );
+        k.workgroup_barrier();
+        store_by_keys(k, &p, &tile, &grads);
+        accumulate_product(k, &p, (&stage, &tile), &dq, (&k_rows, &c0), &p.len);
+    });
+    let head_col4 = k.let_("head_col4", &p.head * (hd / 4));
+    store_rows(
+        k,
+        &p,
+        &d_q,
+        (heads * hd / 4, &head_col4),
+        &dq,
+        [(); 4].map(|_| tau.clone()),
+    );
+}
+
+const FORWARD: &str = "attention_forward";
+const STATS: &str = "attention_backward_stats";
+const KEY_GRADS: &str = "attention_backward_kv";
+const QUERY_GRADS: &str = "attention_backward_q";
+
+/// The WGSL of this module's kernels at a representative shape (SmolLM2's heads: 9 reading 3
+/// of 64, padded batches, the large tile).
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let shape = SeqShape::new(2, 128, 9, 3, 64);
+    let tile = SeqTile::LARGE;
+    Ok(vec![
+        Kernel::build(&seq_key(FORWARD, &shape, tile, true), forward_body)?,
+        Kernel::build(&stats_key(&shape, true), stats_body)?,
+        Kernel::build(&seq_key(KEY_GRADS, &shape, tile, true), key_grads_body)?,
+        Kernel::build(&seq_key(QUERY_GRADS, &shape, tile, true), query_grads_body)?,
+    ])
+}
+
+fn stats_key(shape: &SeqShape, padded: bool) -> KernelKey {
+    KernelKey::new(STATS)
+        .workgroup_size(256)
+        .shape("head_dim", shape.head_dim as u32)
+        .shape("heads", shape.heads as u32)
+        .shape("padded", padded)
+        .assume_in_bounds()
+}
+
+/// The inputs of the forward: `Q [T, H·hd]`, `K`, `V [T, KV·hd]` (rotated, as RoPE leaves
+/// them), and the valid lengths when the batch is padded.
+#[derive(Clone, Copy)]
+pub struct SeqInputs<'a> {
+    pub q: &'a GpuBuffer<f32>,
+    pub k: &'a GpuBuffer<f32>,
+    pub v: &'a GpuBuffer<f32>,
+    pub lens: Option<&'a ValidLengths>,
+}
+
+impl SeqInputs<'_> {
+    fn check(&self, kernel: &str, shape: &SeqShape) -> Result<(), ExecError> {
+        shape.check(kernel)?;
+        expect_len(
+            kernel,
+            "q",
+            self.q,
+            shape.q_len(),
+            "[batch·seq_len, heads·head_dim]",
+        )?;
+        let kv = "[batch·seq_len, kv_heads·head_dim]";
+        expect_len(kernel, "k", self.k, shape.kv_len(), kv)?;
+        expect_len(kernel, "v", self.v, shape.kv_len(), kv)?;
+        match self.lens {
+            Some(lens) => lens.check(kernel, shape),
+            None => Ok(()),
+        }
+    }
+
+    fn bind<'b>(&'b self, args: Args<'b>, shape: &SeqShape) -> Result<Args<'b>, ExecError> {
+        let args = args
+            .buffer("q", self.q)
+            .buffer("k", self.k)
+            .buffer("v", self.v)
+            .param("seq_len", expect_u32(FORWARD, "seq_len", shape.seq_len)?)
+            .param("scale", shape.scale);
+        Ok(match self.lens {
+            Some(lens) => args.buffer("lens", &lens.buffer),
+            None => args,
+        })
+    }
+}
+
+/// The workgroups of a sequence kernel: one per block of rows (or keys), head and sequence.
+fn grid(shape: &SeqShape, tile: SeqTile, heads: usize) -> Grid {
+    let blocks = shape.seq_len.div_ceil(tile.block as usize);
+    Grid::Workgroups([blocks as u32, heads as u32, shape.batch as u32])
+}
+
+/// Causal attention within each sequence: `O [T, H·hd]` (overwritten, zeros on padded rows)
+/// and the rows' log-sum-exp `lse [T, H]` (natural log of `Σ exp(τ·q·k)`, 0 on padded rows),
+/// which [`execute_attention_backward`] takes.
+pub fn execute_attention_forward(
+    rec: &mut Recorder<'_>,
+    shape: SeqShape,
+    inputs: SeqInputs<'_>,
+    o: &mut GpuBuffer<f32>,
+    lse: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    inputs.check(FORWARD, &shape)?;
+    expect_len(
+        FORWARD,
+        "o",
+        o,
+        shape.q_len(),
+        "[batch·seq_len, heads·head_dim]",
+    )?;
+    expect_len(
+        FORWARD,
+        "lse",
+        lse,
+        shape.tokens() * shape.heads,
+        "[batch·seq_len, heads]",
+    )?;
+    if shape.tokens() == 0 {
+        return Ok(());
+    }
+    let tile = SeqTile::for_device(&rec.gpu().kernel_limits(), shape.head_dim);
+    let key = seq_key(FORWARD, &shape, tile, inputs.lens.is_some());
+    let kernel = rec.gpu().kernel(&key, forward_body)?;
+    let args = inputs
+        .bind(Args::new(), &shape)?
+        .buffer_vec4("o", o)
+        .buffer("lse", lse);
+    rec.launch(&kernel, &args, grid(&shape, tile, shape.heads))
+}
+
+/// What the backward reads: the forward's inputs, its output `O` and `lse`.
+#[derive(Clone, Copy)]
+pub struct SeqSaved<'a> {
+    pub inputs: SeqInputs<'a>,
+    pub o: &'a GpuBuffer<f32>,
+    pub lse: &'a GpuBuffer<f32>,
+}
+
+/// Workspace and outputs of [`execute_attention_backward`].
+pub struct SeqGrads<'a> {
+    /// Workspace of `[T, H, 2]`: each row's `(lse, rowsum(dO ⊙ O))`.
+    pub stats: &'a mut GpuBuffer<f32>,
+    /// `dQ [T, H·hd]` and `dK`, `dV [T, KV·hd]`, overwritten (w.r.t. the rotated `Q`, `K`);
+    /// zeros on padded rows.
+    pub d_q: &'a mut GpuBuffer<f32>,
+    pub d_k: &'a mut GpuBuffer<f32>,
+    pub d_v: &'a mut GpuBuffer<f32>,
+}
+
+/// The backward of [`execute_attention_forward`] given `dO [T, H·hd]`: three launches (the row
+/// statistics, `dK`/`dV` per KV block, `dQ` per query block), no float atomics.
+pub fn execute_attention_backward(
+    rec: &mut Recorder<'_>,
+    shape: SeqShape,
+    saved: SeqSaved<'_>,
+    d_out: &GpuBuffer<f32>,
+    grads: SeqGrads<'_>,
+) -> Result<(), ExecError> {
+    let name = "attention_backward";
+    saved.inputs.check(name, &shape)?;
+    let rows = shape.tokens() * shape.heads;
+    let q_shape = "[batch·seq_len, heads·head_dim]";
+    let kv_shape = "[batch·seq_len, kv_heads·head_dim]";
+    expect_len(name, "o", saved.o, shape.q_len(), q_shape)?;
+    expect_len(name, "lse", saved.lse, rows, "[batch·seq_len, heads]")?;
+    expect_len(name, "d_out", d_out, shape.q_len(), q_shape)?;
+    expect_len(
+        name,
+        "stats",
+        grads.stats,
+        2 * rows,
+        "[batch·seq_len, heads, 2]",
+    )?;
+    expect_len(name, "d_q", grads.d_q, shape.q_len(), q_shape)?;
+    expect_len(name, "d_k", grads.d_k, shape.kv_len(), kv_shape)?;
+    expect_len(name, "d_v", grads.d_v, shape.kv_len(), kv_shape)?;
+    if shape.tokens() == 0 {
+        return Ok(());
+    }
+    let padded = saved.inputs.lens.is_some();
+    let gpu = rec.gpu();
+    let tile = SeqTile::for_device(&gpu.kernel_limits(), shape.head_dim);
+    let stats_kernel = gpu.kernel(&stats_key(&shape, padded), stats_body)?;
+    let kv_kernel = gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?;
+    let q_kernel = gpu.kernel(
+        &seq_key(QUERY_GRADS, &shape, tile, padded),
+        query_grads_body,
+    )?;
+
+    let seq_len = expect_u32(name, "seq_len", shape.seq_len)?;
+    let mut args = Args::new()
+        .buffer_vec4("o", saved.o)
+        .buffer_vec4("d_out", d_out)
+        .buffer("lse", saved.lse)
+        .buffer("stats", &*grads.stats)
+        .param("seq_len", seq_len)
+        .param("rows", expect_u32(name, "rows", rows)?);
+    if let Some(lens) = saved.inputs.lens {
+        args = args.buffer("lens", &lens.buffer);
+    }
+    rec.launch(&stats_kernel, &args, Grid::Threads(rows as u64))?;
+
+    let stats: &GpuBuffer<f32> = grads.stats;
+    let shared = || -> Result<Args<'_>, ExecError> {
+        let args = saved.inputs.bind(Args::new(), &shape)?;
+        Ok(args.buffer("d_out", d_out).buffer("stats", stats))
+    };
+    let args = shared()?
+        .buffer_vec4("d_k", &*grads.d_k)
+        .buffer_vec4("d_v", &*grads.d_v);
+    rec.launch(&kv_kernel, &args, grid(&shape, tile, shape.kv_heads))?;
+    let args = shared()?.buffer_vec4("d_q", &*grads.d_q);
+    rec.launch(&q_kernel, &args, grid(&shape, tile, shape.heads))
+}
