@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Groups (for `HESPER_BENCH_ONLY`, comma-separated): elementwise, norm, softmax, lora,
-//! cross_entropy, adamw, gemm, ffn.
+//! cross_entropy, adamw, gemm, attention, ffn.
 
 use std::time::Duration;
 
@@ -328,6 +328,81 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     fraction: format!("{:.2} of cuBLAS f32 (51)", tf / 51.0),
                     m: m_,
                     target: "≥ 20",
+                });
+            }
+        }
+    }
+
+    // --- causal attention over sequences, forward and backward (TARGETS.md, SDPA f32 anchors)
+    if wanted("attention") {
+        use attention::{SeqGrads, SeqInputs, SeqSaved, SeqShape};
+        let shapes: &[(usize, usize, usize, usize, usize, [f64; 2], [&str; 2])] = if quick {
+            &[(1, 64, 4, 2, 64, [0.0; 2], ["–"; 2])]
+        } else {
+            &[
+                (8, 512, 9, 3, 64, [5.7, 8.2], ["≥ 15", "≥ 16"]),
+                (8, 512, 20, 5, 128, [9.9, 19.7], ["≥ 25", "≥ 25"]),
+                (2, 2048, 32, 8, 128, [11.7, 23.6], ["≥ 30", "≥ 30"]),
+            ]
+        };
+        for &(b, s, h, kv, hd, sdpa, targets) in shapes {
+            let shape = SeqShape::new(b, s, h, kv, hd);
+            let (q, k, v) = (
+                filled(&gpu, shape.q_len(), 30)?,
+                filled(&gpu, shape.kv_len(), 31)?,
+                filled(&gpu, shape.kv_len(), 32)?,
+            );
+            let d_out = filled(&gpu, shape.q_len(), 33)?;
+            let rows_h = shape.tokens() * h;
+            let z = |n: usize| gpu.zeros::<f32>(n);
+            let (mut o, mut lse, mut stats) = (z(shape.q_len())?, z(rows_h)?, z(2 * rows_h)?);
+            let (mut dq, mut dk, mut dv) =
+                (z(shape.q_len())?, z(shape.kv_len())?, z(shape.kv_len())?);
+            let inputs = SeqInputs {
+                q: &q,
+                k: &k,
+                v: &v,
+                lens: None,
+            };
+            let forward = bench(&gpu, "attention_forward", config, |rec| {
+                attention::execute_attention_forward(rec, shape, inputs, &mut o, &mut lse)
+            })?;
+            let saved = SeqSaved {
+                inputs,
+                o: &o,
+                lse: &lse,
+            };
+            let backward = bench(&gpu, "attention_backward", config, |rec| {
+                let grads = SeqGrads {
+                    stats: &mut stats,
+                    d_q: &mut dq,
+                    d_k: &mut dk,
+                    d_v: &mut dv,
+                };
+                attention::execute_attention_backward(rec, shape, saved, &d_out, grads)
+            })?;
+            // PyTorch's count for causal attention: half the square.
+            let flops = 4.0 * (b * h * s * s * hd) as f64 / 2.0;
+            for (i, (name, m, flops)) in [
+                ("attention_forward", forward, flops),
+                ("attention_backward", backward, 2.5 * flops),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                let tf = m.tflop_per_s(flops);
+                rows.push(Row {
+                    bytes: 0.0,
+                    kernel: format!("{name} (causal, f32)"),
+                    shape: format!("B={b} S={s} H={h} KV={kv} hd={hd}"),
+                    rate: format!("{tf:.1} TFLOP/s"),
+                    fraction: if sdpa[i] > 0.0 {
+                        format!("{:.2}× SDPA f32 ({})", tf / sdpa[i], sdpa[i])
+                    } else {
+                        "–".into()
+                    },
+                    m,
+                    target: targets[i],
                 });
             }
         }
