@@ -204,13 +204,14 @@ pub struct SeqTile {
 }
 
 impl SeqTile {
-    /// 64 rows and keys, 256 invocations, up to 28 KiB of workgroup memory.
+    /// 64 rows and keys, 256 invocations, up to 36 KiB of workgroup memory.
     pub const LARGE: SeqTile = SeqTile {
         block: 64,
         bk: 16,
         vk: 16,
     };
-    /// 32 rows and keys, 64 invocations, within WebGPU's 16 KiB of workgroup memory.
+    /// 32 rows and keys, 64 invocations, 13 KiB of workgroup memory at hd 128: within
+    /// WebGPU's 16 KiB.
     pub const PORTABLE: SeqTile = SeqTile {
         block: 32,
         bk: 16,
@@ -241,12 +242,13 @@ impl SeqTile {
             .unwrap_or(4)
     }
 
-    /// Workgroup memory of the largest kernel: the staging area, the block's probabilities and
-    /// the forward's row partials.
+    /// Workgroup memory of the largest kernel: the staging area (two halves, each a score
+    /// step's two slices or a product step's rows), the block's probabilities and the forward's
+    /// row partials.
     pub fn workgroup_bytes(&self, head_dim: u32) -> u32 {
         let b = self.block;
-        let stage = (2 * self.depth_step(head_dim) * b).max(self.vk * head_dim);
-        4 * (stage + b * b + b * (b / 4))
+        let half = (2 * self.depth_step(head_dim) * b).max(self.vk * head_dim);
+        4 * (2 * half + b * b + b * (b / 4))
     }
 }
 
@@ -368,88 +370,148 @@ impl Rows<'_> {
     }
 }
 
-/// Stages, depth-major, `bk` columns (from `d0`) of `block` rows starting at `first`:
-/// `stage[at + kk·block/4 + j] = (rows 4j .. 4j+4 at column d0 + kk)`.
-fn stage_depth_major(
-    k: &mut KernelBuilder,
-    p: &Place,
-    stage: &WorkgroupArray<Vec4<f32>>,
-    at: u32,
-    (rows, first): (&Rows<'_>, &Expr<u32>),
-    d0: &Expr<u32>,
-) {
-    let Dims { block, bk, .. } = p.dims;
-    let n = k.invocations();
-    let slots = block / 4 * bk;
-    let lid = k.local_index();
-    for i in 0..slots.div_ceil(n) {
-        let s = k.let_("s", crate::linear::offset(&lid, i * n));
-        let body = |k: &mut KernelBuilder| {
-            let kk = k.let_("kk", &s % bk);
-            let j = k.let_("j", &s / bk);
-            let col = k.let_("col", d0 + &kk);
-            let lanes: Vec<Expr<f32>> = (0..4u32)
-                .map(|q| {
-                    let base = rows.base(k, p, first + &j * 4u32 + q);
-                    rows.buf.at(base + &col)
-                })
-                .collect();
-            let v = vec4(
-                lanes[0].clone(),
-                lanes[1].clone(),
-                lanes[2].clone(),
-                lanes[3].clone(),
-            );
-            k.store(stage, &kk * (block / 4) + &j + at, v);
-        };
-        if slots.is_multiple_of(n) || (i + 1) * n <= slots {
-            body(k);
-        } else {
-            k.if_(s.lt(slots), body);
-        }
-    }
+/// One `vec4` of a step's staged operands that this invocation carries: read from memory for a
+/// step (`read`), held in `next` until the workgroup is done with the other half of the
+/// staging area, then stored at `at` of it. `active` guards a slot past the operands' end.
+struct Slot {
+    at: Expr<u32>,
+    active: Option<Expr<bool>>,
+    read: Box<dyn Fn(&mut KernelBuilder, &Expr<u32>) -> Expr<Vec4<f32>>>,
+    next: Var<Vec4<f32>>,
 }
 
-/// Stages `vk` whole rows (from `first + r0`) as `vec4`s along the head dimension:
-/// `stage[c·hd/4 + v] = row c's vec4 v`, zero for rows at or past `valid`.
-fn stage_rows(
+/// The invocation's share of `slots` staging slots: `(slot index, guard)` pairs.
+fn shares(k: &mut KernelBuilder, slots: u32) -> Vec<(Expr<u32>, Option<Expr<bool>>)> {
+    let n = k.invocations();
+    let lid = k.local_index();
+    (0..slots.div_ceil(n))
+        .map(|i| {
+            let s = k.let_("s", crate::linear::offset(&lid, i * n));
+            let guard = (!slots.is_multiple_of(n) && (i + 1) * n > slots).then(|| s.lt(slots));
+            (s, guard)
+        })
+        .collect()
+}
+
+/// Slots staging, depth-major, `bk` columns (from `step·bk`) of `block` rows of `rows` from
+/// `first`: `half[at + kk·block/4 + j] = (rows 4j .. 4j+4 at column step·bk + kk)`.
+fn depth_major_slots(
     k: &mut KernelBuilder,
     p: &Place,
-    stage: &WorkgroupArray<Vec4<f32>>,
+    at: u32,
+    (rows, first): (&Rows<'_>, &Expr<u32>),
+) -> Vec<Slot> {
+    let Dims { block, bk, .. } = p.dims;
+    shares(k, block / 4 * bk)
+        .into_iter()
+        .map(|(s, active)| {
+            let kk = k.let_("kk", &s % bk);
+            let j = k.let_("j", &s / bk);
+            let bases: Vec<Expr<u32>> = (0..4u32)
+                .map(|q| {
+                    let base = rows.base(k, p, first + &j * 4u32 + q);
+                    k.let_("col0", base + &kk)
+                })
+                .collect();
+            let buf = rows.buf.clone();
+            let read = Box::new(move |_: &mut KernelBuilder, step: &Expr<u32>| {
+                let d0 = step * bk;
+                let l: Vec<Expr<f32>> = bases.iter().map(|b| buf.at(b + &d0)).collect();
+                vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone())
+            });
+            Slot {
+                at: &kk * (block / 4) + &j + at,
+                active,
+                read,
+                next: k.var("next", Expr::<Vec4<f32>>::splat(0.0f32)),
+            }
+        })
+        .collect()
+}
+
+/// Slots staging `vk` whole rows of `rows` (from `first + step·vk`) as `vec4`s along the head
+/// dimension: `half[c·hd/4 + v] = row c's vec4 v`, zero for rows at or past `valid`.
+fn row_slots(
+    k: &mut KernelBuilder,
+    p: &Place,
     (rows, first): (&Rows<'_>, &Expr<u32>),
     valid: &Expr<u32>,
-) {
+) -> Vec<Slot> {
     let Dims { hd, vk, .. } = p.dims;
     let per_row = hd / 4;
-    let n = k.invocations();
-    let slots = vk * per_row;
-    let lid = k.local_index();
-    for i in 0..slots.div_ceil(n) {
-        let s = k.let_("s", crate::linear::offset(&lid, i * n));
-        let body = |k: &mut KernelBuilder| {
+    shares(k, vk * per_row)
+        .into_iter()
+        .map(|(s, active)| {
             let c = k.let_("c", &s / per_row);
             let v = k.let_("v", &s % per_row);
-            let row = k.let_("row", first + &c);
-            let base = rows.base(k, p, row.clone());
-            let col = k.let_("col", &base + &v * 4u32);
-            let lanes: Vec<Expr<f32>> = (0..4u32)
-                .map(|q| rows.buf.at(crate::linear::offset(&col, q)))
-                .collect();
-            let value = vec4(
-                lanes[0].clone(),
-                lanes[1].clone(),
-                lanes[2].clone(),
-                lanes[3].clone(),
-            );
-            let zero = Expr::<Vec4<f32>>::splat(0.0f32);
-            k.store(stage, &s, select(row.lt(valid), value, zero));
-        };
-        if slots.is_multiple_of(n) || (i + 1) * n <= slots {
-            body(k);
-        } else {
-            k.if_(s.lt(slots), body);
+            let row0 = k.let_("row0", first + &c);
+            let col = k.let_("col", &rows.head_col + &v * 4u32);
+            let (buf, stride) = (rows.buf.clone(), rows.stride);
+            let (token0, last, valid) = (p.token0.clone(), p.last.clone(), valid.clone());
+            let read = Box::new(move |k: &mut KernelBuilder, step: &Expr<u32>| {
+                let row = k.let_("row", &row0 + step * vk);
+                let at = k.let_("at", (&token0 + row.min(&last)) * stride + &col);
+                let l: Vec<Expr<f32>> = (0..4u32)
+                    .map(|q| buf.at(crate::linear::offset(&at, q)))
+                    .collect();
+                let value = vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone());
+                select(row.lt(&valid), value, Expr::<Vec4<f32>>::splat(0.0f32))
+            });
+            Slot {
+                at: s,
+                active,
+                read,
+                next: k.var("next", Expr::<Vec4<f32>>::splat(0.0f32)),
+            }
+        })
+        .collect()
+}
+
+/// `steps` steps over the two halves (`half` vec4s each) of `stage`: the operands of step
+/// `i + 1` are read into registers before step `i` computes on its half, and stored into the
+/// other half after, so a step costs one barrier and its memory latency hides behind the FMAs.
+/// `compute(k, half's first index, step)`. Ends with a barrier: `stage` is free after.
+fn pipelined(
+    k: &mut KernelBuilder,
+    stage: &WorkgroupArray<Vec4<f32>>,
+    (half, steps): (u32, u32),
+    slots: &[Slot],
+    mut compute: impl FnMut(&mut KernelBuilder, &Expr<u32>, &Expr<u32>),
+) {
+    let fetch = |k: &mut KernelBuilder, step: &Expr<u32>| {
+        for slot in slots {
+            let body = |k: &mut KernelBuilder| {
+                let value = (slot.read)(k, step);
+                k.assign(&slot.next, value);
+            };
+            match &slot.active {
+                Some(active) => k.if_(active, body),
+                None => body(k),
+            }
         }
-    }
+    };
+    let store = |k: &mut KernelBuilder, base: &Expr<u32>| {
+        for slot in slots {
+            let body = |k: &mut KernelBuilder| k.store(stage, base + &slot.at, slot.next.get());
+            match &slot.active {
+                Some(active) => k.if_(active, body),
+                None => body(k),
+            }
+        }
+    };
+    // The last readers of `stage` (a previous product) are done.
+    k.workgroup_barrier();
+    fetch(k, &lit(0u32));
+    store(k, &lit(0u32));
+    k.workgroup_barrier();
+    k.for_range("step", 0u32, steps, |k, step| {
+        let cur = k.let_("cur", (&step & 1u32) * half);
+        let more = k.let_("more", (&step + 1u32).lt(steps));
+        k.if_(&more, |k| fetch(k, &(&step + 1u32)));
+        compute(k, &cur, &step);
+        k.if_(&more, |k| store(k, &(lit(half) - &cur)));
+        k.workgroup_barrier();
+    });
 }
 
 /// Component `q` of `v`.
@@ -460,6 +522,12 @@ fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
         2 => v.z(),
         _ => v.w(),
     }
+}
+
+/// Vec4s in each half of the staging area: a score step's two operand slices, or a product
+/// step's rows.
+fn stage_half(d: &Dims) -> u32 {
+    (2 * d.bk * d.block / 4).max(d.vk * d.hd / 4)
 }
 
 /// The score tile `acc[i] (i = row 0..4) = vec4 over keys` of `A_rows·B_rowsᵀ` over the head
@@ -478,15 +546,15 @@ fn score_tile(
     for i in 0..4u32 {
         k.store(&acc, i, Expr::<Vec4<f32>>::splat(0.0f32));
     }
-    k.for_step("d0", 0u32, hd, bk, |k, d0| {
-        // The previous step's (or product's) readers are done with the staging area.
-        k.workgroup_barrier();
-        stage_depth_major(k, p, stage, 0, a, &d0);
-        stage_depth_major(k, p, stage, bk * quarter, b, &d0);
-        k.workgroup_barrier();
+    let mut slots = depth_major_slots(k, p, 0, a);
+    slots.extend(depth_major_slots(k, p, bk * quarter, b));
+    let half = stage_half(&p.dims);
+    pipelined(k, stage, (half, hd / bk), &slots, |k, base, _| {
+        let a_at = k.let_("a_at", base + &p.ty);
+        let b_at = k.let_("b_at", base + &p.tx + bk * quarter);
         for kk in 0..bk {
-            let av = k.let_("a", stage.at(&p.ty + kk * quarter));
-            let bv = k.let_("b", stage.at(&p.tx + (bk + kk) * quarter));
+            let av = k.let_("a", stage.at(crate::linear::offset(&a_at, kk * quarter)));
+            let bv = k.let_("b", stage.at(crate::linear::offset(&b_at, kk * quarter)));
             for i in 0..4u32 {
                 let ai = Expr::<Vec4<f32>>::splat(lane(&av, i));
                 k.store(&acc, i, ai.fma(&bv, acc.at(i)));
@@ -528,16 +596,16 @@ fn accumulate_product(
             }
         })
         .collect();
-    k.for_step("c0", 0u32, block, vk, |k, c0| {
-        k.workgroup_barrier();
-        let from = k.let_("from", first + &c0);
-        stage_rows(k, p, stage, (rhs, &from), valid);
-        k.workgroup_barrier();
+    let slots = row_slots(k, p, (rhs, first), valid);
+    let half = stage_half(&p.dims);
+    pipelined(k, stage, (half, block / vk), &slots, |k, base, step| {
+        let l_at = k.let_("l_at", step * (vk * block / 4) + &p.ty);
+        let r_at: Vec<Expr<u32>> = col_at.iter().map(|c| k.let_("r_at", base + c)).collect();
         for c in 0..vk {
-            let lv = k.let_("l", lhs.at((&c0 + c) * (block / 4) + &p.ty));
-            let rv: Vec<Expr<Vec4<f32>>> = col_at
+            let lv = k.let_("l", lhs.at(crate::linear::offset(&l_at, c * block / 4)));
+            let rv: Vec<Expr<Vec4<f32>>> = r_at
                 .iter()
-                .map(|col| k.let_("r", stage.at(col + c * per_row)))
+                .map(|at| k.let_("r", stage.at(crate::linear::offset(at, c * per_row))))
                 .collect();
             for i in 0..4u32 {
                 let li = Expr::<Vec4<f32>>::splat(lane(&lv, i));
@@ -639,13 +707,10 @@ fn forward_body(k: &mut KernelBuilder) {
         kv_heads,
         group,
         block,
-        bk,
-        vk,
         tx_n,
         ..
     } = p.dims;
-    let stage_len = (2 * bk * block / 4).max(vk * hd / 4);
-    let stage = k.workgroup_array::<Vec4<f32>>("stage", stage_len);
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
     let probs = k.workgroup_array::<Vec4<f32>>("probs", block * block / 4);
     let partials = k.workgroup_array::<f32>("row_partials", block * tx_n);
 
@@ -948,11 +1013,9 @@ fn key_grads_body(k: &mut KernelBuilder) {
         kv_heads,
         group,
         block,
-        bk,
-        vk,
         ..
     } = p.dims;
-    let stage = k.workgroup_array::<Vec4<f32>>("stage", (2 * bk * block / 4).max(vk * hd / 4));
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
     let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
     let dk = accumulator(k, &p, "dk_acc");
     let dv = accumulator(k, &p, "dv_acc");
@@ -1027,11 +1090,9 @@ fn query_grads_body(k: &mut KernelBuilder) {
         kv_heads,
         group,
         block,
-        bk,
-        vk,
         ..
     } = p.dims;
-    let stage = k.workgroup_array::<Vec4<f32>>("stage", (2 * bk * block / 4).max(vk * hd / 4));
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
     let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
     let dq = accumulator(k, &p, "dq_acc");
     let kv = k.let_("kv", &p.head / group);
