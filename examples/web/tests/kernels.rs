@@ -767,3 +767,162 @@ async fn rope_matches_reference() {
         }
     }
 }
+
+/// The decode forward after appending the token to the caches (`tests/attention.rs`).
+#[wasm_bindgen_test]
+async fn decode_attention_forward_matches_reference() {
+    let g = gpu().await;
+    for (seed, (heads, kv_heads, head_dim, max_seq, pos)) in [(4, 2, 8, 16, 9), (9, 3, 64, 40, 33)]
+        .into_iter()
+        .enumerate()
+    {
+        let shape = DecodeShape {
+            heads,
+            kv_heads,
+            head_dim,
+            max_seq,
+            pos,
+        };
+        let mut rng = Rng::new(seed as u64 + 80);
+        let q = rng.vec(heads * head_dim, 1.5);
+        let mut k_cache = cache(&mut rng, &shape);
+        let mut v_cache = cache(&mut rng, &shape);
+        // The token's row arrives by the append kernel: NaN there until it runs.
+        let (k_new, v_new) = (
+            rng.vec(kv_heads * head_dim, 1.5),
+            rng.vec(kv_heads * head_dim, 1.0),
+        );
+        let (mut kb, mut vb) = (g.upload(&k_cache).unwrap(), g.upload(&v_cache).unwrap());
+        for kv in 0..kv_heads {
+            let at = (kv * max_seq + pos) * head_dim;
+            k_cache[at..at + head_dim].copy_from_slice(&k_new[kv * head_dim..][..head_dim]);
+            v_cache[at..at + head_dim].copy_from_slice(&v_new[kv * head_dim..][..head_dim]);
+        }
+        let (qb, knb, vnb) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k_new).unwrap(),
+            g.upload(&v_new).unwrap(),
+        );
+        let mut attn = g.filled(heads * (pos + 1), f32::NAN).unwrap();
+        let mut o = g.filled(heads * head_dim, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        attention::execute_kv_cache_append(&mut rec, shape, (&knb, &vnb), &mut kb, &mut vb)
+            .unwrap();
+        attention::execute_decode_attention(&mut rec, shape, &qb, (&kb, &vb), &mut attn, &mut o)
+            .unwrap();
+        rec.submit().unwrap();
+        let zero_nan = |v: &[f32]| -> Vec<f64> {
+            v.iter()
+                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
+                .collect()
+        };
+        let want_a = attention::reference::decode_probs(&shape, &f64s(&q), &zero_nan(&k_cache));
+        let want_o = attention::reference::decode_out(&shape, &want_a, &zero_nan(&v_cache));
+        let what = format!("{shape:?}");
+        assert_close(
+            &format!("A {what}"),
+            &read(&g, &attn).await,
+            &want_a,
+            1e-4,
+            1e-6,
+        );
+        assert_close(
+            &format!("O {what}"),
+            &read(&g, &o).await,
+            &want_o,
+            1e-4,
+            1e-5,
+        );
+    }
+}
+
+/// Causal attention over whole sequences, forward and backward, GQA and a padded batch
+/// (`tests/attention_sequence.rs`).
+#[wasm_bindgen_test]
+async fn sequence_attention_matches_reference() {
+    use attention::{SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths};
+    let g = gpu().await;
+    let cases: [(SeqShape, Option<&[usize]>); 2] = [
+        (SeqShape::new(2, 37, 3, 1, 12), None),
+        (SeqShape::new(3, 40, 4, 2, 64), Some(&[40, 1, 29])),
+    ];
+    for (seed, (shape, lens)) in cases.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 700);
+        let (q, k, v, d_out) = (
+            rng.vec(shape.q_len(), 1.5),
+            rng.vec(shape.kv_len(), 1.5),
+            rng.vec(shape.kv_len(), 1.0),
+            rng.vec(shape.q_len(), 1.0),
+        );
+        let valid = lens.map(|l| ValidLengths::upload(&g, l, shape.seq_len).unwrap());
+        let up = |v: &[f32]| g.upload(v).unwrap();
+        let (qb, kb, vb, dob) = (up(&q), up(&k), up(&v), up(&d_out));
+        let nan = |n: usize| g.filled(n, f32::NAN).unwrap();
+        let rows = shape.tokens() * shape.heads;
+        let (mut o, mut lse, mut stats) = (nan(shape.q_len()), nan(rows), nan(2 * rows));
+        let (mut dq, mut dk, mut dv) =
+            (nan(shape.q_len()), nan(shape.kv_len()), nan(shape.kv_len()));
+        let inputs = SeqInputs {
+            q: &qb,
+            k: &kb,
+            v: &vb,
+            lens: valid.as_ref(),
+        };
+        let mut rec = g.recorder();
+        attention::execute_attention_forward(&mut rec, shape, inputs, &mut o, &mut lse).unwrap();
+        rec.submit().unwrap();
+        let mut rec = g.recorder();
+        let saved = SeqSaved {
+            inputs,
+            o: &o,
+            lse: &lse,
+        };
+        let grads = SeqGrads {
+            stats: &mut stats,
+            d_q: &mut dq,
+            d_k: &mut dk,
+            d_v: &mut dv,
+        };
+        attention::execute_attention_backward(&mut rec, shape, saved, &dob, grads).unwrap();
+        rec.submit().unwrap();
+
+        let r =
+            attention::reference::attention_forward(&shape, lens, &f64s(&q), &f64s(&k), &f64s(&v));
+        let (want_dq, want_dk, want_dv) = attention::reference::attention_backward(
+            &shape,
+            lens,
+            (&f64s(&q), &f64s(&k), &f64s(&v)),
+            &f64s(&d_out),
+        );
+        let what = format!("{shape:?} lens {lens:?}");
+        assert_close(&format!("O {what}"), &read(&g, &o).await, &r.0, 1e-4, 1e-5);
+        assert_close(
+            &format!("lse {what}"),
+            &read(&g, &lse).await,
+            &r.1,
+            1e-5,
+            1e-5,
+        );
+        assert_close(
+            &format!("dQ {what}"),
+            &read(&g, &dq).await,
+            &want_dq,
+            2e-4,
+            1e-4,
+        );
+        assert_close(
+            &format!("dK {what}"),
+            &read(&g, &dk).await,
+            &want_dk,
+            2e-4,
+            1e-4,
+        );
+        assert_close(
+            &format!("dV {what}"),
+            &read(&g, &dv).await,
+            &want_dv,
+            2e-4,
+            1e-4,
+        );
+    }
+}

@@ -319,8 +319,9 @@ fn dims(k: &mut KernelBuilder) -> Dims {
 }
 
 /// Binds the runtime values (`seq_len`, and `lens` when the key says `padded`) and the
-/// invocation's place: workgroup `(block, head, sequence)`.
-fn place(k: &mut KernelBuilder) -> Place {
+/// invocation's place: workgroup `(block, head, sequence)`, the block one of query rows
+/// (`queries`) or of keys.
+fn place(k: &mut KernelBuilder, queries: bool) -> Place {
     let dims = dims(k);
     let padded = k.shape::<bool>("padded");
     let seq_len = k.param::<u32>("seq_len");
@@ -333,7 +334,15 @@ fn place(k: &mut KernelBuilder) -> Place {
         seq_len.clone()
     };
     let last = k.let_("last", &seq_len - 1u32);
-    let origin = k.let_("origin", wid.x() * dims.block);
+    // Workgroups start roughly in the order of their ids: the blocks with the most work (the
+    // last query blocks, which see the most keys; the first key blocks, which the most query
+    // rows see) go first, so that the short ones fill the tail.
+    let block_index = if queries {
+        k.num_workgroups().x() - 1u32 - wid.x()
+    } else {
+        wid.x()
+    };
+    let origin = k.let_("origin", block_index * dims.block);
     let token0 = k.let_("token0", &b * &seq_len);
     let head = k.let_("head", wid.y());
     let lid = k.let_("lid", k.local_index());
@@ -700,7 +709,7 @@ fn forward_body(k: &mut KernelBuilder) {
     let o = k.storage_rw::<Vec4<f32>>("o");
     let lse = k.storage_rw::<f32>("lse");
     let tau = k.param::<f32>("scale");
-    let p = place(k);
+    let p = place(k, true);
     let Dims {
         hd,
         heads,
@@ -1006,7 +1015,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let d_k = k.storage_rw::<Vec4<f32>>("d_k");
     let d_v = k.storage_rw::<Vec4<f32>>("d_v");
     let tau = k.param::<f32>("scale");
-    let p = place(k);
+    let p = place(k, false);
     let Dims {
         hd,
         heads,
@@ -1083,7 +1092,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let stats = k.storage::<f32>("stats");
     let d_q = k.storage_rw::<Vec4<f32>>("d_q");
     let tau = k.param::<f32>("scale");
-    let p = place(k);
+    let p = place(k, true);
     let Dims {
         hd,
         heads,
