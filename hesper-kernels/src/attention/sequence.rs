@@ -385,9 +385,12 @@ impl Rows<'_> {
 struct Slot {
     at: Expr<u32>,
     active: Option<Expr<bool>>,
-    read: Box<dyn Fn(&mut KernelBuilder, &Expr<u32>) -> Expr<Vec4<f32>>>,
+    read: StepRead,
     next: Var<Vec4<f32>>,
 }
+
+/// A slot's read for a step (the step's index).
+type StepRead = Box<dyn Fn(&mut KernelBuilder, &Expr<u32>) -> Expr<Vec4<f32>>>;
 
 /// The invocation's share of `slots` staging slots: `(slot index, guard)` pairs.
 fn shares(k: &mut KernelBuilder, slots: u32) -> Vec<(Expr<u32>, Option<Expr<bool>>)> {
