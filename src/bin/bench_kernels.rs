@@ -336,17 +336,36 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // --- causal attention over sequences, forward and backward (TARGETS.md, SDPA f32 anchors)
     if wanted("attention") {
         use attention::{SeqGrads, SeqInputs, SeqSaved, SeqShape};
-        let shapes: &[(usize, usize, usize, usize, usize, [f64; 2], [&str; 2])] = if quick {
-            &[(1, 64, 4, 2, 64, [0.0; 2], ["–"; 2])]
+        // Each shape with SDPA's f32 TFLOP/s and our targets, forward and backward.
+        let shapes: Vec<(SeqShape, [f64; 2], [&str; 2])> = if quick {
+            vec![(SeqShape::new(1, 64, 4, 2, 64), [0.0; 2], ["–"; 2])]
         } else {
-            &[
-                (8, 512, 9, 3, 64, [5.7, 8.2], ["≥ 15", "≥ 16"]),
-                (8, 512, 20, 5, 128, [9.9, 19.7], ["≥ 25", "≥ 25"]),
-                (2, 2048, 32, 8, 128, [11.7, 23.6], ["≥ 30", "≥ 30"]),
+            vec![
+                (
+                    SeqShape::new(8, 512, 9, 3, 64),
+                    [5.7, 8.2],
+                    ["≥ 15", "≥ 16"],
+                ),
+                (
+                    SeqShape::new(8, 512, 20, 5, 128),
+                    [9.9, 19.7],
+                    ["≥ 25", "≥ 25"],
+                ),
+                (
+                    SeqShape::new(2, 2048, 32, 8, 128),
+                    [11.7, 23.6],
+                    ["≥ 30", "≥ 30"],
+                ),
             ]
         };
-        for &(b, s, h, kv, hd, sdpa, targets) in shapes {
-            let shape = SeqShape::new(b, s, h, kv, hd);
+        for (shape, sdpa, targets) in shapes {
+            let (b, s, h, kv, hd) = (
+                shape.batch,
+                shape.seq_len,
+                shape.heads,
+                shape.kv_heads,
+                shape.head_dim,
+            );
             let (q, k, v) = (
                 filled(&gpu, shape.q_len(), 30)?,
                 filled(&gpu, shape.kv_len(), 31)?,
