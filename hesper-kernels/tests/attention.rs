@@ -445,10 +445,10 @@ fn wgsl_snapshots() {
         "apply_backward_hd128_group4",
         "score_backward_q_hd128_group4",
         "cache_backward_hd128_group4",
-        "attention_forward_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
+        "attention_forward_hd64_heads9_kv_heads3_block64_bk16_vk32_padded",
         "attention_backward_stats_hd64_heads9_padded",
-        "attention_backward_kv_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
-        "attention_backward_q_hd64_heads9_kv_heads3_block64_bk16_vk16_padded",
+        "attention_backward_kv_hd64_heads9_kv_heads3_block64_bk16_vk32_padded",
+        "attention_backward_q_hd64_heads9_kv_heads3_block64_bk16_vk32_padded",
     ];
     let kernels = attention::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

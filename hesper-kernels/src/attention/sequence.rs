@@ -204,13 +204,21 @@ pub struct SeqTile {
 }
 
 impl SeqTile {
-    /// 64 rows and keys, 256 invocations, up to 36 KiB of workgroup memory.
+    /// 64 rows and keys, 256 invocations, products 32 rows a step: 48 KiB of workgroup memory
+    /// at hd 128 (the H200's limit), 32 KiB at hd 64. The fastest of the blockings tried on
+    /// the H200 (BENCHMARKS.md).
     pub const LARGE: SeqTile = SeqTile {
+        block: 64,
+        bk: 16,
+        vk: 32,
+    };
+    /// As `LARGE`, products 16 rows a step: 32 KiB at hd 128 (lavapipe's limit).
+    pub const MEDIUM: SeqTile = SeqTile {
         block: 64,
         bk: 16,
         vk: 16,
     };
-    /// 32 rows and keys, 64 invocations, 13 KiB of workgroup memory at hd 128: within
+    /// 32 rows and keys, 64 invocations, 12 KiB of workgroup memory at hd 128: within
     /// WebGPU's 16 KiB.
     pub const PORTABLE: SeqTile = SeqTile {
         block: 32,
@@ -218,37 +226,38 @@ impl SeqTile {
         vk: 8,
     };
 
-    /// `LARGE` where the device has the memory for it at this head dimension, else `PORTABLE`.
+    /// The first of `LARGE`, `MEDIUM`, `PORTABLE` that a device with `limits` runs at this
+    /// head dimension.
     pub fn for_device(limits: &Limits, head_dim: usize) -> SeqTile {
-        let large = SeqTile::LARGE;
-        if large.workgroup_bytes(head_dim as u32) <= limits.max_workgroup_storage_bytes
-            && large.invocations() <= limits.max_invocations_per_workgroup
-        {
-            large
-        } else {
-            SeqTile::PORTABLE
-        }
+        let fits = |t: &SeqTile| {
+            t.workgroup_bytes(head_dim as u32) <= limits.max_workgroup_storage_bytes
+                && t.invocations() <= limits.max_invocations_per_workgroup
+        };
+        [SeqTile::LARGE, SeqTile::MEDIUM]
+            .into_iter()
+            .find(fits)
+            .unwrap_or(SeqTile::PORTABLE)
     }
 
     pub fn invocations(&self) -> u32 {
         (self.block / 4) * (self.block / 4)
     }
 
-    /// Depth of one score step: `bk`, or the largest of 8 and 4 dividing `hd`.
+    /// Depth of one score step: the largest of `bk`, 16, 8 and 4 (at most `bk`) dividing `hd`.
     fn depth_step(&self, head_dim: u32) -> u32 {
-        [self.bk, 8, 4]
+        [self.bk, 16, 8, 4]
             .into_iter()
-            .find(|s| head_dim.is_multiple_of(*s))
+            .find(|s| *s <= self.bk && head_dim.is_multiple_of(*s))
             .unwrap_or(4)
     }
 
-    /// Workgroup memory of the largest kernel: the staging area (two halves, each a score
-    /// step's two slices or a product step's rows), the block's probabilities and the forward's
-    /// row partials.
+    /// Workgroup memory: the staging area (two halves, each a score step's two slices or a
+    /// product step's rows) and the block's probabilities (which the forward's row reductions
+    /// share).
     pub fn workgroup_bytes(&self, head_dim: u32) -> u32 {
         let b = self.block;
         let half = (2 * self.depth_step(head_dim) * b).max(self.vk * head_dim);
-        4 * (2 * half + b * b + b * (b / 4))
+        4 * (2 * half + b * b)
     }
 }
 
@@ -482,7 +491,8 @@ fn row_slots(
 /// `steps` steps over the two halves (`half` vec4s each) of `stage`: the operands of step
 /// `i + 1` are read into registers before step `i` computes on its half, and stored into the
 /// other half after, so a step costs one barrier and its memory latency hides behind the FMAs.
-/// `compute(k, half's first index, step)`. Ends with a barrier: `stage` is free after.
+/// `compute(k, half's first index, step)`. Starts writing `stage` at once (every earlier reader
+/// of it must be past a barrier: each `pipelined` ends with one, so `stage` is free after).
 fn pipelined(
     k: &mut KernelBuilder,
     stage: &WorkgroupArray<Vec4<f32>>,
@@ -511,8 +521,6 @@ fn pipelined(
             }
         }
     };
-    // The last readers of `stage` (a previous product) are done.
-    k.workgroup_barrier();
     fetch(k, &lit(0u32));
     store(k, &lit(0u32));
     k.workgroup_barrier();
@@ -704,6 +712,39 @@ fn rows_of<'a>(buf: &'a ReadBuffer<f32>, hd: u32, heads: u32, head: &Expr<u32>) 
     }
 }
 
+/// The invocation's four rows' `values` combined (`op`) across the `block/4` invocations that
+/// share those rows, through the first `block²/16` vec4s of `scratch`: a `vec4` of the four
+/// rows' results. The caller's earlier readers of `scratch` must be past a barrier; the caller
+/// must pass another before writing it again.
+fn row_reduce(
+    k: &mut KernelBuilder,
+    p: &Place,
+    scratch: &WorkgroupArray<Vec4<f32>>,
+    values: Vec<Expr<f32>>,
+    op: Reduce,
+) -> Expr<Vec4<f32>> {
+    let tx_n = p.dims.tx_n;
+    let mine = vec4(
+        values[0].clone(),
+        values[1].clone(),
+        values[2].clone(),
+        values[3].clone(),
+    );
+    k.store(scratch, &p.ty * tx_n + &p.tx, mine);
+    k.workgroup_barrier();
+    let base = k.let_("partials_at", &p.ty * tx_n);
+    let mut acc = scratch.at(&base);
+    for t in 1..tx_n {
+        let next = scratch.at(crate::linear::offset(&base, t));
+        acc = match op {
+            Reduce::Max => acc.max(next),
+            Reduce::Min => acc.min(next),
+            Reduce::Sum => acc + next,
+        };
+    }
+    k.let_("row_result", acc)
+}
+
 /// The forward: `O` and `lse` of one block of query rows of one head.
 fn forward_body(k: &mut KernelBuilder) {
     let q = k.storage::<f32>("q");
@@ -719,12 +760,12 @@ fn forward_body(k: &mut KernelBuilder) {
         kv_heads,
         group,
         block,
-        tx_n,
         ..
     } = p.dims;
     let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
+    // The block's probabilities; before them, each invocation's row partials (a `vec4` of its
+    // four rows at `ty·block/4 + tx`).
     let probs = k.workgroup_array::<Vec4<f32>>("probs", block * block / 4);
-    let partials = k.workgroup_array::<f32>("row_partials", block * tx_n);
 
     let kv = k.let_("kv", &p.head / group);
     let q_rows = rows_of(&q, hd, heads, &p.head);
@@ -751,26 +792,22 @@ fn forward_body(k: &mut KernelBuilder) {
             })
             .collect();
         k.comment("Row maxima over the block: each invocation's, then across the row's.");
-        for (i, (row, valid)) in scores.iter().zip(&masked.valid).enumerate() {
-            let partial = row
-                .iter()
-                .zip(valid)
-                .fold(lit(NEG_BIG), |m: Expr<f32>, (s, ok)| {
-                    m.max(select(ok.clone(), s.clone(), lit(NEG_BIG)))
-                });
-            let at = (&p.ty * 4u32 + i as u32) * tx_n + &p.tx;
-            k.store(&partials, at, partial);
-        }
-        k.workgroup_barrier();
+        let partial: Vec<Expr<f32>> = scores
+            .iter()
+            .zip(&masked.valid)
+            .map(|(row, valid)| {
+                row.iter()
+                    .zip(valid)
+                    .fold(lit(NEG_BIG), |m: Expr<f32>, (s, ok)| {
+                        m.max(select(ok.clone(), s.clone(), lit(NEG_BIG)))
+                    })
+            })
+            .collect();
+        let maxima = row_reduce(k, &p, &probs, partial, Reduce::Max);
         let mut alphas = Vec::new();
         let mut probs_of = Vec::new();
         for i in 0..4u32 {
-            let base = k.let_("partials_at", (&p.ty * 4u32 + i) * tx_n);
-            let mut block_max = m[i as usize].get();
-            for t in 0..tx_n {
-                block_max = block_max.max(partials.at(crate::linear::offset(&base, t)));
-            }
-            let m_new = k.let_("m_new", block_max);
+            let m_new = k.let_("m_new", m[i as usize].get().max(lane(&maxima, i)));
             let alpha = k.let_("alpha", (m[i as usize].get() - &m_new).exp());
             let ps: Vec<Expr<f32>> = (0..4)
                 .map(|j| {
@@ -794,7 +831,10 @@ fn forward_body(k: &mut KernelBuilder) {
                 k.store(&acc, at, acc.at(at) * a);
             }
         }
-        k.comment("The block's probabilities, depth (key) major, for P·V.");
+        k.comment(
+            "The block's probabilities, depth (key) major, for P·V, once the partials are read.",
+        );
+        k.workgroup_barrier();
         for j in 0..4u32 {
             let col: Vec<Expr<f32>> = (0..4).map(|i| probs_of[i][j as usize].clone()).collect();
             let at = (&p.tx * 4u32 + j) * (block / 4) + &p.ty;
@@ -813,25 +853,14 @@ fn forward_body(k: &mut KernelBuilder) {
     });
 
     k.comment("Row sums across the row's invocations.");
-    k.workgroup_barrier();
-    for i in 0..4u32 {
-        k.store(
-            &partials,
-            (&p.ty * 4u32 + i) * tx_n + &p.tx,
-            l[i as usize].get(),
-        );
-    }
-    k.workgroup_barrier();
-    let totals: Vec<Expr<f32>> = (0..4u32)
-        .map(|i| {
-            let base = k.let_("partials_at", (&p.ty * 4u32 + i) * tx_n);
-            let mut total: Expr<f32> = lit(0.0f32);
-            for t in 0..tx_n {
-                total = total + partials.at(crate::linear::offset(&base, t));
-            }
-            k.let_("row_sum", total)
-        })
-        .collect();
+    let sums = row_reduce(
+        k,
+        &p,
+        &probs,
+        l.iter().map(|l| l.get()).collect(),
+        Reduce::Sum,
+    );
+    let totals: Vec<Expr<f32>> = (0..4).map(|i| k.let_("row_sum", lane(&sums, i))).collect();
     // A padded row (or one with no key at all) has a sum of 0: it writes zeros.
     let real: Vec<Expr<bool>> = (0..4u32)
         .map(|i| {
@@ -1057,10 +1086,9 @@ fn key_grads_body(k: &mut KernelBuilder) {
             );
             // Stored query-row major, the tile's `vec4` `ty` of a row is the keys this
             // invocation accumulates: `dV[keys 4·ty ..] += Σ_r P[r, keys]·dO[r]`.
-            k.workgroup_barrier();
+            // The tile's last readers (the previous product) are past its closing barrier.
             store_by_rows(k, &p, &tile, &probs);
             accumulate_product(k, &p, (&stage, &tile), &dv, (&do_rows, &q0), &p.len);
-            k.workgroup_barrier();
             store_by_rows(k, &p, &tile, &grads);
             accumulate_product(k, &p, (&stage, &tile), &dk, (&q_rows, &q0), &p.len);
         });
@@ -1129,7 +1157,6 @@ fn query_grads_body(k: &mut KernelBuilder) {
             (&p.origin, &c0, &p.head),
             &tau,
         );
-        k.workgroup_barrier();
         store_by_keys(k, &p, &tile, &grads);
         accumulate_product(k, &p, (&stage, &tile), &dq, (&k_rows, &c0), &p.len);
     });
