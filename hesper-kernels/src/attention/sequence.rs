@@ -24,6 +24,42 @@
 //! (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`) stage the probabilities (or `dS`) of the block and `vk`
 //! rows of the other operand at a time. Reads past the sequence's end are clamped into it and
 //! masked; rows past the end are never stored.
+//!
+//! ## Example
+//! ```no_run
+//! use hesper_exec::Gpu;
+//! use hesper_kernels::attention::{self, SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths};
+//!
+//! let gpu = Gpu::new()?;
+//! // Two sequences of 128 positions (the second padded after 100), 9 query heads reading 3
+//! // key/value heads of 64: SmolLM2's attention.
+//! let shape = SeqShape::new(2, 128, 9, 3, 64);
+//! let lens = ValidLengths::upload(&gpu, &[128, 100], 128)?;
+//! let (q, k, v) = (
+//!     gpu.zeros::<f32>(shape.q_len())?,
+//!     gpu.zeros::<f32>(shape.kv_len())?,
+//!     gpu.zeros::<f32>(shape.kv_len())?,
+//! );
+//! let rows = shape.tokens() * shape.heads;
+//! let (mut o, mut lse) = (gpu.zeros::<f32>(shape.q_len())?, gpu.zeros::<f32>(rows)?);
+//! let inputs = SeqInputs { q: &q, k: &k, v: &v, lens: Some(&lens) };
+//! let mut rec = gpu.recorder();
+//! attention::execute_attention_forward(&mut rec, shape, inputs, &mut o, &mut lse)?;
+//!
+//! // The backward, given dO, in the same submission.
+//! let d_out = gpu.zeros::<f32>(shape.q_len())?;
+//! let mut stats = gpu.zeros::<f32>(2 * rows)?;
+//! let (mut d_q, mut d_k, mut d_v) = (
+//!     gpu.zeros::<f32>(shape.q_len())?,
+//!     gpu.zeros::<f32>(shape.kv_len())?,
+//!     gpu.zeros::<f32>(shape.kv_len())?,
+//! );
+//! let saved = SeqSaved { inputs, o: &o, lse: &lse };
+//! let grads = SeqGrads { stats: &mut stats, d_q: &mut d_q, d_k: &mut d_k, d_v: &mut d_v };
+//! attention::execute_attention_backward(&mut rec, shape, saved, &d_out, grads)?;
+//! rec.submit()?;
+//! # Ok::<(), hesper_exec::ExecError>(())
+//! ```
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
