@@ -21,7 +21,7 @@ fn case(b: usize, s: usize, (h, kv, hd): (usize, usize, usize), lens: Option<&[u
 
 /// Awkward shapes: one position; lengths that are no multiple of any block (the blocks are 64
 /// or 32 rows); hd 12, 64 and 128; groups of 1, 2 and 3; three sequences of unequal lengths
-/// including 1.
+/// including 1; a sequence that is all padding.
 fn cases() -> Vec<Case> {
     vec![
         case(1, 1, (2, 1, 12), None),
@@ -29,6 +29,7 @@ fn cases() -> Vec<Case> {
         case(3, 70, (4, 2, 64), Some(&[70, 1, 45])),
         case(1, 130, (2, 2, 128), None),
         case(2, 65, (6, 2, 128), Some(&[33, 65])),
+        case(3, 20, (2, 1, 64), Some(&[0, 20, 7])),
     ]
 }
 
