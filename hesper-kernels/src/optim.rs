@@ -35,14 +35,17 @@ const WG: u32 = 256;
 /// walked grid-stride. It bounds pass 2's work to one partial per invocation per buffer.
 const MAX_PARTIALS_PER_BUFFER: u32 = WG;
 
-/// AdamW's hyperparameters. The default is PyTorch's `torch.optim.AdamW`.
+/// AdamW's hyperparameters. The default is PyTorch's `torch.optim.AdamW`. Held in f64: the
+/// host forms `1 − β` and the bias corrections `1 − β^t` in f64 and passes them as runtime
+/// values (formed on the GPU from `f32(0.999)`, `1 − β2` is 1.3e-5 off, and so is every second
+/// moment).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
-    pub beta1: f32,
-    pub beta2: f32,
-    pub eps: f32,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
     /// λ, decoupled: it shrinks θ directly and never enters m or v.
-    pub weight_decay: f32,
+    pub weight_decay: f64,
 }
 
 impl Default for AdamW {
@@ -111,6 +114,8 @@ fn adamw_body(k: &mut KernelBuilder) {
     let lr = k.param::<f32>("lr");
     let beta1 = k.param::<f32>("beta1");
     let beta2 = k.param::<f32>("beta2");
+    let one_minus_beta1 = k.param::<f32>("one_minus_beta1");
+    let one_minus_beta2 = k.param::<f32>("one_minus_beta2");
     let eps = k.param::<f32>("eps");
     let weight_decay = k.param::<f32>("weight_decay");
     let bias_correction1 = k.param::<f32>("bias_correction1");
@@ -132,11 +137,11 @@ fn adamw_body(k: &mut KernelBuilder) {
         let g = k.let_("g", g);
         let m_new = k.let_(
             "m_new",
-            m.at(&i) * beta1.clone() + g.clone() * (1.0f32 - beta1),
+            m.at(&i) * beta1 + g.clone() * one_minus_beta1,
         );
         let v_new = k.let_(
             "v_new",
-            v.at(&i) * beta2.clone() + g.clone() * g * (1.0f32 - beta2),
+            v.at(&i) * beta2 + g.clone() * g * one_minus_beta2,
         );
         let m_hat = m_new.clone() / bias_correction1;
         let v_hat = v_new.clone() / bias_correction2;
@@ -218,7 +223,7 @@ fn bias_corrections(opt: &AdamW, t: u32) -> Result<(f32, f32), ExecError> {
             return Err(err(param, "a value in [0, 1)", beta.to_string()));
         }
     }
-    let correction = |beta: f32| (1.0 - (beta as f64).powf(t as f64)) as f32;
+    let correction = |beta: f64| (1.0 - beta.powf(t as f64)) as f32;
     Ok((correction(opt.beta1), correction(opt.beta2)))
 }
 
@@ -255,10 +260,12 @@ pub fn execute_adamw(
         .buffer_vec4("v", v)
         .param("n4", n4)
         .param("lr", step.lr)
-        .param("beta1", opt.beta1)
-        .param("beta2", opt.beta2)
-        .param("eps", opt.eps)
-        .param("weight_decay", opt.weight_decay)
+        .param("beta1", opt.beta1 as f32)
+        .param("beta2", opt.beta2 as f32)
+        .param("one_minus_beta1", (1.0 - opt.beta1) as f32)
+        .param("one_minus_beta2", (1.0 - opt.beta2) as f32)
+        .param("eps", opt.eps as f32)
+        .param("weight_decay", opt.weight_decay as f32)
         .param("bias_correction1", bias_correction1)
         .param("bias_correction2", bias_correction2);
     if let Clip::GlobalNorm { norm, max_norm } = step.clip {
@@ -337,8 +344,8 @@ pub mod reference {
 
     /// One AdamW step, literally as KERNELS.md writes it (`grad` already clipped).
     pub fn adamw_step(opt: &super::AdamW, lr: f64, t: u32, grad: &[f64], s: &mut State) {
-        let (b1, b2) = (opt.beta1 as f64, opt.beta2 as f64);
-        let (eps, wd) = (opt.eps as f64, opt.weight_decay as f64);
+        let (b1, b2) = (opt.beta1, opt.beta2);
+        let (eps, wd) = (opt.eps, opt.weight_decay);
         let (bc1, bc2) = (1.0 - b1.powf(t as f64), 1.0 - b2.powf(t as f64));
         for (i, g) in grad.iter().enumerate() {
             s.m[i] = b1 * s.m[i] + (1.0 - b1) * g;

@@ -191,8 +191,8 @@ fn reference_first_step_is_sign_descent_with_decoupled_decay() {
     };
     let lr = 0.1;
     reference::adamw_step(&OPT, lr, 1, &grad, &mut s);
-    let (b1, b2) = (OPT.beta1 as f64, OPT.beta2 as f64);
-    let (eps, wd) = (OPT.eps as f64, OPT.weight_decay as f64);
+    let (b1, b2) = (OPT.beta1, OPT.beta2);
+    let (eps, wd) = (OPT.eps, OPT.weight_decay);
     for i in 0..4 {
         let (th, gr) = (theta[i], grad[i]);
         let want = th - lr * (gr / (gr.abs() + eps) + wd * th);
@@ -214,8 +214,8 @@ fn reference_matches_pytorch_formulation() {
         v: vec![0.0; n],
     };
     let (mut ours, mut torch) = (init.clone(), init);
-    let (b1, b2) = (OPT.beta1 as f64, OPT.beta2 as f64);
-    let (eps, wd) = (OPT.eps as f64, OPT.weight_decay as f64);
+    let (b1, b2) = (OPT.beta1, OPT.beta2);
+    let (eps, wd) = (OPT.eps, OPT.weight_decay);
     for t in 1..=10u32 {
         let grad = f64s(&rng.vec(n, 1.0));
         let lr = lr(t) as f64;
