@@ -135,14 +135,8 @@ fn adamw_body(k: &mut KernelBuilder) {
             None => grad.at(&i),
         };
         let g = k.let_("g", g);
-        let m_new = k.let_(
-            "m_new",
-            m.at(&i) * beta1 + g.clone() * one_minus_beta1,
-        );
-        let v_new = k.let_(
-            "v_new",
-            v.at(&i) * beta2 + g.clone() * g * one_minus_beta2,
-        );
+        let m_new = k.let_("m_new", m.at(&i) * beta1 + g.clone() * one_minus_beta1);
+        let v_new = k.let_("v_new", v.at(&i) * beta2 + g.clone() * g * one_minus_beta2);
         let m_hat = m_new.clone() / bias_correction1;
         let v_hat = v_new.clone() / bias_correction2;
         let th = k.let_("th", theta.at(&i));

@@ -5,64 +5,22 @@
 //! In place, one invocation per pair. Positions are runtime values, never baked into the WGSL:
 //! token `t` (a row of `heads·hd` values) is at `pos = offset + t mod seq_len` — `seq_len = S`
 //! for a `[B·S, …]` batch, `seq_len = 1, offset = pos` for one decoded token, and
-//! `seq_len = max_seq` for a `[KV, max_seq, hd]` cache. `base^(−2i/hd)` comes from the host,
-//! computed in f64 ([`inverse_frequencies`]); the angle is formed in f32, so its absolute error
-//! grows like `|θ|·6e-8`.
+//! `seq_len = max_seq` for a `[KV, max_seq, hd]` cache.
+//!
+//! The rotations come from a [`RopeTable`]: `cos θ` and `sin θ` of every angle, computed on the
+//! host in f64 and rounded once. Formed on the GPU, an f32 angle is already `|θ|·6e-8` off
+//! (1.2e-4 rad at position 2048, far past an f32 tolerance of the rotated values), and WGSL
+//! promises `sin` and `cos` only to 2⁻¹¹ (browsers' software devices are that far off).
 
 use hesper_dsl::prelude::*;
-use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
-use crate::{expect_len, expect_rows, expect_u32};
-
-// WGSL promises sin and cos only to 2⁻¹¹ absolute, and only on [−π, π]; browsers' software
-// devices (SwiftShader) are that far off (1.9e-4), and angles here reach the last position.
-// So both are computed here, as Cephes' sinf/cosf do: θ reduced by the nearest multiple of
-// π/2 in three parts (each product exact for |θ| < 2¹⁶), then a polynomial on [−π/4, π/4]
-// (≤ 1 ulp there) picked and signed by the quadrant.
-
-/// `θ − q·π/2` for the nearest integer `q` (as a float), `θ ≥ 0`.
-#[kernel_fn]
-fn reduced(theta: f32, q: f32) -> f32 {
-    theta - q * 1.5703125 - q * 4.837_513e-4 - q * 7.549_79e-8
-}
-
-/// `sin(r)` for `|r| ≤ π/4`.
-#[kernel_fn]
-fn sin_poly(r: f32) -> f32 {
-    r + r * r * r * (-0.166_666_55 + r * r * (8.332_161e-3 + r * r * -1.951_529_6e-4))
-}
-
-/// `cos(r)` for `|r| ≤ π/4`.
-#[kernel_fn]
-fn cos_poly(r: f32) -> f32 {
-    1.0 - 0.5 * r * r
-        + r * r * r * r * (4.166_664_6e-2 + r * r * (-1.388_731_6e-3 + r * r * 2.443_315_7e-5))
-}
-
-/// `sin(θ)` for `θ ≥ 0`, to about an ulp of the reduced angle.
-#[kernel_fn]
-fn sin_accurate(theta: f32) -> f32 {
-    let q = (theta * 0.63661975).round();
-    let r = reduced(theta, q);
-    let quadrant = (q as u32) % 4u32;
-    let v = select(quadrant % 2u32 == 0u32, sin_poly(r), cos_poly(r));
-    select(quadrant >= 2u32, -v, v)
-}
-
-/// `cos(θ)` for `θ ≥ 0`: `sin(θ + π/2)`, by quadrant.
-#[kernel_fn]
-fn cos_accurate(theta: f32) -> f32 {
-    let q = (theta * 0.63661975).round();
-    let r = reduced(theta, q);
-    let quadrant = (q as u32) % 4u32;
-    let v = select(quadrant % 2u32 == 0u32, cos_poly(r), sin_poly(r));
-    select(quadrant == 1u32 || quadrant == 2u32, -v, v)
-}
+use crate::{expect_rows, expect_u32};
 
 #[kernel(workgroup_size = 256)]
 fn rope(
     x: &mut [f32],
-    inv_freq: &[f32],
+    cos_sin: &[f32],
     #[shape] half: u32,
     #[shape] backward: bool,
     #[runtime] pairs: u32,
@@ -78,9 +36,9 @@ fn rope(
         // Start of this pair's head: the head's first `half` values pair with its last `half`.
         let first = token * pairs_per_token * 2 + (in_token - i) * 2 + i;
         let pos = offset + token % seq_len;
-        let theta = pos as f32 * inv_freq[i];
-        let c = cos_accurate(theta);
-        let mut s = sin_accurate(theta);
+        let at = (pos * half + i) * 2;
+        let c = cos_sin[at];
+        let mut s = cos_sin[at + 1];
         if backward {
             s = -s;
         }
@@ -91,11 +49,101 @@ fn rope(
     }
 }
 
-/// `base^(−2i/hd)` for `i < hd/2`, computed in f64 and rounded once.
-pub fn inverse_frequencies(head_dim: usize, base: f64) -> Vec<f32> {
+/// `base^(−2i/hd)` for `i < hd/2`, in f64.
+pub fn inverse_frequencies(head_dim: usize, base: f64) -> Vec<f64> {
     (0..head_dim / 2)
-        .map(|i| base.powf(-2.0 * i as f64 / head_dim as f64) as f32)
+        .map(|i| base.powf(-2.0 * i as f64 / head_dim as f64))
         .collect()
+}
+
+/// `cos θ` and `sin θ` of every RoPE angle `θ_i = pos·base^(−2i/hd)` for `pos < positions` and
+/// `i < hd/2`, formed in f64 and rounded once: `[positions, hd/2, 2]` on the GPU. Make one per
+/// model (positions up to its longest sequence) and pass it to every RoPE launch.
+pub struct RopeTable {
+    buffer: GpuBuffer<f32>,
+    head_dim: usize,
+    positions: usize,
+}
+
+impl RopeTable {
+    /// The table of a model's heads of `head_dim` (even) with RoPE base `base`, for positions
+    /// `0 .. positions`.
+    pub fn new(gpu: &Gpu, head_dim: usize, base: f64, positions: usize) -> Result<Self, ExecError> {
+        let bad = |what: String, why: &str| ExecError::Dispatch {
+            kernel: rope::NAME.into(),
+            what,
+            why: why.into(),
+        };
+        if head_dim == 0 || !head_dim.is_multiple_of(2) {
+            return Err(bad(
+                format!("head_dim = {head_dim}"),
+                "RoPE pairs a head's halves: head_dim must be even and positive",
+            ));
+        }
+        if !(base.is_finite() && base > 0.0) {
+            return Err(bad(
+                format!("base = {base}"),
+                "the base must be a positive number",
+            ));
+        }
+        if positions == 0 {
+            return Err(bad("positions = 0".into(), "the table needs a position"));
+        }
+        expect_u32(rope::NAME, "positions × head_dim", positions * head_dim)?;
+        let values = Self::values(head_dim, base, positions);
+        Ok(RopeTable {
+            buffer: gpu.upload(&values)?,
+            head_dim,
+            positions,
+        })
+    }
+
+    /// The table's values on the host, as [`RopeTable::new`] uploads them.
+    pub fn values(head_dim: usize, base: f64, positions: usize) -> Vec<f32> {
+        let inv = inverse_frequencies(head_dim, base);
+        let mut out = Vec::with_capacity(positions * head_dim);
+        for pos in 0..positions {
+            for f in &inv {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                out.extend([c as f32, s as f32]);
+            }
+        }
+        out
+    }
+
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Positions `0 .. positions()` are in the table.
+    pub fn positions(&self) -> usize {
+        self.positions
+    }
+
+    /// `Ok` when rows `0 .. rows` at `at` stay inside the table; else an error naming `kernel`.
+    pub(crate) fn check(&self, kernel: &str, rows: usize, at: Positions) -> Result<(), ExecError> {
+        if at.seq_len == 0 {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.into(),
+                what: "positions with seq_len 0".into(),
+                why: "every row is at offset + row mod seq_len".into(),
+            });
+        }
+        let last = at.offset as usize + rows.min(at.seq_len as usize);
+        if rows > 0 && last > self.positions {
+            return Err(ExecError::Dispatch {
+                kernel: kernel.into(),
+                what: format!(
+                    "positions up to {} (offset {}, {} rows)",
+                    last - 1,
+                    at.offset,
+                    rows
+                ),
+                why: format!("the RoPE table holds positions below {}", self.positions),
+            });
+        }
+        Ok(())
+    }
 }
 
 /// Where the rows of a RoPE'd buffer sit in their sequences.
@@ -111,29 +159,32 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![rope::build(64, false)?, rope::build(64, true)?])
 }
 
-/// Rotate `x` (rows of `heads × head_dim`) in place: the forward, or with `backward` the
-/// gradient's transpose rotation.
+/// Rotate `x` (rows of `heads × head_dim`, `head_dim` the table's) in place: the forward, or
+/// with `backward` the gradient's transpose rotation.
 pub fn execute_rope(
     rec: &mut Recorder<'_>,
     x: &mut GpuBuffer<f32>,
-    inv_freq: &GpuBuffer<f32>,
+    table: &RopeTable,
     heads: usize,
     positions: Positions,
     backward: bool,
 ) -> Result<(), ExecError> {
     let name = rope::NAME;
-    let half = inv_freq.len();
-    let width = heads * 2 * half;
-    let row = format!("heads × head_dim = {heads} × {}", 2 * half);
-    expect_rows(name, "x", x, width, &row)?;
-    if positions.seq_len == 0 {
-        return Err(ExecError::Dispatch {
+    let half = table.head_dim / 2;
+    let width = heads
+        .checked_mul(table.head_dim)
+        .filter(|w| *w > 0)
+        .ok_or_else(|| ExecError::Dispatch {
             kernel: name.into(),
-            what: "positions with seq_len 0".into(),
-            why: "every row is at offset + row mod seq_len".into(),
-        });
-    }
-    expect_len(name, "inv_freq", inv_freq, half, "head_dim / 2")?;
+            what: format!("heads = {heads}"),
+            why: format!(
+                "heads × head_dim ({}) must be positive and fit",
+                table.head_dim
+            ),
+        })?;
+    let row = format!("heads × head_dim = {heads} × {}", table.head_dim);
+    let rows = expect_rows(name, "x", x, width, &row)?;
+    table.check(name, rows, positions)?;
     let pairs = expect_u32(name, "pairs", x.len() / 2)?;
     if pairs == 0 {
         return Ok(());
@@ -143,7 +194,7 @@ pub fn execute_rope(
         .kernel(&rope::key(half as u32, backward), rope::body)?;
     let args = Args::new()
         .buffer("x", x)
-        .buffer("inv_freq", inv_freq)
+        .buffer("cos_sin", &table.buffer)
         .param("pairs", pairs)
         .param("pairs_per_token", (width / 2) as u32)
         .param("seq_len", positions.seq_len)
@@ -155,44 +206,44 @@ pub fn execute_rope(
 pub fn execute_rope_forward(
     rec: &mut Recorder<'_>,
     x: &mut GpuBuffer<f32>,
-    inv_freq: &GpuBuffer<f32>,
+    table: &RopeTable,
     heads: usize,
     positions: Positions,
 ) -> Result<(), ExecError> {
-    execute_rope(rec, x, inv_freq, heads, positions, false)
+    execute_rope(rec, x, table, heads, positions, false)
 }
 
 /// RoPE backward on a gradient, in place (apply to dQ and dK).
 pub fn execute_rope_backward(
     rec: &mut Recorder<'_>,
     dx: &mut GpuBuffer<f32>,
-    inv_freq: &GpuBuffer<f32>,
+    table: &RopeTable,
     heads: usize,
     positions: Positions,
 ) -> Result<(), ExecError> {
-    execute_rope(rec, dx, inv_freq, heads, positions, true)
+    execute_rope(rec, dx, table, heads, positions, true)
 }
 
 /// f64 references.
 pub mod reference {
-    /// RoPE of rows of `heads × head_dim` (`inv_freq` as the kernel gets it), forward or backward.
+    /// RoPE of rows of `heads × head_dim` with base `base`, the angles in f64, forward or
+    /// backward.
     pub fn rope(
         x: &[f64],
-        inv_freq: &[f32],
+        (head_dim, base): (usize, f64),
         heads: usize,
         seq_len: usize,
         offset: usize,
         backward: bool,
     ) -> Vec<f64> {
-        let half = inv_freq.len();
-        let width = heads * 2 * half;
+        let inv = super::inverse_frequencies(head_dim, base);
+        let half = head_dim / 2;
         let mut out = x.to_vec();
-        for (t, row) in out.chunks_mut(width).enumerate() {
+        for (t, row) in out.chunks_mut(heads * head_dim).enumerate() {
             let pos = (offset + t % seq_len) as f64;
-            for head in row.chunks_mut(2 * half) {
-                for i in 0..half {
-                    let theta = pos * inv_freq[i] as f64;
-                    let (s, c) = theta.sin_cos();
+            for head in row.chunks_mut(head_dim) {
+                for (i, f) in inv.iter().enumerate() {
+                    let (s, c) = (pos * f).sin_cos();
                     let s = if backward { -s } else { s };
                     let (a, b) = (head[i], head[i + half]);
                     head[i] = a * c - b * s;

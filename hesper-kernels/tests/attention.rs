@@ -128,19 +128,12 @@ fn decode_attention_backward_matches_reference() {
             .iter()
             .map(|v| *v as f32)
             .collect();
-        let inv = rope::inverse_frequencies(hd, 10_000.0);
+        let table = rope::RopeTable::new(g, hd, 10_000.0, shape.max_seq).unwrap();
         let cache_len = k_cache.len();
         let (dk0, dv0) = (rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
 
         let up = |v: &[f32]| g.upload(v).unwrap();
-        let (qb, ab, dob, kb, vb, ib) = (
-            up(&q),
-            up(&a),
-            up(&d_out),
-            up(&k_cache),
-            up(&v_cache),
-            up(&inv),
-        );
+        let (qb, ab, dob, kb, vb) = (up(&q), up(&a), up(&d_out), up(&k_cache), up(&v_cache));
         let mut d_attn = g.filled(h * len, f32::NAN).unwrap();
         let mut d_scores = g.filled(h * len, f32::NAN).unwrap();
         let mut d_q = g.filled(h * hd, f32::NAN).unwrap();
@@ -152,7 +145,7 @@ fn decode_attention_backward_matches_reference() {
             d_out: &dob,
             k_cache: &kb,
             v_cache: &vb,
-            inv_freq: &ib,
+            rope: &table,
         };
         let grads = DecodeGrads {
             d_attn: &mut d_attn,
@@ -177,7 +170,7 @@ fn decode_attention_backward_matches_reference() {
             &zero_nan(&v_cache),
             &f64s(&d_out),
         );
-        let want_dq = rope_ref::rope(&want_dq, &inv, h, 1, shape.pos, true);
+        let want_dq = rope_ref::rope(&want_dq, (hd, 10_000.0), h, 1, shape.pos, true);
         let what = format!("{shape:?}");
         assert_close(
             &format!("dQ {what}"),

@@ -1,6 +1,6 @@
 //! RoPE on the GPU against the f64 reference; the backward against the forward's transpose.
 
-use hesper_kernels::rope::{self, Positions, reference};
+use hesper_kernels::rope::{self, Positions, RopeTable, reference};
 use hesper_kernels::testing::{Rng, assert_close, f64s, gpu};
 
 #[test]
@@ -13,14 +13,15 @@ fn forward_and_backward_match_reference() {
         (6, 3, 64, 3, 5),
         (1, 4, 128, 1, 300),
         (10, 1, 6, 10, 0),
-        // Angles of thousands of radians (long contexts), which sin/cos are reduced from.
+        // Angles of thousands of radians (long contexts): formed in f32 they would be 5e-4 off.
         (3, 2, 64, 1, 8000),
+        (4, 1, 16, 2, 1500),
+        (2100, 1, 8, 2100, 0),
     ];
     for (seed, (t, heads, hd, seq_len, offset)) in cases.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 3);
         let x = rng.vec(t * heads * hd, 1.0);
-        let inv = rope::inverse_frequencies(hd, 10_000.0);
-        let ib = g.upload(&inv).unwrap();
+        let table = RopeTable::new(g, hd, 10_000.0, offset + seq_len).unwrap();
         let pos = Positions {
             seq_len: seq_len as u32,
             offset: offset as u32,
@@ -28,18 +29,16 @@ fn forward_and_backward_match_reference() {
         for backward in [false, true] {
             let mut xb = g.upload(&x).unwrap();
             let mut rec = g.recorder();
-            rope::execute_rope(&mut rec, &mut xb, &ib, heads, pos, backward).unwrap();
+            rope::execute_rope(&mut rec, &mut xb, &table, heads, pos, backward).unwrap();
             rec.submit().unwrap();
-            let want = reference::rope(&f64s(&x), &inv, heads, seq_len, offset, backward);
-            // The angle is formed in f32: |θ|·6e-8 absolute error, θ up to the last position.
-            let theta_max = (offset + seq_len) as f64;
-            let atol = 1e-6 + theta_max * 1.2e-7;
+            let want = reference::rope(&f64s(&x), (hd, 10_000.0), heads, seq_len, offset, backward);
+            // The same tolerance at every position: the table's cos and sin are f64 rounded.
             assert_close(
-                &format!("rope T={t} heads={heads} hd={hd} backward={backward}"),
+                &format!("rope T={t} heads={heads} hd={hd} offset={offset} backward={backward}"),
                 &xb.read(g).unwrap(),
                 &want,
                 1e-6,
-                atol,
+                1e-6,
             );
         }
     }
@@ -50,13 +49,13 @@ fn forward_and_backward_match_reference() {
 fn backward_reference_is_the_transpose_of_the_forward() {
     let mut rng = Rng::new(17);
     let (t, heads, hd) = (5, 2, 16);
-    let inv = rope::inverse_frequencies(hd, 500_000.0);
+    let rope_of = (hd, 500_000.0);
     let (x, y) = (
         f64s(&rng.vec(t * heads * hd, 1.0)),
         f64s(&rng.vec(t * heads * hd, 1.0)),
     );
-    let rx = reference::rope(&x, &inv, heads, t, 3, false);
-    let rty = reference::rope(&y, &inv, heads, t, 3, true);
+    let rx = reference::rope(&x, rope_of, heads, t, 3, false);
+    let rty = reference::rope(&y, rope_of, heads, t, 3, true);
     let lhs: f64 = rx.iter().zip(&y).map(|(a, b)| a * b).sum();
     let rhs: f64 = x.iter().zip(&rty).map(|(a, b)| a * b).sum();
     assert!(
@@ -64,7 +63,7 @@ fn backward_reference_is_the_transpose_of_the_forward() {
         "{lhs} vs {rhs}"
     );
     // And it undoes the forward (rotations are orthogonal).
-    let back = reference::rope(&rx, &inv, heads, t, 3, true);
+    let back = reference::rope(&rx, rope_of, heads, t, 3, true);
     assert!(back.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-12));
 }
 
@@ -72,7 +71,7 @@ fn backward_reference_is_the_transpose_of_the_forward() {
 fn position_is_a_runtime_value() {
     // Its own device: other tests compiling on the shared one would move the miss counter.
     let g = &hesper_exec::Gpu::new().unwrap();
-    let inv = g.upload(&rope::inverse_frequencies(8, 10_000.0)).unwrap();
+    let table = RopeTable::new(g, 8, 10_000.0, 20).unwrap();
     let mut x = g.upload(&[1.0f32; 8]).unwrap();
     let before = g.cache_stats().misses;
     let mut rec = g.recorder();
@@ -81,7 +80,7 @@ fn position_is_a_runtime_value() {
             seq_len: 1,
             offset: pos,
         };
-        rope::execute_rope_forward(&mut rec, &mut x, &inv, 1, p).unwrap();
+        rope::execute_rope_forward(&mut rec, &mut x, &table, 1, p).unwrap();
     }
     rec.submit().unwrap();
     assert!(
@@ -93,13 +92,13 @@ fn position_is_a_runtime_value() {
 #[test]
 fn bad_shapes_name_kernel_and_buffer() {
     let g = gpu();
-    let inv = g.upload(&rope::inverse_frequencies(8, 10_000.0)).unwrap();
+    let table = RopeTable::new(g, 8, 10_000.0, 4).unwrap();
     let mut x = g.zeros::<f32>(12).unwrap();
     let mut rec = g.recorder();
     let err = rope::execute_rope_forward(
         &mut rec,
         &mut x,
-        &inv,
+        &table,
         1,
         Positions {
             seq_len: 1,
@@ -111,6 +110,23 @@ fn bad_shapes_name_kernel_and_buffer() {
         err.to_string(),
         "kernel `rope`, binding `x`: expected a whole number of rows of 8 (heads × head_dim = 1 × 8), given 12 elements"
     );
+    // Positions past the table, and an odd head dimension.
+    let mut x = g.zeros::<f32>(16).unwrap();
+    let at = Positions {
+        seq_len: 2,
+        offset: 3,
+    };
+    let err = rope::execute_rope_forward(&mut rec, &mut x, &table, 1, at).unwrap_err();
+    assert!(
+        err.to_string().contains("positions up to 4") && err.to_string().contains("below 4"),
+        "{err}"
+    );
+    let err = RopeTable::new(g, 5, 10_000.0, 4).err().unwrap().to_string();
+    assert!(
+        err.contains("head_dim = 5") && err.contains("even"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded on an error");
 }
 
 /// Each kernel's WGSL at a small key (its first line), the snapshot named by the key.

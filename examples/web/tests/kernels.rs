@@ -12,7 +12,7 @@ use hesper_kernels::linear;
 use hesper_kernels::lora::{self, LoraBackward};
 use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs};
 use hesper_kernels::optim::{self, AdamW, Clip, Step};
-use hesper_kernels::rope::{self, Positions};
+use hesper_kernels::rope::{self, Positions, RopeTable};
 use hesper_kernels::testing::{Rng, assert_close, f64s};
 use hesper_kernels::{ffn, norm};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
@@ -574,19 +574,12 @@ async fn decode_attention_backward_matches_reference() {
             .iter()
             .map(|v| *v as f32)
             .collect();
-        let inv = rope::inverse_frequencies(hd, 10_000.0);
+        let table = RopeTable::new(&g, hd, 10_000.0, shape.max_seq).unwrap();
         let cache_len = k_cache.len();
         let (dk0, dv0) = (rng.vec(cache_len, 1.0), rng.vec(cache_len, 1.0));
 
         let up = |v: &[f32]| g.upload(v).unwrap();
-        let (qb, ab, dob, kb, vb, ib) = (
-            up(&q),
-            up(&a),
-            up(&d_out),
-            up(&k_cache),
-            up(&v_cache),
-            up(&inv),
-        );
+        let (qb, ab, dob, kb, vb) = (up(&q), up(&a), up(&d_out), up(&k_cache), up(&v_cache));
         let mut d_attn = g.filled(h * len, f32::NAN).unwrap();
         let mut d_scores = g.filled(h * len, f32::NAN).unwrap();
         let mut d_q = g.filled(h * hd, f32::NAN).unwrap();
@@ -598,7 +591,7 @@ async fn decode_attention_backward_matches_reference() {
             d_out: &dob,
             k_cache: &kb,
             v_cache: &vb,
-            inv_freq: &ib,
+            rope: &table,
         };
         let grads = DecodeGrads {
             d_attn: &mut d_attn,
@@ -622,7 +615,7 @@ async fn decode_attention_backward_matches_reference() {
             &zero_nan(&v_cache),
             &f64s(&d_out),
         );
-        let want_dq = rope::reference::rope(&want_dq, &inv, h, 1, shape.pos, true);
+        let want_dq = rope::reference::rope(&want_dq, (hd, 10_000.0), h, 1, shape.pos, true);
         let what = format!("{shape:?}");
         assert_close(
             &format!("dQ {what}"),
@@ -744,12 +737,12 @@ async fn rope_matches_reference() {
         (1, 4, 128, 1, 300),
         (10, 1, 6, 10, 0),
         (3, 2, 64, 1, 8000),
+        (4, 1, 16, 2, 1500),
     ];
     for (seed, (t, heads, hd, seq_len, offset)) in cases.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 3);
         let x = rng.vec(t * heads * hd, 1.0);
-        let inv = rope::inverse_frequencies(hd, 10_000.0);
-        let ib = g.upload(&inv).unwrap();
+        let table = RopeTable::new(&g, hd, 10_000.0, offset + seq_len).unwrap();
         let pos = Positions {
             seq_len: seq_len as u32,
             offset: offset as u32,
@@ -757,13 +750,13 @@ async fn rope_matches_reference() {
         for backward in [false, true] {
             let mut xb = g.upload(&x).unwrap();
             let mut rec = g.recorder();
-            rope::execute_rope(&mut rec, &mut xb, &ib, heads, pos, backward).unwrap();
+            rope::execute_rope(&mut rec, &mut xb, &table, heads, pos, backward).unwrap();
             rec.submit().unwrap();
-            let want = rope::reference::rope(&f64s(&x), &inv, heads, seq_len, offset, backward);
-            // The angle is formed in f32: |θ|·6e-8 absolute error, θ up to the last position.
-            let atol = 1e-6 + (offset + seq_len) as f64 * 1.2e-7;
-            let what = format!("rope T={t} heads={heads} hd={hd} backward={backward}");
-            assert_close(&what, &read(&g, &xb).await, &want, 1e-6, atol);
+            let rope_of = (hd, 10_000.0);
+            let want = rope::reference::rope(&f64s(&x), rope_of, heads, seq_len, offset, backward);
+            let what =
+                format!("rope T={t} heads={heads} hd={hd} offset={offset} backward={backward}");
+            assert_close(&what, &read(&g, &xb).await, &want, 1e-6, 1e-6);
         }
     }
 }

@@ -24,7 +24,7 @@
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use crate::rope::{self, Positions};
+use crate::rope::{self, Positions, RopeTable};
 use crate::{expect_len, expect_rows, expect_u32};
 
 const WG: u32 = 256;
@@ -369,8 +369,8 @@ pub struct DecodeInputs<'a> {
     pub d_out: &'a GpuBuffer<f32>,
     pub k_cache: &'a GpuBuffer<f32>,
     pub v_cache: &'a GpuBuffer<f32>,
-    /// RoPE's `base^(−2i/hd)`, `[hd/2]`.
-    pub inv_freq: &'a GpuBuffer<f32>,
+    /// The model's RoPE rotations (its head dimension, positions up to `pos` at least).
+    pub rope: &'a RopeTable,
 }
 
 /// [`DecodeShape`] in the kernels' `u32`s.
@@ -704,12 +704,6 @@ pub fn execute_decode_attention_backward(
             cache,
             "[kv_heads, max_seq, head_dim]",
         ),
-        (
-            "inv_freq",
-            inputs.inv_freq,
-            shape.head_dim / 2,
-            "head_dim / 2",
-        ),
         ("d_attn", &*grads.d_attn, scores, "[heads, pos + 1]"),
         ("d_scores", &*grads.d_scores, scores, "[heads, pos + 1]"),
         ("d_q", &*grads.d_q, per_head, "[heads, head_dim]"),
@@ -728,14 +722,23 @@ pub fn execute_decode_attention_backward(
     ] {
         expect_len(name, binding, buf, len, what)?;
     }
-    execute_apply_backward(rec, shape, inputs.d_out, inputs.v_cache, grads.d_attn)?;
-    execute_softmax_backward(rec, inputs.attn, grads.d_attn, shape.len(), grads.d_scores)?;
-    execute_score_backward_q(rec, shape, grads.d_scores, inputs.k_cache, grads.d_q)?;
+    if inputs.rope.head_dim() != shape.head_dim {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "rope".into(),
+            expected: format!("a RoPE table of head_dim {}", shape.head_dim),
+            given: format!("one of head_dim {}", inputs.rope.head_dim()),
+        });
+    }
     let at = Positions {
         seq_len: 1,
         offset: expect_u32(name, "pos", shape.pos)?,
     };
-    rope::execute_rope_backward(rec, grads.d_q, inputs.inv_freq, shape.heads, at)?;
+    inputs.rope.check(name, 1, at)?;
+    execute_apply_backward(rec, shape, inputs.d_out, inputs.v_cache, grads.d_attn)?;
+    execute_softmax_backward(rec, inputs.attn, grads.d_attn, shape.len(), grads.d_scores)?;
+    execute_score_backward_q(rec, shape, grads.d_scores, inputs.k_cache, grads.d_q)?;
+    rope::execute_rope_backward(rec, grads.d_q, inputs.rope, shape.heads, at)?;
     execute_cache_backward(
         rec,
         shape,

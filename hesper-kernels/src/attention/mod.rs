@@ -1,7 +1,7 @@
 //! Attention (KERNELS.md "Attention"): over whole sequences for training ([`sequence`]: the
 //! flash-style causal forward and backward, GQA, padded batches) and for one decoded token
 //! ([`decode`]: the KV cache, its forward for generation and its backward), with their f64
-//! [`reference`]s.
+//! [references](mod@reference).
 
 pub mod decode;
 pub mod reference;
