@@ -1078,6 +1078,12 @@ impl KernelBuilder {
         let init = init.into_expr().node;
         let cond = cond(&c).node;
         let step = step.into_expr().node;
+        if leaves_unchanged(step_op, &step) {
+            self.error(ErrorKind::EndlessLoop {
+                counter: hint.to_string(),
+                step: format!("{}= {}", step_op.wgsl(), literal_text(&step)),
+            });
+        }
         self.loop_depth += 1;
         let body = self.scoped(|k| body(k, c));
         self.loop_depth -= 1;
@@ -1220,7 +1226,9 @@ impl KernelBuilder {
     /// A `// comment` line in the emitted WGSL.
     #[track_caller]
     pub fn comment(&mut self, text: &str) {
-        for line in text.lines() {
+        // Every WGSL line break, not only Rust's `lines()`: text after a U+2028 would be code.
+        let text = text.strip_suffix('\n').unwrap_or(text);
+        for line in text.split(crate::wgsl::is_line_break) {
             self.push(Stmt::Comment(line.to_string()));
         }
     }
@@ -1248,5 +1256,29 @@ impl Found {
             helpers: helpers.into_iter().collect(),
             uses_f16,
         }
+    }
+}
+
+/// Whether `c op= step` leaves a loop counter as it was, for a literal `step` (`+= 0`, `-= 0`,
+/// `*= 1`, `/= 1`, a shift by 0): such a loop never ends.
+fn leaves_unchanged(op: BinaryOp, step: &Node) -> bool {
+    let value = match step.kind {
+        ExprKind::Literal(crate::Literal::U32(v)) => v as i64,
+        ExprKind::Literal(crate::Literal::I32(v)) => v as i64,
+        _ => return false,
+    };
+    match op {
+        BinaryOp::Add | BinaryOp::Sub | BinaryOp::Shl | BinaryOp::Shr => value == 0,
+        BinaryOp::Mul | BinaryOp::Div => value == 1,
+        _ => false,
+    }
+}
+
+/// A literal step as the author wrote it, for the error.
+fn literal_text(step: &Node) -> String {
+    match step.kind {
+        ExprKind::Literal(crate::Literal::U32(v)) => v.to_string(),
+        ExprKind::Literal(crate::Literal::I32(v)) => v.to_string(),
+        _ => "?".into(),
     }
 }

@@ -110,6 +110,8 @@ pub enum ErrorKind {
     WorkgroupSize { size: [u32; 3], limit: String },
     /// Runtime scalars passed as immediates over the device's immediate size.
     ImmediateSize { used: u32, limit: u32 },
+    /// A loop whose literal step leaves its counter unchanged (`+= 0`, `*= 1`, a shift by 0).
+    EndlessLoop { counter: String, step: String },
     /// naga rejected the emitted WGSL. This is a hesper bug: the builder should have caught the
     /// misuse first. The WGSL is kept for the report.
     Naga { message: String, wgsl: String },
@@ -161,6 +163,10 @@ impl fmt::Display for DslError {
                 "`{name}` is used outside the scope that declares it (or comes from another kernel)"
             ),
             ErrorKind::NotInLoop { statement } => write!(f, "`{statement}` outside a loop"),
+            ErrorKind::EndlessLoop { counter, step } => write!(
+                f,
+                "the loop over `{counter}` never ends: its step `{counter} {step}` leaves the counter unchanged"
+            ),
             ErrorKind::NonUniformBarrier { op, scope, because } => write!(
                 f,
                 "`{op}` may be reached by only some invocations of the {scope}: {because}. \

@@ -128,7 +128,7 @@ impl Writer<'_> {
 
     fn module(&mut self) {
         let k = self.kernel;
-        self.line(&format!("// {}", k.key));
+        self.line(&format!("// {}", one_line(&k.key.to_string())));
         if k.uses_f16 {
             self.line("enable f16;");
         }
@@ -506,6 +506,23 @@ fn bf16_pack(lo: f32, hi: f32) -> u32 {
         _ => unreachable!("only helpers are collected"),
     }
 }
+
+/// Whether `c` ends a line in WGSL (its line breaks: LF, VT, FF, CR, NEL, LS, PS). Text that
+/// reaches a `//` comment must hold none, or what follows one would be code.
+pub(crate) fn is_line_break(c: char) -> bool {
+    matches!(
+        c,
+        '\n' | '\u{0B}' | '\u{0C}' | '\r' | '\u{85}' | '\u{2028}' | '\u{2029}'
+    )
+}
+
+/// `text` with every WGSL line break made a space: safe after `//`.
+pub(crate) fn one_line(text: &str) -> String {
+    text.chars()
+        .map(|c| if is_line_break(c) { ' ' } else { c })
+        .collect()
+}
+
 
 #[cfg(test)]
 mod tests {

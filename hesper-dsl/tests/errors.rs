@@ -411,3 +411,61 @@ fn a_non_uniform_barrier_says_where_which_operation_and_why() {
         "{why}"
     );
 }
+
+/// A loop whose literal step leaves its counter unchanged never ends (a hang on the GPU, with
+/// the device lost after the driver's timeout): refused where it is written.
+#[test]
+fn loops_that_never_end_are_refused() {
+    let err = build_err(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        k.for_step("i", 0u32, 8u32, 0u32, |k, i| k.store(&y, i, 1.0f32));
+    });
+    assert_eq!(
+        without_place(&err),
+        "kernel `misuse`: the loop over `i` never ends: its step `i += 0` leaves the counter unchanged"
+    );
+    let err = build_err(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        k.for_loop(
+            "s",
+            64u32,
+            |s| s.gt(0u32),
+            BinaryOp::Shr,
+            0u32,
+            |k, s| k.store(&y, s, 1.0f32),
+        );
+    });
+    assert!(without_place(&err).contains("its step `s >>= 0`"), "{err}");
+    // A step that moves the counter builds.
+    Kernel::build(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        k.for_loop("s", 64u32, |s| s.gt(0u32), BinaryOp::Shr, 1u32, |k, s| {
+            k.store(&y, s, 1.0f32)
+        });
+    })
+    .unwrap();
+}
+
+/// Text reaches WGSL only inside comments: every WGSL line break in a comment or a kernel name
+/// (LF, CR, VT, FF, NEL, U+2028, U+2029) starts a new comment line, never code.
+#[test]
+fn comments_and_names_cannot_become_code() {
+    for brk in ['\n', '\r', '\u{0B}', '\u{0C}', '\u{85}', '\u{2028}', '\u{2029}'] {
+        let name = format!("evil{brk}y[0] = 42.0f;");
+        let key = KernelKey::new(name).workgroup_size(64);
+        let kernel = Kernel::build(&key, |k| {
+            let y = k.storage_rw::<f32>("y");
+            k.comment(&format!("note{brk}y[0] = 42.0f;"));
+            k.store(&y, 0u32, 1.0f32);
+        })
+        .unwrap_or_else(|e| panic!("break {brk:?}: {e}"));
+        for line in kernel.wgsl().split(|c: char| {
+            matches!(c, '\n' | '\r' | '\u{0B}' | '\u{0C}' | '\u{85}' | '\u{2028}' | '\u{2029}')
+        }) {
+            assert!(
+                !line.contains("42.0f") || line.trim_start().starts_with("//"),
+                "break {brk:?} put code in the WGSL: {line:?}"
+            );
+        }
+    }
+}
