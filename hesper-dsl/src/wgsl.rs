@@ -523,7 +523,6 @@ pub(crate) fn one_line(text: &str) -> String {
         .collect()
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

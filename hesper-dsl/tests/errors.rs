@@ -439,9 +439,14 @@ fn loops_that_never_end_are_refused() {
     // A step that moves the counter builds.
     Kernel::build(&key(), |k| {
         let y = k.storage_rw::<f32>("y");
-        k.for_loop("s", 64u32, |s| s.gt(0u32), BinaryOp::Shr, 1u32, |k, s| {
-            k.store(&y, s, 1.0f32)
-        });
+        k.for_loop(
+            "s",
+            64u32,
+            |s| s.gt(0u32),
+            BinaryOp::Shr,
+            1u32,
+            |k, s| k.store(&y, s, 1.0f32),
+        );
     })
     .unwrap();
 }
@@ -450,7 +455,9 @@ fn loops_that_never_end_are_refused() {
 /// (LF, CR, VT, FF, NEL, U+2028, U+2029) starts a new comment line, never code.
 #[test]
 fn comments_and_names_cannot_become_code() {
-    for brk in ['\n', '\r', '\u{0B}', '\u{0C}', '\u{85}', '\u{2028}', '\u{2029}'] {
+    for brk in [
+        '\n', '\r', '\u{0B}', '\u{0C}', '\u{85}', '\u{2028}', '\u{2029}',
+    ] {
         let name = format!("evil{brk}y[0] = 42.0f;");
         let key = KernelKey::new(name).workgroup_size(64);
         let kernel = Kernel::build(&key, |k| {
@@ -460,7 +467,10 @@ fn comments_and_names_cannot_become_code() {
         })
         .unwrap_or_else(|e| panic!("break {brk:?}: {e}"));
         for line in kernel.wgsl().split(|c: char| {
-            matches!(c, '\n' | '\r' | '\u{0B}' | '\u{0C}' | '\u{85}' | '\u{2028}' | '\u{2029}')
+            matches!(
+                c,
+                '\n' | '\r' | '\u{0B}' | '\u{0C}' | '\u{85}' | '\u{2028}' | '\u{2029}'
+            )
         }) {
             assert!(
                 !line.contains("42.0f") || line.trim_start().starts_with("//"),

@@ -120,16 +120,19 @@ fn adamw_body(k: &mut KernelBuilder) {
     let weight_decay = k.param::<f32>("weight_decay");
     let bias_correction1 = k.param::<f32>("bias_correction1");
     let bias_correction2 = k.param::<f32>("bias_correction2");
+    let mut live = k.global_index().lt(&n4);
     let clip_coef = clip.then(|| {
         let grad_norm = k.storage::<f32>("grad_norm");
         let max_norm = k.param::<f32>("max_norm");
-        k.let_(
-            "clip_coef",
-            (max_norm / (grad_norm.at(0u32) + 1e-6f32)).min(1.0f32),
-        )
+        let norm = k.let_("norm", grad_norm.at(0u32));
+        // A NaN or infinite norm (a gradient that is not finite) skips the step: θ, m and v keep
+        // their values. Tested on the bits: drivers may fold `x != x` away.
+        let finite = (norm.bitcast::<u32>() & 0x7f80_0000u32).ne(0x7f80_0000u32);
+        live = live.clone().and(finite);
+        k.let_("clip_coef", (max_norm / (norm + 1e-6f32)).min(1.0f32))
     });
     let i = k.global_index();
-    k.if_(i.lt(&n4), |k| {
+    k.if_(live, |k| {
         let g = match clip_coef {
             Some(c) => grad.at(&i) * c,
             None => grad.at(&i),
@@ -200,9 +203,14 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
-/// `(1 − β1^t, 1 − β2^t)`, formed in f64. An error for t = 0 or a β outside [0, 1), where a
-/// correction is 0 or negative.
-fn bias_corrections(opt: &AdamW, t: u32) -> Result<(f32, f32), ExecError> {
+/// `(1 − β1^t, 1 − β2^t)`, formed in f64, once the step's values are checked: an error for
+/// t = 0 or a β outside [0, 1) (a correction 0 or negative), and for an ε, decay, learning
+/// rate or `max_norm` that is not finite or out of range.
+fn checked_bias_corrections(
+    opt: &AdamW,
+    (t, lr): (u32, f32),
+    max_norm: Option<f32>,
+) -> Result<(f32, f32), ExecError> {
     let err = |param: &str, expected: &str, given: String| ExecError::Param {
         kernel: "adamw".into(),
         param: param.into(),
@@ -217,12 +225,37 @@ fn bias_corrections(opt: &AdamW, t: u32) -> Result<(f32, f32), ExecError> {
             return Err(err(param, "a value in [0, 1)", beta.to_string()));
         }
     }
+    let finite_at_least = |param: &str, value: f64, low: f64, strict: bool| {
+        let ok = value.is_finite() && if strict { value > low } else { value >= low };
+        if ok {
+            Ok(())
+        } else {
+            let bound = if strict { "above" } else { "at least" };
+            Err(err(
+                param,
+                &format!("a finite number {bound} {low}"),
+                value.to_string(),
+            ))
+        }
+    };
+    // ε = 0 divides 0 by 0 where a gradient and its moments are 0; a negative decay grows θ.
+    finite_at_least("eps", opt.eps, 0.0, true)?;
+    finite_at_least("weight_decay", opt.weight_decay, 0.0, false)?;
+    finite_at_least("lr", lr as f64, 0.0, false)?;
+    if let Some(max_norm) = max_norm {
+        // A negative max_norm would reverse the update (gradient ascent).
+        finite_at_least("max_norm", max_norm as f64, 0.0, true)?;
+    }
     let correction = |beta: f64| (1.0 - beta.powf(t as f64)) as f32;
     Ok((correction(opt.beta1), correction(opt.beta2)))
 }
 
 /// One AdamW step on one tensor: updates `theta`, `m` and `v` in place from `grad` (all of one
 /// length; `m` and `v` start at zero).
+///
+/// A gradient that is not finite: with [`Clip::GlobalNorm`], its norm is not finite either and
+/// the step leaves `theta`, `m` and `v` as they were (the step is skipped; read the norm to know
+/// it was). Without clipping, NaN or ∞ reaches `m`, `v` and `theta` — check the gradients first.
 pub fn execute_adamw(
     rec: &mut Recorder<'_>,
     opt: &AdamW,
@@ -240,7 +273,12 @@ pub fn execute_adamw(
     if let Clip::GlobalNorm { norm, .. } = step.clip {
         expect_len(name, "grad_norm", norm, 1, "the global gradient norm")?;
     }
-    let (bias_correction1, bias_correction2) = bias_corrections(opt, step.t)?;
+    let max_norm = match step.clip {
+        Clip::GlobalNorm { max_norm, .. } => Some(max_norm),
+        Clip::None => None,
+    };
+    let (bias_correction1, bias_correction2) =
+        checked_bias_corrections(opt, (step.t, step.lr), max_norm)?;
     if n == 0 {
         return Ok(());
     }

@@ -496,3 +496,115 @@ fn wgsl_snapshots() {
         insta::assert_snapshot!(name, k.wgsl());
     }
 }
+
+/// Hyper-parameters that would break the update are errors, before anything is recorded: a
+/// negative `max_norm` (gradient ascent), NaN anywhere, ε = 0 (0/0 at a zero gradient), a
+/// negative decay or learning rate.
+#[test]
+fn hyperparameters_that_break_the_update_are_errors() {
+    let g = gpu();
+    let z = || g.zeros::<f32>(8).unwrap();
+    let (mut theta, grad, mut m, mut v, norm) = (z(), z(), z(), g.zeros::<f32>(8).unwrap(), {
+        g.upload(&[1.0f32]).unwrap()
+    });
+    let step = Step {
+        lr: 1e-3,
+        t: 1,
+        clip: Clip::None,
+    };
+    let clip = |max_norm: f32| Step {
+        clip: Clip::GlobalNorm {
+            norm: &norm,
+            max_norm,
+        },
+        ..step
+    };
+    let cases: Vec<(AdamW, Step<'_>, &str)> = vec![
+        (
+            OPT,
+            clip(-1.0),
+            "`max_norm`: expected a finite number above 0, given -1",
+        ),
+        (
+            OPT,
+            clip(f32::NAN),
+            "`max_norm`: expected a finite number above 0, given NaN",
+        ),
+        (
+            OPT,
+            Step {
+                lr: f32::NAN,
+                ..step
+            },
+            "`lr`: expected a finite number at least 0, given NaN",
+        ),
+        (
+            OPT,
+            Step { lr: -1e-3, ..step },
+            "`lr`: expected a finite number at least 0",
+        ),
+        (
+            AdamW { eps: 0.0, ..OPT },
+            step,
+            "`eps`: expected a finite number above 0, given 0",
+        ),
+        (
+            AdamW {
+                weight_decay: -0.1,
+                ..OPT
+            },
+            step,
+            "`weight_decay`: expected a finite number at least 0",
+        ),
+        (
+            AdamW {
+                beta2: f64::NAN,
+                ..OPT
+            },
+            step,
+            "`beta2`: expected a value in [0, 1), given NaN",
+        ),
+    ];
+    let mut rec = g.recorder();
+    for (opt, step, want) in cases {
+        let err = optim::execute_adamw(&mut rec, &opt, &step, &mut theta, &grad, &mut m, &mut v)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(want), "{err}\n  wanted: {want}");
+    }
+    assert!(rec.is_empty(), "nothing recorded on an error");
+}
+
+/// A clipped step whose gradient norm is NaN or infinite leaves θ, m and v as they were (the
+/// trainer's guard against a bad batch); the same step with a finite norm moves them.
+#[test]
+fn a_step_with_a_non_finite_norm_is_skipped() {
+    let g = gpu();
+    let mut rng = Rng::new(31);
+    let n = 1000;
+    let (theta0, m0, grad) = (rng.vec(n, 1.0), rng.vec(n, 0.1), rng.vec(n, 1.0));
+    let v0: Vec<f32> = rng.vec(n, 0.1).iter().map(|x| x * x).collect();
+    for (norm, moves) in [(f32::NAN, false), (f32::INFINITY, false), (3.0, true)] {
+        let (mut theta, mut m, mut v) = (
+            g.upload(&theta0).unwrap(),
+            g.upload(&m0).unwrap(),
+            g.upload(&v0).unwrap(),
+        );
+        let (gb, nb) = (g.upload(&grad).unwrap(), g.upload(&[norm]).unwrap());
+        let step = Step {
+            lr: 1e-2,
+            t: 3,
+            clip: Clip::GlobalNorm {
+                norm: &nb,
+                max_norm: 1.0,
+            },
+        };
+        let mut rec = g.recorder();
+        optim::execute_adamw(&mut rec, &OPT, &step, &mut theta, &gb, &mut m, &mut v).unwrap();
+        rec.submit().unwrap();
+        let unchanged = theta.read(g).unwrap() == theta0
+            && m.read(g).unwrap() == m0
+            && v.read(g).unwrap() == v0;
+        assert_eq!(unchanged, !moves, "norm {norm}: moved = {}", !unchanged);
+    }
+}
