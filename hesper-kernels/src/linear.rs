@@ -846,14 +846,25 @@ pub fn pack_ternary(values: &[i8]) -> Result<Vec<u32>, ExecError> {
     Ok(words)
 }
 
-/// The first `len` ternary weights of `packed` (the inverse of [`pack_ternary`]).
-pub fn unpack_ternary(packed: &[u32], len: usize) -> Vec<i8> {
-    (0..len)
+/// The first `len` ternary weights of `packed` (the inverse of [`pack_ternary`]); an error when
+/// `packed` holds fewer than `len`.
+pub fn unpack_ternary(packed: &[u32], len: usize) -> Result<Vec<i8>, ExecError> {
+    if len.div_ceil(TERNARY_PER_WORD) > packed.len() {
+        return Err(ExecError::Buffer {
+            buffer: "ternary weights".into(),
+            message: format!(
+                "{len} weights asked for, {} words hold at most {}",
+                packed.len(),
+                packed.len() * TERNARY_PER_WORD
+            ),
+        });
+    }
+    Ok((0..len)
         .map(|i| {
             let code = (packed[i / TERNARY_PER_WORD] >> (2 * (i % TERNARY_PER_WORD))) & 0b11;
             (code & 1) as i8 - (code >> 1) as i8
         })
-        .collect()
+        .collect())
 }
 
 /// f64 references: the plain sums of KERNELS.md's products.

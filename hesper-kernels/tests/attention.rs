@@ -448,3 +448,35 @@ fn wgsl_snapshots() {
         insta::assert_snapshot!(name, k.wgsl());
     }
 }
+
+/// Shapes whose element counts overflow are errors, not a panic (debug) or a wrapped length
+/// (release).
+#[test]
+fn shapes_that_overflow_are_errors() {
+    let g = gpu();
+    let b = g.zeros::<f32>(8).unwrap();
+    let mut out = g.zeros::<f32>(8).unwrap();
+    let mut rec = g.recorder();
+    for shape in [
+        DecodeShape {
+            heads: 1 << 62,
+            kv_heads: 1 << 61,
+            head_dim: 8,
+            max_seq: 4,
+            pos: 1,
+        },
+        DecodeShape {
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 1 << 40,
+            max_seq: 1 << 40,
+            pos: 1,
+        },
+    ] {
+        let err = attention::execute_apply_backward(&mut rec, shape, &b, &b, &mut out)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("must fit the kernels' u32 indices"), "{err}");
+    }
+    assert!(rec.is_empty());
+}

@@ -351,3 +351,23 @@ fn bad_shapes_are_errors() {
         "{err}"
     );
 }
+
+#[test]
+fn shapes_that_overflow_are_errors() {
+    let g = gpu();
+    let b = g.zeros::<f32>(8).unwrap();
+    let (mut o, mut lse) = (g.zeros::<f32>(8).unwrap(), g.zeros::<f32>(8).unwrap());
+    let inputs = SeqInputs {
+        q: &b,
+        k: &b,
+        v: &b,
+        lens: None,
+    };
+    let mut rec = g.recorder();
+    let shape = SeqShape::new(1 << 40, 1 << 30, 4, 2, 8);
+    let err = attention::execute_attention_forward(&mut rec, shape, inputs, &mut o, &mut lse)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("must fit the kernels' u32 indices"), "{err}");
+    assert!(rec.is_empty());
+}

@@ -276,7 +276,11 @@ fn ternary_packing_round_trips() {
         let t = random_ternary(&mut rng, len);
         let packed = linear::pack_ternary(&t).unwrap();
         assert_eq!(packed.len(), len.div_ceil(16));
-        assert_eq!(linear::unpack_ternary(&packed, len), t, "length {len}");
+        assert_eq!(
+            linear::unpack_ternary(&packed, len).unwrap(),
+            t,
+            "length {len}"
+        );
     }
     let all: Vec<i8> = random_ternary(&mut rng, 64);
     assert!([-1, 0, 1].iter().all(|v| all.contains(v)));
@@ -286,6 +290,12 @@ fn ternary_packing_round_trips() {
         "buffer `ternary weights`: element 3 is 2, not -1, 0 or +1"
     );
     assert!(linear::pack_ternary(&[-2]).is_err());
+    // More weights than the words hold: an error, not an index out of bounds.
+    let err = linear::unpack_ternary(&[0], 17).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "buffer `ternary weights`: 17 weights asked for, 1 words hold at most 16"
+    );
 }
 
 /// No rows: nothing to do. No depth: an empty sum, so zero (or nothing added).

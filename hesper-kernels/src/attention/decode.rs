@@ -342,6 +342,21 @@ impl DecodeShape {
         if self.head_dim == 0 || self.pos >= self.max_seq {
             return Err(bad("head_dim must be positive and pos < max_seq".into()));
         }
+        // Every element count the kernels index (`[H, hd]`, `[KV, max_seq, hd]`, `[H, L]`).
+        let product = |dims: &[usize]| dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d));
+        let counts = [
+            product(&[self.heads, self.head_dim]),
+            product(&[self.kv_heads, self.max_seq, self.head_dim]),
+            product(&[self.heads, self.len()]),
+        ];
+        if counts
+            .iter()
+            .any(|n| n.is_none_or(|n| n > u32::MAX as usize))
+        {
+            return Err(bad(
+                "the buffers' element counts must fit the kernels' u32 indices".into(),
+            ));
+        }
         Ok(())
     }
 

@@ -158,12 +158,17 @@ impl SeqShape {
                 "the scale must be finite",
             );
         }
-        for (what, n) in [
-            ("tokens", self.q_len().max(self.kv_len())),
-            ("batch", self.batch),
-            ("seq_len", self.seq_len),
-        ] {
-            expect_u32(kernel, what, n)?;
+        // Checked before any length is formed: `q_len` and `kv_len` may not overflow after.
+        let product = |dims: &[usize]| dims.iter().try_fold(1usize, |n, d| n.checked_mul(*d));
+        let q = product(&[self.batch, self.seq_len, self.heads, self.head_dim]);
+        if q.is_none_or(|n| n > u32::MAX as usize) {
+            return bad(
+                format!(
+                    "batch·seq_len·heads·head_dim = {}·{}·{}·{}",
+                    self.batch, self.seq_len, self.heads, self.head_dim
+                ),
+                "the element count must fit the kernels' u32 indices",
+            );
         }
         if self.batch > 65535 || self.heads > 65535 {
             return bad(
