@@ -105,6 +105,31 @@ pub(crate) enum Stmt {
     Comment(String),
 }
 
+impl Stmt {
+    /// The statement's own expressions (not those of the blocks it holds).
+    fn expressions(&self) -> Vec<&Node> {
+        match self {
+            Stmt::Let { value, .. } => vec![value],
+            Stmt::Var { init, .. } => init.iter().collect(),
+            Stmt::Assign { target, value, .. } => vec![target, value],
+            Stmt::If { cond, .. } | Stmt::While { cond, .. } => vec![cond],
+            Stmt::For {
+                init, cond, step, ..
+            } => vec![init, cond, step],
+            Stmt::Loop { .. }
+            | Stmt::Break
+            | Stmt::Continue
+            | Stmt::Return
+            | Stmt::WorkgroupBarrier
+            | Stmt::StorageBarrier
+            | Stmt::Comment(_) => vec![],
+        }
+    }
+}
+
+/// The deepest nesting of blocks (`if`, loops) a kernel may have.
+pub const MAX_NESTING: u32 = 48;
+
 static NEXT_KERNEL: AtomicU32 = AtomicU32::new(1);
 
 /// Builds one kernel. Get one from [`Kernel::build`] (or [`KernelBuilder::new`] and
@@ -794,6 +819,18 @@ impl KernelBuilder {
 
     #[track_caller]
     fn push(&mut self, stmt: Stmt) {
+        let depth = stmt
+            .expressions()
+            .iter()
+            .map(|n| n.depth)
+            .max()
+            .unwrap_or(0);
+        if depth > crate::expr::MAX_EXPRESSION_DEPTH {
+            self.error(ErrorKind::ExpressionTooDeep {
+                depth,
+                limit: crate::expr::MAX_EXPRESSION_DEPTH,
+            });
+        }
         let at = self.origin();
         self.scopes
             .last_mut()
@@ -813,7 +850,13 @@ impl KernelBuilder {
         (body, value)
     }
 
+    #[track_caller]
     fn scoped(&mut self, f: impl FnOnce(&mut Self)) -> Block {
+        // The root scope and each function body's count too: blocks nested past the limit
+        // would recurse that deep in every pass (and naga has its own, lower, limits).
+        if self.scopes.len() as u32 == MAX_NESTING + 1 {
+            self.error(ErrorKind::NestingTooDeep { limit: MAX_NESTING });
+        }
         self.scopes.push(vec![]);
         f(self);
         self.scopes.pop().expect("pushed just above")

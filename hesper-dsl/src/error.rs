@@ -110,6 +110,10 @@ pub enum ErrorKind {
     WorkgroupSize { size: [u32; 3], limit: String },
     /// Runtime scalars passed as immediates over the device's immediate size.
     ImmediateSize { used: u32, limit: u32 },
+    /// An expression tree deeper than [`crate::MAX_EXPRESSION_DEPTH`] in one statement.
+    ExpressionTooDeep { depth: u32, limit: u32 },
+    /// Blocks (`if`, loops) nested deeper than [`crate::MAX_NESTING`].
+    NestingTooDeep { limit: u32 },
     /// A loop whose literal step leaves its counter unchanged (`+= 0`, `*= 1`, a shift by 0).
     EndlessLoop { counter: String, step: String },
     /// naga rejected the emitted WGSL. This is a hesper bug: the builder should have caught the
@@ -163,6 +167,14 @@ impl fmt::Display for DslError {
                 "`{name}` is used outside the scope that declares it (or comes from another kernel)"
             ),
             ErrorKind::NotInLoop { statement } => write!(f, "`{statement}` outside a loop"),
+            ErrorKind::ExpressionTooDeep { depth, limit } => write!(
+                f,
+                "an expression {depth} operations deep, more than the {limit} a statement may hold: \
+                 bind parts of it with `let_` (a sum of many terms: accumulate into a `var`)"
+            ),
+            ErrorKind::NestingTooDeep { limit } => {
+                write!(f, "blocks (`if`, loops) nested more than {limit} deep")
+            }
             ErrorKind::EndlessLoop { counter, step } => write!(
                 f,
                 "the loop over `{counter}` never ends: its step `{counter} {step}` leaves the counter unchanged"

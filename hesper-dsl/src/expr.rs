@@ -21,6 +21,67 @@ pub(crate) type Node = Arc<ExprNode>;
 pub struct ExprNode {
     pub kind: ExprKind,
     pub ty: Ty,
+    /// Nodes on the longest path down from here (a leaf is 1). The builder refuses statements
+    /// whose expressions are deeper than [`MAX_EXPRESSION_DEPTH`]: the passes over a tree
+    /// recurse.
+    pub(crate) depth: u32,
+}
+
+/// The deepest expression tree a statement may hold; bind parts with `let_` to go further.
+/// Every pass over the IR (checks, constant evaluation, emission) recurses down a tree, and in
+/// a debug build a level costs kilobytes of stack: 128 levels stay far inside the 2 MiB of a
+/// test thread.
+pub const MAX_EXPRESSION_DEPTH: u32 = 128;
+
+impl ExprKind {
+    /// The node's operands.
+    fn children(&self) -> Vec<&Node> {
+        match self {
+            ExprKind::Literal(_)
+            | ExprKind::Local(_)
+            | ExprKind::Global(_)
+            | ExprKind::Const(_)
+            | ExprKind::Builtin(_)
+            | ExprKind::Param(_)
+            | ExprKind::ArrayLength(_)
+            | ExprKind::Error(_) => vec![],
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => vec![a],
+            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => vec![a, b],
+            ExprKind::Select(a, b, c) => vec![a, b, c],
+            ExprKind::Call(_, args)
+            | ExprKind::Construct(args)
+            | ExprKind::CallFunction(_, args) => args.iter().collect(),
+        }
+    }
+
+    /// Moves the node's operands out (leaving it a leaf), for [`ExprNode`]'s drop.
+    fn take_children(&mut self, into: &mut Vec<Node>) {
+        match std::mem::replace(self, ExprKind::Error(String::new())) {
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => into.push(a),
+            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => into.extend([a, b]),
+            ExprKind::Select(a, b, c) => into.extend([a, b, c]),
+            ExprKind::Call(_, args)
+            | ExprKind::Construct(args)
+            | ExprKind::CallFunction(_, args) => into.extend(args),
+            _ => {}
+        }
+    }
+}
+
+/// Dropped by a loop, not by recursion: a tree of a hundred thousand nested sums (which the
+/// builder refuses, but which the author's code may still build and drop) must not overflow
+/// the stack.
+impl Drop for ExprNode {
+    fn drop(&mut self) {
+        let mut pending = Vec::new();
+        self.kind.take_children(&mut pending);
+        while let Some(child) = pending.pop() {
+            // Only the last holder of a node takes its operands; shared ones just lose a count.
+            if let Ok(mut node) = Arc::try_unwrap(child) {
+                node.kind.take_children(&mut pending);
+            }
+        }
+    }
 }
 
 /// A local value (`let`, `var`, loop counter) or workgroup array of one kernel, named when the
@@ -312,7 +373,8 @@ pub enum ExprKind {
 }
 
 pub(crate) fn node(kind: ExprKind, ty: Ty) -> Node {
-    Arc::new(ExprNode { kind, ty })
+    let depth = 1 + kind.children().iter().map(|c| c.depth).max().unwrap_or(0);
+    Arc::new(ExprNode { kind, ty, depth })
 }
 
 fn error_node(msg: String, ty: Ty) -> Node {

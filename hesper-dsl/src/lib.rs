@@ -149,13 +149,14 @@ pub mod validate;
 mod wgsl;
 
 pub use builder::{
-    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, ParamType, ReadBuffer, RwBuffer,
-    ShapeType, Var, WorkgroupArray, Writable,
+    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, MAX_NESTING, ParamType,
+    ReadBuffer, RwBuffer, ShapeType, Var, WorkgroupArray, Writable,
 };
 pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind, Origin};
 pub use expr::{
-    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, UnaryOp, VarId, bf16, lit, select, vec2, vec3, vec4,
+    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, MAX_EXPRESSION_DEPTH, UnaryOp, VarId, bf16, lit,
+    select, vec2, vec3, vec4,
 };
 pub use function::{FnArgs, Function};
 pub use hesper_dsl_macros::{kernel, kernel_fn};

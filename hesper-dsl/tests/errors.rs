@@ -2,7 +2,9 @@
 //! WGSL (a naga rejection would be `ErrorKind::Naga`, which none of these may be).
 
 use hesper_dsl::prelude::*;
-use hesper_dsl::{AnyExpr, ErrorKind, Literal, Scalar};
+use hesper_dsl::{
+    AnyExpr, ErrorKind, Literal, MAX_EXPRESSION_DEPTH, MAX_NESTING, RwBuffer, Scalar,
+};
 
 fn build_err(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> hesper_dsl::DslError {
     let err = Kernel::build(key, f).expect_err("the kernel must not build");
@@ -478,4 +480,74 @@ fn comments_and_names_cannot_become_code() {
             );
         }
     }
+}
+
+/// A sum of ten thousand terms (an unrolled loop written as one expression) is an error naming
+/// its depth — not a stack overflow that aborts the process — on a thread with the 2 MiB stack
+/// of a test; and a tree of a hundred thousand is dropped without one.
+#[test]
+fn deep_expressions_are_errors_not_stack_overflows() {
+    let run = || {
+        let err = build_err(&key(), |k| {
+            let x = k.storage::<f32>("x");
+            let y = k.storage_rw::<f32>("y");
+            let mut sum = x.at(0u32);
+            for i in 1..10_000u32 {
+                sum = sum + x.at(i);
+            }
+            k.store(&y, 0u32, sum);
+        });
+        assert!(
+            without_place(&err).contains("an expression 10001 operations deep, more than the 128"),
+            "{err}"
+        );
+        let mut deep: Expr<f32> = lit(1.0f32);
+        for _ in 0..100_000 {
+            deep = deep * 1.5f32;
+        }
+        drop(deep);
+        // At the limit it builds.
+        Kernel::build(&key(), |k| {
+            let x = k.storage::<f32>("x");
+            let y = k.storage_rw::<f32>("y");
+            let mut sum = x.at(0u32);
+            for i in 1..(MAX_EXPRESSION_DEPTH - 1) / 2 {
+                sum = sum + x.at(i);
+            }
+            k.store(&y, 0u32, sum);
+        })
+        .unwrap();
+    };
+    std::thread::Builder::new()
+        .stack_size(2 << 20)
+        .spawn(run)
+        .unwrap()
+        .join()
+        .unwrap();
+}
+
+/// `if`s nested past the limit are an error naming it, not "naga rejected … (a hesper bug)".
+#[test]
+fn nesting_too_deep_is_an_error() {
+    fn nest(k: &mut KernelBuilder, y: &RwBuffer<f32>, depth: u32) {
+        if depth == 0 {
+            k.store(y, 0u32, 1.0f32);
+        } else {
+            let i = k.local_index();
+            k.if_(i.lt(depth), |k| nest(k, y, depth - 1));
+        }
+    }
+    let err = build_err(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        nest(k, &y, 200);
+    });
+    assert!(
+        without_place(&err).contains("nested more than 48 deep"),
+        "{err}"
+    );
+    Kernel::build(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        nest(k, &y, MAX_NESTING);
+    })
+    .unwrap();
 }
