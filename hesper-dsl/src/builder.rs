@@ -499,6 +499,22 @@ impl KernelBuilder {
         if let Some((kind, at)) = self.errors.first() {
             return Err(DslError::new(&name, kind.clone()).at(Some(*at)));
         }
+        // A shape value becomes a WGSL constant: NaN and ±∞ have no literal.
+        for (shape, value) in self.key.shape_params() {
+            if let crate::ShapeValue::F32Bits(bits) = value {
+                let v = f32::from_bits(*bits);
+                if !v.is_finite() {
+                    return Err(DslError::new(
+                        &name,
+                        ErrorKind::TypeMismatch {
+                            item: format!("shape value `{shape}`"),
+                            expected: "a finite f32 (it becomes a WGSL constant)".into(),
+                            found: v.to_string(),
+                        },
+                    ));
+                }
+            }
+        }
         debug_assert_eq!(self.scopes.len(), 1, "scopes are balanced by construction");
         let body = self.scopes.pop().unwrap_or_default();
         let found = check::check(&self, &body).map_err(|e| e.into_error(&name))?;

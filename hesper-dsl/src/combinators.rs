@@ -230,7 +230,8 @@ impl KernelBuilder {
         let lid = self.local_index();
         self.store(&scratch, &lid, value);
         self.workgroup_barrier();
-        let top = wg.next_power_of_two() / 2;
+        // Checked: a size past 2³¹ has no next power of two in u32 (the limits refuse it later).
+        let top = wg.checked_next_power_of_two().map_or(1 << 31, |p| p / 2);
         let pow2 = wg.is_power_of_two();
         if top > 0 {
             self.for_loop(

@@ -191,7 +191,10 @@ impl KernelKey {
     }
     /// Invocations per workgroup.
     pub fn invocations(&self) -> u32 {
-        self.workgroup_size.iter().product()
+        // Saturating: a size past u32 is refused by the limits, not a panic.
+        self.workgroup_size
+            .iter()
+            .fold(1u32, |n, d| n.saturating_mul(*d))
     }
     /// Whether the kernel may be compiled without bounds checks ([`KernelKey::assume_in_bounds`]).
     pub fn assumes_in_bounds(&self) -> bool {
@@ -353,7 +356,9 @@ impl Kernel {
 
 pub(crate) fn workgroup_bytes(vars: &[WorkgroupVar]) -> u32 {
     // Each variable starts at its own alignment; 16 covers every type we emit.
-    vars.iter().map(|v| v.ty.size().div_ceil(16) * 16).sum()
+    vars.iter().fold(0u32, |total, v| {
+        total.saturating_add(v.ty.size().div_ceil(16).saturating_mul(16))
+    })
 }
 
 fn check_limits(k: &Kernel, limits: &Limits) -> Result<(), crate::DslError> {

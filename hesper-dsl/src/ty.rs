@@ -112,7 +112,8 @@ impl Ty {
         match self {
             Ty::Scalar(s) => s.size(),
             Ty::Vector(n, s) => *n as u32 * s.size(),
-            Ty::Array(e, n) => e.stride() * n,
+            // Saturating: an array past 4 GiB is refused by the memory limits, not a panic.
+            Ty::Array(e, n) => e.stride().saturating_mul(*n),
         }
     }
 

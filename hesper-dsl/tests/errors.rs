@@ -551,3 +551,51 @@ fn nesting_too_deep_is_an_error() {
     })
     .unwrap();
 }
+
+/// Sizes past u32 and shape values WGSL cannot spell are errors, not panics or "naga rejected".
+#[test]
+fn sizes_past_u32_and_non_finite_shapes_are_errors() {
+    let err = Kernel::build(
+        &KernelKey::new("huge").workgroup_size_3d([65536, 65536, 1]),
+        |k| {
+            let y = k.storage_rw::<f32>("y");
+            k.store(&y, 0u32, 1.0f32);
+        },
+    )
+    .unwrap_err();
+    assert!(matches!(err.kind, ErrorKind::WorkgroupSize { .. }), "{err}");
+    let err = Kernel::build(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        let tile = k.workgroup_array::<Vec4<f32>>("tile", 1 << 30);
+        k.store(&tile, 0u32, Expr::<Vec4<f32>>::splat(1.0f32));
+        k.store(&y, 0u32, tile.at(0u32).x());
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err.kind, ErrorKind::WorkgroupMemory { .. }),
+        "{err}"
+    );
+    let err = Kernel::build(&KernelKey::new("reduce").workgroup_size(u32::MAX), |k| {
+        let y = k.storage_rw::<f32>("y");
+        let total = k.workgroup_reduce(1.0f32, Reduce::Sum);
+        k.store(&y, 0u32, total);
+    })
+    .unwrap_err();
+    assert!(!matches!(err.kind, ErrorKind::Naga { .. }), "{err}");
+    for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+        let key = KernelKey::new("scaled")
+            .workgroup_size(64)
+            .shape("tau", bad);
+        let err = Kernel::build(&key, |k| {
+            let tau = k.shape_const::<f32>("tau");
+            let y = k.storage_rw::<f32>("y");
+            k.store(&y, 0u32, tau);
+        })
+        .unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("shape value `tau`: expected a finite f32"),
+            "{err}"
+        );
+    }
+}
