@@ -130,6 +130,13 @@ impl Stmt {
 /// The deepest nesting of blocks (`if`, loops) a kernel may have.
 pub const MAX_NESTING: u32 = 48;
 
+/// The largest private (`var`) array an invocation may hold.
+pub const MAX_LOCAL_ARRAY_BYTES: u32 = 16 * 1024;
+
+/// The most statements a kernel may have: naga's validation grows quadratically with them
+/// (10 000 took 2.8 s, 100 000 took 164 s); unrolled code past this wants a loop.
+pub const MAX_STATEMENTS: u32 = 20_000;
+
 static NEXT_KERNEL: AtomicU32 = AtomicU32::new(1);
 
 /// Builds one kernel. Get one from [`Kernel::build`] (or [`KernelBuilder::new`] and
@@ -141,6 +148,8 @@ pub struct KernelBuilder {
     pub(crate) params: Vec<Param>,
     pub(crate) locals: Vec<LocalInfo>,
     scopes: Vec<Block>,
+    /// Statements recorded so far (against [`MAX_STATEMENTS`]).
+    statements: u32,
     loop_depth: u32,
     /// Inside a function body being built (where builtins and bare `return` are not allowed).
     in_function: bool,
@@ -410,6 +419,7 @@ impl KernelBuilder {
             params: vec![],
             locals: vec![],
             scopes: vec![vec![]],
+            statements: 0,
             loop_depth: 0,
             in_function: false,
             functions: vec![],
@@ -835,6 +845,12 @@ impl KernelBuilder {
 
     #[track_caller]
     fn push(&mut self, stmt: Stmt) {
+        self.statements += 1;
+        if self.statements == MAX_STATEMENTS + 1 {
+            self.error(ErrorKind::TooManyStatements {
+                limit: MAX_STATEMENTS,
+            });
+        }
         let depth = stmt
             .expressions()
             .iter()
@@ -951,6 +967,18 @@ impl KernelBuilder {
                 item: format!("local array `{hint}`"),
                 expected: "at least one element".into(),
                 found: "0".into(),
+            });
+        }
+        let bytes = T::ty().stride().saturating_mul(len);
+        if bytes > MAX_LOCAL_ARRAY_BYTES {
+            // Every invocation holds its own copy: 64 Ki f32 took the driver minutes to compile,
+            // 64 Mi exhausted the host's memory.
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("local array `{hint}`"),
+                expected: format!(
+                    "at most {MAX_LOCAL_ARRAY_BYTES} bytes per invocation (use workgroup or storage memory)"
+                ),
+                found: format!("{len} elements, {bytes} bytes"),
             });
         }
         self.push(Stmt::Var { id, init: None });

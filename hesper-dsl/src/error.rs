@@ -114,6 +114,8 @@ pub enum ErrorKind {
     ExpressionTooDeep { depth: u32, limit: u32 },
     /// Blocks (`if`, loops) nested deeper than [`crate::MAX_NESTING`].
     NestingTooDeep { limit: u32 },
+    /// More statements than [`crate::MAX_STATEMENTS`].
+    TooManyStatements { limit: u32 },
     /// A loop whose literal step leaves its counter unchanged (`+= 0`, `*= 1`, a shift by 0).
     EndlessLoop { counter: String, step: String },
     /// naga rejected the emitted WGSL. This is a hesper bug: the builder should have caught the
@@ -171,6 +173,11 @@ impl fmt::Display for DslError {
                 f,
                 "an expression {depth} operations deep, more than the {limit} a statement may hold: \
                  bind parts of it with `let_` (a sum of many terms: accumulate into a `var`)"
+            ),
+            ErrorKind::TooManyStatements { limit } => write!(
+                f,
+                "more than {limit} statements (naga's validation time grows with their square): \
+                 write long unrolled code as a loop"
             ),
             ErrorKind::NestingTooDeep { limit } => {
                 write!(f, "blocks (`if`, loops) nested more than {limit} deep")

@@ -149,8 +149,9 @@ pub mod validate;
 mod wgsl;
 
 pub use builder::{
-    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, MAX_NESTING, ParamType,
-    ReadBuffer, RwBuffer, ShapeType, Var, WorkgroupArray, Writable,
+    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, MAX_LOCAL_ARRAY_BYTES,
+    MAX_NESTING, MAX_STATEMENTS, ParamType, ReadBuffer, RwBuffer, ShapeType, Var, WorkgroupArray,
+    Writable,
 };
 pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind, Origin};

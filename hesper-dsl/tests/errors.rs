@@ -3,7 +3,7 @@
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{
-    AnyExpr, ErrorKind, Literal, MAX_EXPRESSION_DEPTH, MAX_NESTING, RwBuffer, Scalar,
+    AnyExpr, ErrorKind, Literal, LocalArray, MAX_EXPRESSION_DEPTH, MAX_NESTING, RwBuffer, Scalar,
 };
 
 fn build_err(key: &KernelKey, f: impl FnOnce(&mut KernelBuilder)) -> hesper_dsl::DslError {
@@ -598,4 +598,30 @@ fn sizes_past_u32_and_non_finite_shapes_are_errors() {
             "{err}"
         );
     }
+}
+
+/// Builds that would take minutes or exhaust memory are refused at once: a private array of
+/// 64 Ki f32, 100 000 unrolled statements.
+#[test]
+fn unbounded_builds_are_refused() {
+    let started = std::time::Instant::now();
+    let err = build_err(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        let big: LocalArray<f32> = k.var_array("big", 65536);
+        k.store(&big, 0u32, 1.0f32);
+        k.store(&y, 0u32, big.at(0u32));
+    });
+    assert!(
+        without_place(&err).contains("local array `big`: expected at most 16384 bytes"),
+        "{err}"
+    );
+    let err = build_err(&key(), |k| {
+        let y = k.storage_rw::<f32>("y");
+        k.unroll(0..100_000, |k, i| k.store(&y, i, 1.0f32));
+    });
+    assert!(
+        without_place(&err).contains("more than 20000 statements"),
+        "{err}"
+    );
+    assert!(started.elapsed().as_secs() < 20, "refused quickly");
 }
