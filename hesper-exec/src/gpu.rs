@@ -394,6 +394,19 @@ impl Gpu {
         &self.info
     }
 
+    /// The most loop iterations one invocation may run here, on a device known to cut them off
+    /// silently: Mesa's llvmpipe (lavapipe) ends an invocation's loops after 65 535 iterations in
+    /// all, nested loops counted together (BENCHMARKS.md), and the kernel then returns wrong
+    /// numbers. `None` where no such limit is known. Kernels whose per-invocation loop counts
+    /// grow with a runtime size refuse the sizes past it.
+    pub fn max_loop_iterations(&self) -> Option<u64> {
+        self.info
+            .name
+            .to_lowercase()
+            .contains("llvmpipe")
+            .then_some(65_535)
+    }
+
     /// A one-line description: `llvmpipe (LLVM 15.0.6, 256 bits) (Vulkan, Mesa 22.3.6)`.
     /// A browser names neither: `a BrowserWebGpu adapter`.
     pub fn describe(&self) -> String {

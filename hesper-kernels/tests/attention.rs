@@ -480,3 +480,40 @@ fn shapes_that_overflow_are_errors() {
     }
     assert!(rec.is_empty());
 }
+
+/// On a device that cuts loops off (lavapipe: 65 535 iterations an invocation), a decode past
+/// that many cached positions is an error, not silently wrong numbers.
+#[test]
+fn decode_past_the_device_loop_limit_is_an_error() {
+    let g = gpu();
+    let Some(max) = g.max_loop_iterations() else {
+        println!("skipped: {} has no known loop limit", g.describe());
+        return;
+    };
+    let shape = DecodeShape {
+        heads: 1,
+        kv_heads: 1,
+        head_dim: 4,
+        max_seq: max as usize + 2,
+        pos: max as usize,
+    };
+    let cache = g.zeros::<f32>(shape.max_seq * 4).unwrap();
+    let q = g.zeros::<f32>(4).unwrap();
+    let (mut attn, mut o) = (
+        g.zeros::<f32>(shape.pos + 1).unwrap(),
+        g.zeros::<f32>(4).unwrap(),
+    );
+    let mut rec = g.recorder();
+    let err = attention::execute_decode_attention(
+        &mut rec,
+        shape,
+        &q,
+        (&cache, &cache),
+        &mut attn,
+        &mut o,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("stops loops after 65535 iterations"), "{err}");
+    assert!(rec.is_empty());
+}

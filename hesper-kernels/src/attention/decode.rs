@@ -360,6 +360,22 @@ impl DecodeShape {
         Ok(())
     }
 
+    /// `Ok` when one invocation's loop over the `pos + 1` cached positions fits the device
+    /// ([`Gpu::max_loop_iterations`](hesper_exec::Gpu::max_loop_iterations)).
+    fn check_loop(&self, kernel: &str, gpu: &hesper_exec::Gpu) -> Result<(), ExecError> {
+        match gpu.max_loop_iterations() {
+            Some(max) if self.len() as u64 > max => Err(ExecError::Dispatch {
+                kernel: kernel.into(),
+                what: format!("pos = {} ({} cached positions)", self.pos, self.len()),
+                why: format!(
+                    "an invocation loops over every cached position, and {} stops loops after {max} iterations",
+                    gpu.describe()
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     /// The shape checked and as the kernels take it (`u32`s).
     fn dims(&self, kernel: &str) -> Result<DecodeDims, ExecError> {
         self.check(kernel)?;
@@ -477,6 +493,7 @@ pub fn execute_score_backward_q(
 ) -> Result<(), ExecError> {
     let name = score_backward_q::NAME;
     shape.check(name)?;
+    shape.check_loop(name, rec.gpu())?;
     expect_len(
         name,
         "d_scores",
@@ -648,6 +665,7 @@ pub fn execute_decode_attention(
 ) -> Result<(), ExecError> {
     let name = "decode_attention";
     shape.check(name)?;
+    shape.check_loop(name, rec.gpu())?;
     if shape.head_dim > DECODE_WG as usize {
         return Err(ExecError::Dispatch {
             kernel: name.into(),
@@ -701,6 +719,7 @@ pub fn execute_decode_attention_backward(
     // in the caller's recorder.
     let name = "decode_attention_backward";
     shape.check(name)?;
+    shape.check_loop(name, rec.gpu())?;
     let (scores, per_head) = (shape.heads * shape.len(), shape.heads * shape.head_dim);
     let cache = shape.kv_heads * shape.max_seq * shape.head_dim;
     for (binding, buf, len, what) in [
