@@ -1,0 +1,3 @@
+//! The model: its configuration ([`config`]).
+
+pub mod config;
