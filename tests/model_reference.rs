@@ -193,12 +193,12 @@ impl Case {
 }
 
 /// The tiny model of each family, LoRA on all seven projections with a scale ≠ 1 (rank 1 for
-/// Qwen2, rsLoRA for Qwen3), random non-zero adapters, two sequences (one short) with masked targets: every
-/// element of every `A`, `B` and of `d_x0` against finite differences. Catches, among others,
-/// an overwritten residual gradient (d_x0), dK/dV missing for earlier positions or the LoRA-V
-/// gradient fed the attention output's gradient cut to the KV width (A_v, B_v, A_k with GQA),
-/// dQ used after RoPE and Qwen3's QK-norm without inverting them (A_q, B_q, A_k at positions
-/// > 0), a forgotten LoRA scale, and an RMSNorm backward with another ε.
+/// Qwen2, rsLoRA for Qwen3), random non-zero adapters, two sequences (one short) with masked
+/// targets: every element of every `A`, `B` and of `d_x0` against finite differences. Catches,
+/// among others, an overwritten residual gradient (d_x0), dK/dV missing for earlier positions
+/// or the LoRA-V gradient fed the attention output's gradient cut to the KV width (A_v, B_v,
+/// A_k with GQA), dQ used after RoPE and Qwen3's QK-norm without inverting them (A_q, B_q, A_k
+/// at positions > 0), a forgotten LoRA scale, and an RMSNorm backward with another ε.
 fn gradients_match_finite_differences(family: Family, lora: LoraConfig) {
     let config = tiny(family);
     let batch = random_batch(&config, 3, 6, &[6, 4]);

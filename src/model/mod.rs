@@ -1,4 +1,5 @@
-//! The model: its configuration ([`config`]) and its f64 reference on the CPU ([`reference`]).
+//! The model: its configuration ([`config`]) and its f64 reference on the CPU
+//! ([`reference`](mod@reference)).
 //!
 //! The reference is the proof of the GPU training step: the step's loss, its LoRA gradients
 //! and its gradient at the embedding output are compared with [`reference::loss_and_grads`] on
