@@ -474,7 +474,7 @@ fn rotate(
 mod tests {
     use super::*;
     use hesper_kernels::attention::{SeqShape, reference as attention};
-    use hesper_kernels::rope::{inverse_frequencies, reference as rope};
+    use hesper_kernels::rope::reference as rope;
     use hesper_kernels::testing::{Rng, f64s};
 
     fn max_diff(a: &[f64], b: &[f64]) -> f64 {
@@ -519,17 +519,15 @@ mod tests {
         }
     }
 
-    /// The tape's RoPE is the kernel library's split-half reference (whose frequencies are
-    /// f32, hence the tolerance), and its backward undoes it.
+    /// The tape's RoPE is the kernel library's split-half reference, and its backward undoes it.
     #[test]
     fn rope_is_the_kernel_reference_and_its_backward_the_inverse() {
         let (heads, head_dim, seq_len, base) = (3, 8, 6, 10_000.0);
         let x = f64s(&Rng::new(2).vec(2 * seq_len * heads * head_dim, 1.0));
         let width = heads * head_dim;
         let y = rotate(&x, width, (head_dim, seq_len, base), 1.0);
-        let inv_freq = inverse_frequencies(head_dim, base);
-        let want = rope::rope(&x, &inv_freq, heads, seq_len, 0, false);
-        assert!(max_diff(&y, &want) < 1e-6);
+        let want = rope::rope(&x, (head_dim, base), heads, seq_len, 0, false);
+        assert!(max_diff(&y, &want) < 1e-12);
         let back = rotate(&y, width, (head_dim, seq_len, base), -1.0);
         assert!(max_diff(&back, &x) < 1e-14);
     }
