@@ -307,7 +307,7 @@ fn let_offset(k: &mut KernelBuilder, hint: &str, e: &Expr<u32>, c: u32) -> Expr<
 }
 
 /// Component `q` of `v`.
-fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
+pub(crate) fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
     match q {
         0 => v.x(),
         1 => v.y(),

@@ -65,6 +65,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
+use crate::linear::lane;
 use crate::{expect_len, expect_u32};
 
 /// Scores of excluded keys take part in no maximum: a finite stand-in for `−∞` (no `inf - inf`).
@@ -575,16 +576,6 @@ fn pipelined(
     });
 }
 
-/// Component `q` of `v`.
-fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
-    match q {
-        0 => v.x(),
-        1 => v.y(),
-        2 => v.z(),
-        _ => v.w(),
-    }
-}
-
 /// Vec4s in each half of the staging area: a score step's two operand slices, or a product
 /// step's rows.
 fn stage_half(d: &Dims) -> u32 {
@@ -1077,14 +1068,45 @@ fn store_by_keys(
     }
 }
 
+/// What both backward kernels read, declared first (the binding order of both).
+struct BackwardReads {
+    q: ReadBuffer<f32>,
+    k: ReadBuffer<f32>,
+    v: ReadBuffer<f32>,
+    d_out: ReadBuffer<f32>,
+    stats: ReadBuffer<f32>,
+}
+
+fn backward_reads(k: &mut KernelBuilder) -> BackwardReads {
+    BackwardReads {
+        q: k.storage("q"),
+        k: k.storage("k"),
+        v: k.storage("v"),
+        d_out: k.storage("d_out"),
+        stats: k.storage("stats"),
+    }
+}
+
+/// The backward kernels' workgroup memory: the staging area and the block's `P` or `dS` tile.
+fn backward_memory(
+    k: &mut KernelBuilder,
+    dims: &Dims,
+) -> (WorkgroupArray<Vec4<f32>>, WorkgroupArray<Vec4<f32>>) {
+    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(dims));
+    let tile = k.workgroup_array::<Vec4<f32>>("tile", dims.block * dims.block / 4);
+    (stage, tile)
+}
+
 /// The backward to `K` and `V` of one block of keys of one KV head: over the `G` query heads
 /// reading it and the query blocks at or after it, `dV += Pᵀ·dO`, `dK += τ·dSᵀ·Q`.
 fn key_grads_body(k: &mut KernelBuilder) {
-    let q = k.storage::<f32>("q");
-    let kb = k.storage::<f32>("k");
-    let v = k.storage::<f32>("v");
-    let d_out = k.storage::<f32>("d_out");
-    let stats = k.storage::<f32>("stats");
+    let BackwardReads {
+        q,
+        k: kb,
+        v,
+        d_out,
+        stats,
+    } = backward_reads(k);
     let d_k = k.storage_rw::<Vec4<f32>>("d_k");
     let d_v = k.storage_rw::<Vec4<f32>>("d_v");
     let tau = k.param::<f32>("scale");
@@ -1097,8 +1119,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
         block,
         ..
     } = p.dims;
-    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
-    let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
+    let (stage, tile) = backward_memory(k, &p.dims);
     let dk = accumulator(k, &p, "dk_acc");
     let dv = accumulator(k, &p, "dv_acc");
     // The workgroup's head is the KV head; its keys start at `origin`.
@@ -1157,11 +1178,13 @@ fn key_grads_body(k: &mut KernelBuilder) {
 /// The backward to `Q` of one block of query rows of one head: over the key blocks up to the
 /// block's last real row, `dQ += τ·dS·K`.
 fn query_grads_body(k: &mut KernelBuilder) {
-    let q = k.storage::<f32>("q");
-    let kb = k.storage::<f32>("k");
-    let v = k.storage::<f32>("v");
-    let d_out = k.storage::<f32>("d_out");
-    let stats = k.storage::<f32>("stats");
+    let BackwardReads {
+        q,
+        k: kb,
+        v,
+        d_out,
+        stats,
+    } = backward_reads(k);
     let d_q = k.storage_rw::<Vec4<f32>>("d_q");
     let tau = k.param::<f32>("scale");
     let p = place(k, true);
@@ -1173,8 +1196,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
         block,
         ..
     } = p.dims;
-    let stage = k.workgroup_array::<Vec4<f32>>("stage", 2 * stage_half(&p.dims));
-    let tile = k.workgroup_array::<Vec4<f32>>("tile", block * block / 4);
+    let (stage, tile) = backward_memory(k, &p.dims);
     let dq = accumulator(k, &p, "dq_acc");
     let kv = k.let_("kv", &p.head / group);
     let q_rows = rows_of(&q, hd, heads, &p.head);
