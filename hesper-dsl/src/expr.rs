@@ -34,8 +34,10 @@ pub struct ExprNode {
 pub const MAX_EXPRESSION_DEPTH: u32 = 128;
 
 impl ExprKind {
-    /// The node's operands.
-    fn children(&self) -> Vec<&Node> {
+    /// The depth of the deepest operand (0 for a leaf), without allocating: every node made
+    /// asks.
+    fn operand_depth(&self) -> u32 {
+        let deepest = |nodes: &[Node]| nodes.iter().map(|n| n.depth).max().unwrap_or(0);
         match self {
             ExprKind::Literal(_)
             | ExprKind::Local(_)
@@ -44,13 +46,13 @@ impl ExprKind {
             | ExprKind::Builtin(_)
             | ExprKind::Param(_)
             | ExprKind::ArrayLength(_)
-            | ExprKind::Error(_) => vec![],
-            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => vec![a],
-            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => vec![a, b],
-            ExprKind::Select(a, b, c) => vec![a, b, c],
+            | ExprKind::Error(_) => 0,
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => a.depth,
+            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => a.depth.max(b.depth),
+            ExprKind::Select(a, b, c) => a.depth.max(b.depth).max(c.depth),
             ExprKind::Call(_, args)
             | ExprKind::Construct(args)
-            | ExprKind::CallFunction(_, args) => args.iter().collect(),
+            | ExprKind::CallFunction(_, args) => deepest(args),
         }
     }
 
@@ -373,7 +375,7 @@ pub enum ExprKind {
 }
 
 pub(crate) fn node(kind: ExprKind, ty: Ty) -> Node {
-    let depth = 1 + kind.children().iter().map(|c| c.depth).max().unwrap_or(0);
+    let depth = 1 + kind.operand_depth();
     Arc::new(ExprNode { kind, ty, depth })
 }
 
