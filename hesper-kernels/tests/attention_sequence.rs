@@ -371,3 +371,45 @@ fn shapes_that_overflow_are_errors() {
     assert!(err.contains("must fit the kernels' u32 indices"), "{err}");
     assert!(rec.is_empty());
 }
+
+/// On a device that cuts loops off (lavapipe: 65 535 iterations an invocation), a backward whose
+/// dK/dV kernel would loop longer is an error before anything is recorded, not wrong numbers.
+#[test]
+fn a_backward_past_the_device_loop_limit_is_an_error() {
+    let g = gpu();
+    if g.max_loop_iterations().is_none() {
+        println!("skipped: {} has no known loop limit", g.describe());
+        return;
+    }
+    // 8 query heads per KV head over 40 000 positions: ~130 000 iterations in the dK/dV kernel.
+    let shape = SeqShape::new(1, 40_000, 8, 1, 128);
+    let b = g.zeros::<f32>(4).unwrap();
+    let (mut s, mut dq, mut dk, mut dv) = (
+        g.zeros::<f32>(4).unwrap(),
+        g.zeros::<f32>(4).unwrap(),
+        g.zeros::<f32>(4).unwrap(),
+        g.zeros::<f32>(4).unwrap(),
+    );
+    let saved = SeqSaved {
+        inputs: SeqInputs {
+            q: &b,
+            k: &b,
+            v: &b,
+            lens: None,
+        },
+        o: &b,
+        lse: &b,
+    };
+    let grads = SeqGrads {
+        stats: &mut s,
+        d_q: &mut dq,
+        d_k: &mut dk,
+        d_v: &mut dv,
+    };
+    let mut rec = g.recorder();
+    let err = attention::execute_attention_backward(&mut rec, shape, saved, &b, grads)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("stops loops after 65535 iterations"), "{err}");
+    assert!(rec.is_empty());
+}

@@ -1304,6 +1304,46 @@ impl SeqInputs<'_> {
     }
 }
 
+/// `Ok` when one invocation's loop iterations, all loops counted together, fit the device
+/// ([`Gpu::max_loop_iterations`]): lavapipe stops at 65 535, and the dK/dV kernel runs
+/// `G · S/block · (1 + 2·hd/bk + 2·block/vk)` of them (S ≈ 20 000 at G = 8, hd 128 there).
+fn check_loops(
+    kernel: &str,
+    shape: &SeqShape,
+    tile: SeqTile,
+    gpu: &Gpu,
+    backward: bool,
+) -> Result<(), ExecError> {
+    let Some(max) = gpu.max_loop_iterations() else {
+        return Ok(());
+    };
+    let blocks = shape.seq_len.div_ceil(tile.block as usize) as u64;
+    let score = (shape.head_dim as u64).div_ceil(tile.depth_step(shape.head_dim as u32) as u64);
+    let product = (tile.block / tile.vk) as u64;
+    let iterations = if backward {
+        (shape.group() as u64 * blocks * (1 + 2 * score + 2 * product))
+            .max(blocks * (1 + 2 * score + product))
+    } else {
+        blocks * (1 + score + product)
+    };
+    if iterations <= max {
+        return Ok(());
+    }
+    Err(ExecError::Dispatch {
+        kernel: kernel.into(),
+        what: format!(
+            "seq_len = {}, {} query heads per KV head, head_dim = {}",
+            shape.seq_len,
+            shape.group(),
+            shape.head_dim
+        ),
+        why: format!(
+            "an invocation would loop {iterations} times, and {} stops loops after {max} iterations",
+            gpu.describe()
+        ),
+    })
+}
+
 /// The workgroups of a sequence kernel: one per block of rows (or keys), head and sequence.
 fn grid(shape: &SeqShape, tile: SeqTile, heads: usize) -> Grid {
     let blocks = shape.seq_len.div_ceil(tile.block as usize);
@@ -1320,6 +1360,9 @@ pub fn execute_attention_forward(
     o: &mut GpuBuffer<f32>,
     lse: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
+    shape.check(FORWARD)?;
+    let tile = SeqTile::for_device(&rec.gpu().kernel_limits(), shape.head_dim);
+    check_loops(FORWARD, &shape, tile, rec.gpu(), false)?;
     inputs.check(FORWARD, &shape)?;
     expect_len(
         FORWARD,
@@ -1338,7 +1381,6 @@ pub fn execute_attention_forward(
     if shape.tokens() == 0 {
         return Ok(());
     }
-    let tile = SeqTile::for_device(&rec.gpu().kernel_limits(), shape.head_dim);
     let key = seq_key(FORWARD, &shape, tile, inputs.lens.is_some());
     let kernel = rec.gpu().kernel(&key, forward_body)?;
     let args = inputs
@@ -1377,6 +1419,9 @@ pub fn execute_attention_backward(
     grads: SeqGrads<'_>,
 ) -> Result<(), ExecError> {
     let name = "attention_backward";
+    shape.check(name)?;
+    let tile = SeqTile::for_device(&rec.gpu().kernel_limits(), shape.head_dim);
+    check_loops(name, &shape, tile, rec.gpu(), true)?;
     saved.inputs.check(name, &shape)?;
     let rows = shape.tokens() * shape.heads;
     let q_shape = "[batch·seq_len, heads·head_dim]";
@@ -1399,7 +1444,6 @@ pub fn execute_attention_backward(
     }
     let padded = saved.inputs.lens.is_some();
     let gpu = rec.gpu();
-    let tile = SeqTile::for_device(&gpu.kernel_limits(), shape.head_dim);
     let stats_kernel = gpu.kernel(&stats_key(&shape, padded), stats_body)?;
     let kv_kernel = gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?;
     let q_kernel = gpu.kernel(
