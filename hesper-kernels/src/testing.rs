@@ -235,6 +235,14 @@ pub fn f64s(x: &[f32]) -> Vec<f64> {
     x.iter().map(|v| *v as f64).collect()
 }
 
+/// f32 data widened for a reference, NaN read as 0: a buffer whose unused rows were poisoned
+/// (a KV cache past its cached positions), for a reference that never reads them.
+pub fn f64s_nan_as_zero(x: &[f32]) -> Vec<f64> {
+    x.iter()
+        .map(|v| if v.is_nan() { 0.0 } else { *v as f64 })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

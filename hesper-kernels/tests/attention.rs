@@ -5,7 +5,7 @@ use hesper_exec::Gpu;
 use hesper_kernels::attention::{self, DecodeGrads, DecodeInputs, DecodeShape, reference};
 use hesper_kernels::rope::{self, reference as rope_ref};
 use hesper_kernels::testing::{
-    Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
+    Rng, assert_close, check_gradient, f64s, f64s_nan_as_zero, gpu, gpu_without_subgroups,
 };
 
 #[test]
@@ -158,16 +158,11 @@ fn decode_attention_backward_matches_reference() {
         rec.submit().unwrap();
 
         // The reference takes the A the kernel was given (f32-rounded) through its own math.
-        let zero_nan = |v: &[f32]| -> Vec<f64> {
-            v.iter()
-                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
-                .collect()
-        };
         let (want_dq, want_dk, want_dv) = reference::decode_backward(
             &shape,
             &f64s(&q),
-            &zero_nan(&k_cache),
-            &zero_nan(&v_cache),
+            &f64s_nan_as_zero(&k_cache),
+            &f64s_nan_as_zero(&v_cache),
             &f64s(&d_out),
         );
         let want_dq = rope_ref::rope(&want_dq, (hd, 10_000.0), h, 1, shape.pos, true);
@@ -282,13 +277,8 @@ fn decode_attention_matches_reference() {
         attention::execute_decode_attention(&mut rec, shape, &qb, (&kb, &vb), &mut attn, &mut o)
             .unwrap();
         rec.submit().unwrap();
-        let zero_nan = |v: &[f32]| -> Vec<f64> {
-            v.iter()
-                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
-                .collect()
-        };
-        let want_a = reference::decode_probs(&shape, &f64s(&q), &zero_nan(&k_cache));
-        let want_o = reference::decode_out(&shape, &want_a, &zero_nan(&v_cache));
+        let want_a = reference::decode_probs(&shape, &f64s(&q), &f64s_nan_as_zero(&k_cache));
+        let want_o = reference::decode_out(&shape, &want_a, &f64s_nan_as_zero(&v_cache));
         let what = format!("{shape:?}");
         assert_close(
             &format!("A {what}"),

@@ -13,7 +13,7 @@ use hesper_kernels::lora::{self, LoraBackward};
 use hesper_kernels::loss::{self, IGNORE_INDEX, LossOutputs};
 use hesper_kernels::optim::{self, AdamW, Clip, Step};
 use hesper_kernels::rope::{self, Positions, RopeTable};
-use hesper_kernels::testing::{Rng, assert_close, f64s};
+use hesper_kernels::testing::{Rng, assert_close, f64s, f64s_nan_as_zero};
 use hesper_kernels::{ffn, norm};
 use wasm_bindgen_test::{wasm_bindgen_test, wasm_bindgen_test_configure};
 
@@ -602,17 +602,11 @@ async fn decode_attention_backward_matches_reference() {
         };
         attention::execute_decode_attention_backward(&mut rec, shape, &inputs, grads).unwrap();
         rec.submit().unwrap();
-
-        let zero_nan = |v: &[f32]| -> Vec<f64> {
-            v.iter()
-                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
-                .collect()
-        };
         let (want_dq, want_dk, want_dv) = attention::reference::decode_backward(
             &shape,
             &f64s(&q),
-            &zero_nan(&k_cache),
-            &zero_nan(&v_cache),
+            &f64s_nan_as_zero(&k_cache),
+            &f64s_nan_as_zero(&v_cache),
             &f64s(&d_out),
         );
         let want_dq = rope::reference::rope(&want_dq, (hd, 10_000.0), h, 1, shape.pos, true);
@@ -804,13 +798,9 @@ async fn decode_attention_forward_matches_reference() {
         attention::execute_decode_attention(&mut rec, shape, &qb, (&kb, &vb), &mut attn, &mut o)
             .unwrap();
         rec.submit().unwrap();
-        let zero_nan = |v: &[f32]| -> Vec<f64> {
-            v.iter()
-                .map(|x| if x.is_nan() { 0.0 } else { *x as f64 })
-                .collect()
-        };
-        let want_a = attention::reference::decode_probs(&shape, &f64s(&q), &zero_nan(&k_cache));
-        let want_o = attention::reference::decode_out(&shape, &want_a, &zero_nan(&v_cache));
+        let want_a =
+            attention::reference::decode_probs(&shape, &f64s(&q), &f64s_nan_as_zero(&k_cache));
+        let want_o = attention::reference::decode_out(&shape, &want_a, &f64s_nan_as_zero(&v_cache));
         let what = format!("{shape:?}");
         assert_close(
             &format!("A {what}"),
