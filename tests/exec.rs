@@ -1,5 +1,5 @@
-//! The executor on lavapipe: the pipeline cache, many launches to one submit, fill, copy and
-//! readback of every element, timing, and the driver-cache file.
+//! The executor on lavapipe: the pipeline cache, many launches to one submit, fill, copy (whole
+//! and of a range) and readback of every element, timing, and the driver-cache file.
 
 mod common;
 
@@ -150,6 +150,112 @@ fn fill_copy_and_readback_of_every_element() {
     assert_eq!(
         err,
         "kernel `hesper_copy`, binding `dst`: expected 3 elements, as src has, given 4 elements"
+    );
+}
+
+/// `copy_range` of `len` elements from `src_start` to `dst_start`, checked against the same
+/// copy on the host: the range holds `src`'s data, the rest of `dst` keeps its poison.
+fn check_copy_range<T: hesper::exec::Element + PartialEq + std::fmt::Debug>(
+    src: &[T],
+    dst_len: usize,
+    poison: T,
+    (src_start, dst_start, len): (usize, usize, usize),
+) {
+    let g = gpu();
+    let s = g.upload(src).unwrap();
+    let d = g.filled(dst_len, poison).unwrap();
+    let mut rec = g.recorder();
+    rec.copy_range(&s, src_start, &d, dst_start, len).unwrap();
+    assert_eq!(rec.len(), usize::from(len > 0), "launches for len {len}");
+    rec.submit().unwrap();
+    let mut want = vec![poison; dst_len];
+    want[dst_start..dst_start + len].copy_from_slice(&src[src_start..src_start + len]);
+    assert_eq!(
+        d.read(g).unwrap(),
+        want,
+        "{} src {} → dst {dst_len}: {src_start}, {dst_start}, {len}",
+        std::any::type_name::<T>(),
+        src.len()
+    );
+}
+
+#[test]
+fn copy_range_moves_only_its_range() {
+    let mut rng = Rng::new(21);
+    let words: Vec<u32> = (0..1001).map(|_| rng.next_u32()).collect();
+    // (src_start, dst_start, len): aligned and not, to either end, whole, empty.
+    for range in [
+        (0, 0, 1001),
+        (0, 0, 1),
+        (1, 3, 7),
+        (5, 0, 996),
+        (0, 1000, 1),
+        (333, 17, 555),
+        (1001, 0, 0),
+        (2, 2, 0),
+    ] {
+        check_copy_range(&words, 1001, 0xDEAD_BEEFu32, range);
+    }
+    check_copy_range(&words, 2000, 0xDEAD_BEEFu32, (0, 999, 1001));
+    let floats = rng.vec(70_001, 1.0);
+    // Past one workgroup's reach many times, at unaligned offsets.
+    check_copy_range(&floats, 70_003, f32::MAX, (3, 1, 69_997));
+    let pairs: Vec<[u32; 2]> = (0..37).map(|_| [rng.next_u32(), rng.next_u32()]).collect();
+    check_copy_range(&pairs, 40, [u32::MAX; 2], (3, 1, 33));
+    let vec4s: Vec<[f32; 4]> = (0..123)
+        .map(|_| {
+            [
+                rng.next_f32(),
+                rng.next_f32(),
+                rng.next_f32(),
+                rng.next_f32(),
+            ]
+        })
+        .collect();
+    for range in [(0, 0, 123), (1, 2, 5), (7, 0, 116), (122, 9, 1)] {
+        check_copy_range(&vec4s, 130, [-7.0f32; 4], range);
+    }
+}
+
+#[test]
+fn copy_range_refuses_ranges_past_the_end_and_one_buffer_for_both() {
+    let g = gpu();
+    let (a, b) = (g.zeros::<f32>(10).unwrap(), g.zeros::<f32>(6).unwrap());
+    let err = |src: &hesper::exec::GpuBuffer<f32>, s, dst, d, len| {
+        let mut rec = g.recorder();
+        let e = rec.copy_range(src, s, dst, d, len).unwrap_err().to_string();
+        assert!(rec.is_empty(), "{e}");
+        e
+    };
+    assert_eq!(
+        err(&a, 8, &b, 0, 3),
+        "kernel `hesper_copy_range`, binding `src`: expected room for 3 elements from element 8, \
+         given 10 elements"
+    );
+    assert_eq!(
+        err(&a, 0, &b, 4, 3),
+        "kernel `hesper_copy_range`, binding `dst`: expected room for 3 elements from element 4, \
+         given 6 elements"
+    );
+    assert_eq!(
+        err(&a, 11, &b, 0, 0),
+        "kernel `hesper_copy_range`, binding `src`: expected room for 0 elements from element 11, \
+         given 10 elements"
+    );
+    // An end past usize::MAX is an error, not a wrap.
+    assert_eq!(
+        err(&a, 1, &b, 0, usize::MAX),
+        format!(
+            "kernel `hesper_copy_range`, binding `src`: expected room for {} elements from \
+             element 1, given 10 elements",
+            usize::MAX
+        )
+    );
+    assert_eq!(
+        err(&a, 0, &a, 5, 5),
+        "kernel `hesper_copy_range`, binding `dst`: expected a buffer other than src (a storage \
+         buffer cannot be bound both read and read_write in one dispatch; copy through a second \
+         buffer), given src's buffer"
     );
 }
 

@@ -1,6 +1,6 @@
 //! `GpuBuffer<T>`: a typed, length-known storage buffer; upload, readback (through reused
-//! staging buffers), fill and device-to-device copy (compute kernels: `copy_buffer_to_buffer`
-//! measured 5× slower on the H200).
+//! staging buffers), fill and device-to-device copy, whole or of a range (compute kernels:
+//! `copy_buffer_to_buffer` measured 5× slower on the H200).
 
 use std::marker::PhantomData;
 use std::sync::Arc;
@@ -467,6 +467,56 @@ fn copy_kernel(gpu: &Gpu) -> Result<Arc<crate::CompiledKernel>, ExecError> {
     })
 }
 
+/// The range-copy kernel: `dst[dst_offset + i] = src[src_offset + i]` for `i < n`, over `u32`
+/// words, one invocation a word (a `u32` count is within `Grid::Threads`' 2³² invocations). The
+/// offsets and count are runtime, so every range shares one pipeline.
+fn copy_range_kernel(gpu: &Gpu) -> Result<Arc<crate::CompiledKernel>, ExecError> {
+    let key = KernelKey::new("hesper_copy_range")
+        .workgroup_size(executor_workgroup(gpu))
+        .features(gpu.kernel_features() & Features::IMMEDIATES);
+    gpu.kernel(&key, |k| {
+        let src = k.storage::<u32>("src");
+        let dst = k.storage_rw::<u32>("dst");
+        let src_offset = k.param::<u32>("src_offset");
+        let dst_offset = k.param::<u32>("dst_offset");
+        let n = k.param::<u32>("n");
+        let i = k.global_index();
+        k.if_(i.lt(&n), |k| {
+            k.store(&dst, &(&dst_offset + &i), src.at(&(&src_offset + &i)))
+        });
+    })
+}
+
+/// The `u32` words of elements `start..start + len` of `buf`, checked against its length and
+/// the kernel's `u32` indices; `binding` names the buffer in the error.
+fn word_range<T: Element>(
+    buf: &GpuBuffer<T>,
+    start: usize,
+    len: usize,
+    binding: &str,
+) -> Result<(u32, u32), ExecError> {
+    let err = |expected: String| ExecError::Binding {
+        kernel: "hesper_copy_range".into(),
+        binding: binding.into(),
+        expected,
+        given: format!("{} elements", buf.len()),
+    };
+    let end = start
+        .checked_add(len)
+        .filter(|end| *end <= buf.len())
+        .ok_or_else(|| err(format!("room for {len} elements from element {start}")))?;
+    let words = size_of::<T>() / 4;
+    // `end` is within the buffer, whose allocation is at most the device's binding size:
+    // these only fail where that passes 16 GiB.
+    let word = |x: usize| {
+        x.checked_mul(words)
+            .and_then(|w| u32::try_from(w).ok())
+            .ok_or_else(|| err(format!("a range below 2^32 words (ends at element {end})")))
+    };
+    word(end)?;
+    Ok((word(start)?, word(len)?))
+}
+
 impl Recorder<'_> {
     /// Record a fill of every element of `buf` with `value`.
     pub fn fill<T: Element>(&mut self, buf: &GpuBuffer<T>, value: T) -> Result<(), ExecError> {
@@ -505,6 +555,43 @@ impl Recorder<'_> {
             .raw("src", src, VEC4, n)
             .raw("dst", dst, VEC4, n)
             .param("n", n as u32);
+        self.launch(&kernel, &args, Grid::Threads(n as u64))
+    }
+
+    /// Record a copy of `len` elements of `src` starting at element `src_start` into `dst` at
+    /// `dst_start` (for moving rows between buffers of different shapes, such as one chunk of a
+    /// batch). Both ranges must lie inside their buffers, and `src` and `dst` must be different
+    /// buffers. `len` 0 records nothing.
+    pub fn copy_range<T: Element>(
+        &mut self,
+        src: &GpuBuffer<T>,
+        src_start: usize,
+        dst: &GpuBuffer<T>,
+        dst_start: usize,
+        len: usize,
+    ) -> Result<(), ExecError> {
+        if src.tracking.id == dst.tracking.id {
+            return Err(ExecError::Binding {
+                kernel: "hesper_copy_range".into(),
+                binding: "dst".into(),
+                expected: "a buffer other than src (a storage buffer cannot be bound both read \
+                           and read_write in one dispatch; copy through a second buffer)"
+                    .into(),
+                given: "src's buffer".into(),
+            });
+        }
+        let (src_offset, n) = word_range(src, src_start, len, "src")?;
+        let (dst_offset, _) = word_range(dst, dst_start, len, "dst")?;
+        if len == 0 {
+            return Ok(());
+        }
+        let kernel = copy_range_kernel(self.gpu())?;
+        let args = Args::new()
+            .raw("src", src, Ty::U32, 4 * src.vec4s())
+            .raw("dst", dst, Ty::U32, 4 * dst.vec4s())
+            .param("src_offset", src_offset)
+            .param("dst_offset", dst_offset)
+            .param("n", n);
         self.launch(&kernel, &args, Grid::Threads(n as u64))
     }
 }
