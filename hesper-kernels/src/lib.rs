@@ -10,6 +10,7 @@
 //! The math contract is `../shared/KERNELS.md`.
 
 pub mod attention;
+pub mod elementwise;
 pub mod ffn;
 pub mod linear;
 pub mod lora;
