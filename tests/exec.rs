@@ -259,6 +259,24 @@ fn copy_range_refuses_ranges_past_the_end_and_one_buffer_for_both() {
     );
 }
 
+/// A started readback holds the values of its start: work submitted after it (here a fill of
+/// the same buffer) is not in it, and the buffer is free for that work at once.
+#[test]
+fn a_started_readback_reads_the_buffer_as_it_was_then() {
+    let g = gpu();
+    let data: Vec<f32> = (0..1000).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let buf = g.upload(&data).unwrap();
+    let pending = buf.read_start(g).unwrap();
+    let mut rec = g.recorder();
+    rec.fill(&buf, f32::NAN).unwrap();
+    rec.submit().unwrap();
+    let later = buf.read_start(g).unwrap();
+    assert_eq!(pending.wait(g).unwrap(), data);
+    assert!(later.wait(g).unwrap().iter().all(|v| v.is_nan()));
+    let empty = g.zeros::<u32>(0).unwrap();
+    assert!(empty.read_start(g).unwrap().wait(g).unwrap().is_empty());
+}
+
 #[test]
 fn readbacks_reuse_staging_buffers() {
     let g = Gpu::new().unwrap();

@@ -172,30 +172,34 @@ impl<T: Element> GpuBuffer<T> {
     /// at most [`GpuOptions::wait_timeout`](crate::GpuOptions::wait_timeout)).
     #[cfg(not(target_arch = "wasm32"))]
     pub fn read(&self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
-        self.check_host_access(gpu, "a read to the host")?;
-        if self.len == 0 {
-            return Ok(vec![]);
-        }
-        let bytes = gpu.read_raw(&self.raw, self.bytes(), &|| self.reading())?;
-        Ok(bytemuck::cast_slice(&bytes).to_vec())
+        self.read_start(gpu)?.wait(gpu)
     }
 
     /// [`GpuBuffer::read`] for code that must also run in a web page, where a readback is
     /// awaited (on native it waits, as `read` does).
     pub async fn read_async(&self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
-        #[cfg(not(target_arch = "wasm32"))]
-        return self.read(gpu);
-        #[cfg(target_arch = "wasm32")]
-        {
-            self.check_host_access(gpu, "a read to the host")?;
-            if self.len == 0 {
-                return Ok(vec![]);
-            }
-            let bytes = gpu
-                .read_raw_async(&self.raw, self.bytes(), &|| self.reading())
-                .await?;
-            Ok(bytemuck::cast_slice(&bytes).to_vec())
-        }
+        self.read_start(gpu)?.wait_async(gpu).await
+    }
+
+    /// Start a readback without waiting for it: the copy to the host is submitted now, after
+    /// everything submitted before, and [`PendingRead::wait`] (or `wait_async`) collects it
+    /// later, waiting only for the work submitted up to now. A training loop reads a step's
+    /// loss this way while the next step runs: start the read after submitting step `n`,
+    /// submit step `n + 1`, then wait for the read.
+    pub fn read_start(&self, gpu: &Gpu) -> Result<PendingRead<T>, ExecError> {
+        self.check_host_access(gpu, "a read to the host")?;
+        let what = self.reading();
+        let mapping = if self.len == 0 {
+            None
+        } else {
+            Some(gpu.start_readback(&self.raw, self.bytes(), &|| what.clone())?)
+        };
+        Ok(PendingRead {
+            mapping,
+            bytes: self.bytes(),
+            what,
+            _t: PhantomData,
+        })
     }
 
     fn reading(&self) -> String {
@@ -206,6 +210,60 @@ impl<T: Element> GpuBuffer<T> {
     pub(crate) fn label(&self) -> String {
         format!("#{} ({} × {})", self.tracking.id, self.len, T::ty())
     }
+}
+
+/// A readback started by [`GpuBuffer::read_start`]: its copy is submitted; its values come by
+/// [`PendingRead::wait`] (native) or [`PendingRead::wait_async`] (anywhere). Dropped unread, its
+/// staging buffer is dropped once the GPU is done with it.
+pub struct PendingRead<T: Element> {
+    /// `None` for an empty buffer.
+    mapping: Option<Mapping>,
+    bytes: u64,
+    what: String,
+    _t: PhantomData<T>,
+}
+
+impl<T: Element> PendingRead<T> {
+    /// The values, once the copy has run (waits for it alone, at most
+    /// [`GpuOptions::wait_timeout`](crate::GpuOptions::wait_timeout)).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn wait(self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
+        let Some(mapping) = self.mapping else {
+            return Ok(vec![]);
+        };
+        let what = || self.what.clone();
+        let bytes = gpu.finish_readback_blocking(mapping, self.bytes, &what)?;
+        Ok(bytemuck::cast_slice(&bytes).to_vec())
+    }
+
+    /// The values, awaited: in a web page the browser maps the staging buffer from its event
+    /// loop; on native this waits, as [`PendingRead::wait`] does.
+    pub async fn wait_async(self, gpu: &Gpu) -> Result<Vec<T>, ExecError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        return self.wait(gpu);
+        #[cfg(target_arch = "wasm32")]
+        {
+            let Some(mapping) = self.mapping else {
+                return Ok(vec![]);
+            };
+            let what = || self.what.clone();
+            let result = mapping.mapped.await;
+            gpu.check_alive(&what)?;
+            let bytes = gpu.finish_readback(mapping.staging, self.bytes, result, &what)?;
+            Ok(bytemuck::cast_slice(&bytes).to_vec())
+        }
+    }
+}
+
+/// A staging buffer whose copy is submitted and whose mapping is asked for.
+struct Mapping {
+    staging: wgpu::Buffer,
+    #[cfg(not(target_arch = "wasm32"))]
+    index: wgpu::SubmissionIndex,
+    #[cfg(not(target_arch = "wasm32"))]
+    mapped: std::sync::mpsc::Receiver<Result<(), wgpu::BufferAsyncError>>,
+    #[cfg(target_arch = "wasm32")]
+    mapped: web::Mapped,
 }
 
 /// Staging buffers kept for reuse: a few, the largest first to go when over.
@@ -304,59 +362,29 @@ impl Gpu {
         rec.submit()
     }
 
-    /// Copy `bytes` bytes of `buffer` to the host through a reused staging buffer; waits, at
-    /// most `wait_timeout`. `what` names the readback in errors.
-    #[cfg(not(target_arch = "wasm32"))]
-    pub(crate) fn read_raw(
-        &self,
-        buffer: &wgpu::Buffer,
-        bytes: u64,
-        what: &dyn Fn() -> String,
-    ) -> Result<Vec<u8>, ExecError> {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let (staging, index) = self.start_readback(buffer, bytes, what, move |r| {
-            let _ = tx.send(r);
-        })?;
-        // On a timeout or a loss the staging buffer is dropped, not reused: its map is pending.
-        self.wait_for(Some(index), what)?;
-        // The wait ran the map's callback (here, or in another thread's poll).
-        let mapped =
-            rx.recv_timeout(self.options.wait_timeout)
-                .map_err(|_| ExecError::Timeout {
-                    what: format!("{} (the buffer's mapping)", what()),
-                    waited: self.options.wait_timeout,
-                })?;
-        self.finish_readback(staging, bytes, mapped, what)
-    }
-
-    /// [`Gpu::read_raw`] in a web page: the browser maps the staging buffer from its event
-    /// loop, so the readback is awaited, not waited for.
-    #[cfg(target_arch = "wasm32")]
-    pub(crate) async fn read_raw_async(
-        &self,
-        buffer: &wgpu::Buffer,
-        bytes: u64,
-        what: &dyn Fn() -> String,
-    ) -> Result<Vec<u8>, ExecError> {
-        let mapped = web::Mapped::default();
-        let callback = mapped.callback();
-        let (staging, _) = self.start_readback(buffer, bytes, what, callback)?;
-        let result = mapped.await;
-        self.check_alive(what)?;
-        self.finish_readback(staging, bytes, result, what)
-    }
-
-    /// Submit the copy of `buffer` into a staging buffer and ask for its mapping, which calls
-    /// `on_mapped` once done.
+    /// Submit the copy of `bytes` bytes of `buffer` into a reused staging buffer and ask for
+    /// its mapping. `what` names the readback in errors.
     fn start_readback(
         &self,
         buffer: &wgpu::Buffer,
         bytes: u64,
         what: &dyn Fn() -> String,
-        on_mapped: impl FnOnce(Result<(), wgpu::BufferAsyncError>) + wgpu::WasmNotSend + 'static,
-    ) -> Result<(wgpu::Buffer, wgpu::SubmissionIndex), ExecError> {
+    ) -> Result<Mapping, ExecError> {
         let staging = self.take_staging(bytes, what)?;
-        let index = self.scoped(what, || {
+        #[cfg(not(target_arch = "wasm32"))]
+        let (on_mapped, mapped) = {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let on_mapped = move |r| {
+                let _ = tx.send(r);
+            };
+            (on_mapped, rx)
+        };
+        #[cfg(target_arch = "wasm32")]
+        let (on_mapped, mapped) = {
+            let mapped = web::Mapped::default();
+            (mapped.callback(), mapped)
+        };
+        let _index = self.scoped(what, || {
             let mut enc = self.device.create_command_encoder(&Default::default());
             enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
             let index = self.queue.submit([enc.finish()]);
@@ -365,7 +393,46 @@ impl Gpu {
                 .map_async(wgpu::MapMode::Read, on_mapped);
             index
         })?;
-        Ok((staging, index))
+        Ok(Mapping {
+            staging,
+            #[cfg(not(target_arch = "wasm32"))]
+            index: _index,
+            mapped,
+        })
+    }
+
+    /// Copy `bytes` bytes of `buffer` to the host through a reused staging buffer; waits, at
+    /// most `wait_timeout`.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) fn read_raw(
+        &self,
+        buffer: &wgpu::Buffer,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<u8>, ExecError> {
+        let mapping = self.start_readback(buffer, bytes, what)?;
+        self.finish_readback_blocking(mapping, bytes, what)
+    }
+
+    /// Wait for a started readback's copy (alone) and mapping, then take its bytes.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn finish_readback_blocking(
+        &self,
+        mapping: Mapping,
+        bytes: u64,
+        what: &dyn Fn() -> String,
+    ) -> Result<Vec<u8>, ExecError> {
+        // On a timeout or a loss the staging buffer is dropped, not reused: its map is pending.
+        self.wait_for(Some(mapping.index), what)?;
+        // The wait ran the map's callback (here, or in another thread's poll).
+        let mapped = mapping
+            .mapped
+            .recv_timeout(self.options.wait_timeout)
+            .map_err(|_| ExecError::Timeout {
+                what: format!("{} (the buffer's mapping)", what()),
+                waited: self.options.wait_timeout,
+            })?;
+        self.finish_readback(mapping.staging, bytes, mapped, what)
     }
 
     /// The mapped staging buffer's bytes; the buffer goes back to the pool.

@@ -29,7 +29,7 @@ mod time {
     pub use web_time::Instant;
 }
 
-pub use buffer::{Element, GpuBuffer, HostElement};
+pub use buffer::{Element, GpuBuffer, HostElement, PendingRead};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
