@@ -192,6 +192,34 @@ pub struct ValidLengths {
 impl ValidLengths {
     /// `lengths[b]` real positions of sequence `b`, each at most `seq_len`.
     pub fn upload(gpu: &Gpu, lengths: &[usize], seq_len: usize) -> Result<Self, ExecError> {
+        let words = ValidLengths::words(lengths, seq_len)?;
+        Ok(ValidLengths {
+            lengths: lengths.to_vec(),
+            seq_len,
+            buffer: gpu.upload(&words)?,
+        })
+    }
+
+    /// Replace the lengths with those of another batch of the same shape (a training step
+    /// reuses its buffers): checked as [`ValidLengths::upload`] checks them, nothing written on
+    /// an error.
+    pub fn write(&mut self, gpu: &Gpu, lengths: &[usize]) -> Result<(), ExecError> {
+        if lengths.len() != self.lengths.len() {
+            return Err(ExecError::Binding {
+                kernel: "attention valid lengths".into(),
+                binding: "lens".into(),
+                expected: format!("{} lengths (the batch it was made for)", self.lengths.len()),
+                given: format!("{} lengths", lengths.len()),
+            });
+        }
+        let checked = ValidLengths::words(lengths, self.seq_len)?;
+        self.buffer.write(gpu, &checked)?;
+        self.lengths = lengths.to_vec();
+        Ok(())
+    }
+
+    /// The lengths as the kernels read them, each checked to be at most `seq_len`.
+    fn words(lengths: &[usize], seq_len: usize) -> Result<Vec<u32>, ExecError> {
         let name = "attention valid lengths";
         if let Some((b, &len)) = lengths.iter().enumerate().find(|(_, l)| **l > seq_len) {
             return Err(ExecError::Dispatch {
@@ -200,15 +228,10 @@ impl ValidLengths {
                 why: format!("a valid length is at most the sequence length {seq_len}"),
             });
         }
-        let words = lengths
+        lengths
             .iter()
             .map(|&l| expect_u32(name, "length", l))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(ValidLengths {
-            lengths: lengths.to_vec(),
-            seq_len,
-            buffer: gpu.upload(&words)?,
-        })
+            .collect()
     }
 
     /// The lengths, one a sequence.
