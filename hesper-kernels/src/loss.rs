@@ -23,6 +23,12 @@
 //!    (the branch is uniform: the label is read from a read-only buffer at the workgroup's row).
 //! 3. `cross_entropy_mean` (one workgroup): `Σ_t loss_t / max(N, 1)`.
 //!
+//! [`execute_cross_entropy`] records the three. For an lm-head run over the batch in chunks of
+//! tokens (so that only one chunk's `[C, V]` logits exist at a time), each is public on its own:
+//! [`execute_cross_entropy_count`] once over the whole batch's labels, then
+//! [`execute_cross_entropy_rows`] for each chunk, every one dividing by that one global `N`, and
+//! [`execute_cross_entropy_mean`] over the `[T]` token losses of all chunks.
+//!
 //! The vocabulary is a shape (fixed per model; it keys the pipeline); the token count is a
 //! runtime value (the last batch may be shorter).
 
@@ -301,7 +307,7 @@ pub struct LossOutputs<'a> {
     pub count: &'a mut GpuBuffer<u32>,
 }
 
-/// The checked sizes of one launch: `T`, and `V` as the kernels take them.
+/// The checked sizes of one row launch: `T` (or a chunk's `C`), and `V` as the kernels take them.
 struct Sizes {
     tokens: u32,
     vocab: u32,
@@ -309,7 +315,41 @@ struct Sizes {
     wg: u32,
 }
 
-/// Check every buffer against `T = labels.len()` and `vocab` before anything is recorded.
+/// `vocab` as the kernels take it: at least one class, below 2³².
+fn expect_vocab(kernel: &str, vocab: usize) -> Result<u32, ExecError> {
+    if vocab == 0 {
+        return Err(ExecError::Dispatch {
+            kernel: kernel.into(),
+            what: "vocab = 0".into(),
+            why: "a softmax needs at least one class".into(),
+        });
+    }
+    expect_u32(kernel, "vocab", vocab)
+}
+
+/// Check a row kernel's `logits` and `token_loss` against `T = labels.len()` and `vocab`.
+fn row_sizes(
+    gpu: &Gpu,
+    row_kernel: &str,
+    logits: &GpuBuffer<f32>,
+    labels: &GpuBuffer<i32>,
+    vocab: usize,
+    token_loss: &GpuBuffer<f32>,
+) -> Result<Sizes, ExecError> {
+    let vocab_u32 = expect_vocab(row_kernel, vocab)?;
+    let t = labels.len();
+    let elements = t.saturating_mul(vocab);
+    expect_len(row_kernel, "logits", logits, elements, "labels × vocab")?;
+    expect_len(row_kernel, "token_loss", token_loss, t, "one per label")?;
+    expect_u32(row_kernel, "logits elements", elements)?;
+    Ok(Sizes {
+        tokens: expect_u32(row_kernel, "tokens", t)?,
+        vocab: vocab_u32,
+        wg: invocations(&gpu.kernel_limits()),
+    })
+}
+
+/// Check every buffer of a whole-batch launch before anything is recorded.
 fn check(
     gpu: &Gpu,
     row_kernel: &str,
@@ -318,30 +358,17 @@ fn check(
     vocab: usize,
     out: &LossOutputs<'_>,
 ) -> Result<Sizes, ExecError> {
-    if vocab == 0 {
-        return Err(ExecError::Dispatch {
-            kernel: row_kernel.into(),
-            what: "vocab = 0".into(),
-            why: "a softmax needs at least one class".into(),
-        });
-    }
-    let t = labels.len();
-    let elements = t.saturating_mul(vocab);
-    expect_len(row_kernel, "logits", logits, elements, "labels × vocab")?;
-    expect_len(row_kernel, "token_loss", out.token_loss, t, "one per label")?;
+    let sizes = row_sizes(gpu, row_kernel, logits, labels, vocab, out.token_loss)?;
     expect_len(cross_entropy_mean::NAME, "loss", out.loss, 1, "the mean")?;
     expect_len(cross_entropy_count::NAME, "count", out.count, 1, "N")?;
-    expect_u32(row_kernel, "logits elements", elements)?;
-    Ok(Sizes {
-        tokens: expect_u32(row_kernel, "tokens", t)?,
-        vocab: expect_u32(row_kernel, "vocab", vocab)?,
-        wg: invocations(&gpu.kernel_limits()),
-    })
+    Ok(sizes)
 }
 
 /// Cross-entropy forward and backward, fused: `d_logits` (`[T, V]`, overwritten, 0 on masked
 /// rows), the per-token losses, their mean and `N` (see [`LossOutputs`]). `logits` are `[T, V]`
-/// row-major and `labels` `[T]`, with `T = labels.len()` and `V = vocab`.
+/// row-major and `labels` `[T]`, with `T = labels.len()` and `V = vocab`. The three launches of
+/// [`execute_cross_entropy_count`], [`execute_cross_entropy_rows`] and
+/// [`execute_cross_entropy_mean`], every buffer checked before any is recorded.
 pub fn execute_cross_entropy(
     rec: &mut Recorder<'_>,
     logits: &GpuBuffer<f32>,
@@ -350,22 +377,19 @@ pub fn execute_cross_entropy(
     d_logits: &mut GpuBuffer<f32>,
     out: LossOutputs<'_>,
 ) -> Result<(), ExecError> {
-    let sizes = check(rec.gpu(), ROW, logits, labels, vocab, &out)?;
+    check(rec.gpu(), ROW, logits, labels, vocab, &out)?;
     expect_len(ROW, "d_logits", d_logits, logits.len(), "as logits")?;
-    if sizes.tokens == 0 {
-        return no_tokens(rec, &out);
-    }
-    count(rec, labels, &sizes, out.count)?;
-    let key = row_key(ROW, sizes.vocab, sizes.wg, rec.gpu().kernel_features());
-    let kernel = rec.gpu().kernel(&key, row_with_grad)?;
-    let args = bind_rows(Args::new(), "logits", logits, &sizes)
-        .buffer("labels", labels)
-        .buffer("count", out.count);
-    let args = bind_rows(args, "d_logits", d_logits, &sizes)
-        .buffer("token_loss", out.token_loss)
-        .param("tokens", sizes.tokens);
-    rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))?;
-    mean(rec, &sizes, &out)
+    execute_cross_entropy_count(rec, labels, vocab, out.count)?;
+    execute_cross_entropy_rows(
+        rec,
+        logits,
+        labels,
+        vocab,
+        out.count,
+        d_logits,
+        out.token_loss,
+    )?;
+    execute_cross_entropy_mean(rec, out.token_loss, out.count, out.loss)
 }
 
 /// Cross-entropy forward only (for evaluation: no `[T, V]` gradient is written or needed): the
@@ -378,23 +402,109 @@ pub fn execute_cross_entropy_forward(
     out: LossOutputs<'_>,
 ) -> Result<(), ExecError> {
     let sizes = check(rec.gpu(), ROW_FORWARD, logits, labels, vocab, &out)?;
-    if sizes.tokens == 0 {
-        return no_tokens(rec, &out);
+    execute_cross_entropy_count(rec, labels, vocab, out.count)?;
+    if sizes.tokens > 0 {
+        let key = row_key(
+            ROW_FORWARD,
+            sizes.vocab,
+            sizes.wg,
+            rec.gpu().kernel_features(),
+        );
+        let kernel = rec.gpu().kernel(&key, row_loss_only)?;
+        let args = bind_rows(Args::new(), "logits", logits, &sizes)
+            .buffer("labels", labels)
+            .buffer("token_loss", out.token_loss)
+            .param("tokens", sizes.tokens);
+        rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))?;
     }
-    count(rec, labels, &sizes, out.count)?;
-    let key = row_key(
-        ROW_FORWARD,
-        sizes.vocab,
-        sizes.wg,
-        rec.gpu().kernel_features(),
-    );
-    let kernel = rec.gpu().kernel(&key, row_loss_only)?;
+    execute_cross_entropy_mean(rec, out.token_loss, out.count, out.loss)
+}
+
+/// `count[0] = N`, the non-masked tokens of `labels` (label in `0..vocab`). The first step of a
+/// chunked loss: count over the whole batch once, then every chunk's
+/// [`execute_cross_entropy_rows`] divides by the same `N`. No labels write `N = 0`.
+pub fn execute_cross_entropy_count(
+    rec: &mut Recorder<'_>,
+    labels: &GpuBuffer<i32>,
+    vocab: usize,
+    count: &mut GpuBuffer<u32>,
+) -> Result<(), ExecError> {
+    let name = cross_entropy_count::NAME;
+    let vocab = expect_vocab(name, vocab)?;
+    expect_len(name, "count", count, 1, "N")?;
+    let tokens = expect_u32(name, "tokens", labels.len())?;
+    if tokens == 0 {
+        return rec.fill(count, 0);
+    }
+    let wg = invocations(&rec.gpu().kernel_limits());
+    let kernel = rec.gpu().kernel(
+        &cross_entropy_count::key(vocab, wg),
+        cross_entropy_count::body,
+    )?;
+    let args = Args::new()
+        .buffer("labels", labels)
+        .buffer("count", count)
+        .param("tokens", tokens);
+    rec.launch(&kernel, &args, Grid::Workgroups([1, 1, 1]))
+}
+
+/// The rows of one chunk of tokens, so that the lm-head can run over a batch chunk by chunk:
+/// `d_logits` (`[C, V]`, overwritten, `(softmax − onehot) / N` with `N` read from `count`, 0 on
+/// masked rows) and `token_loss` `[C]` (0 where masked), for the `C = labels.len()` rows of
+/// `logits` `[C, V]`. `count` holds the `N` of the whole batch, from
+/// [`execute_cross_entropy_count`].
+pub fn execute_cross_entropy_rows(
+    rec: &mut Recorder<'_>,
+    logits: &GpuBuffer<f32>,
+    labels: &GpuBuffer<i32>,
+    vocab: usize,
+    count: &GpuBuffer<u32>,
+    d_logits: &mut GpuBuffer<f32>,
+    token_loss: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let sizes = row_sizes(rec.gpu(), ROW, logits, labels, vocab, token_loss)?;
+    expect_len(ROW, "d_logits", d_logits, logits.len(), "as logits")?;
+    expect_len(ROW, "count", count, 1, "N")?;
+    if sizes.tokens == 0 {
+        return Ok(());
+    }
+    let key = row_key(ROW, sizes.vocab, sizes.wg, rec.gpu().kernel_features());
+    let kernel = rec.gpu().kernel(&key, row_with_grad)?;
     let args = bind_rows(Args::new(), "logits", logits, &sizes)
         .buffer("labels", labels)
-        .buffer("token_loss", out.token_loss)
+        .buffer("count", count);
+    let args = bind_rows(args, "d_logits", d_logits, &sizes)
+        .buffer("token_loss", token_loss)
         .param("tokens", sizes.tokens);
-    rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))?;
-    mean(rec, &sizes, &out)
+    rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))
+}
+
+/// `loss[0] = Σ token_loss / max(N, 1)` with `N` read from `count`: the mean over the
+/// non-masked tokens (0 when all are masked, or there are none). The last step of a chunked
+/// loss, over the `[T]` token losses of every chunk.
+pub fn execute_cross_entropy_mean(
+    rec: &mut Recorder<'_>,
+    token_loss: &GpuBuffer<f32>,
+    count: &GpuBuffer<u32>,
+    loss: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = cross_entropy_mean::NAME;
+    expect_len(name, "count", count, 1, "N")?;
+    expect_len(name, "loss", loss, 1, "the mean")?;
+    let tokens = expect_u32(name, "tokens", token_loss.len())?;
+    if tokens == 0 {
+        return rec.fill(loss, 0.0);
+    }
+    let wg = invocations(&rec.gpu().kernel_limits());
+    let kernel = rec
+        .gpu()
+        .kernel(&cross_entropy_mean::key(wg), cross_entropy_mean::body)?;
+    let args = Args::new()
+        .buffer("token_loss", token_loss)
+        .buffer("count", count)
+        .buffer("loss", loss)
+        .param("tokens", tokens);
+    rec.launch(&kernel, &args, Grid::Workgroups([1, 1, 1]))
 }
 
 fn one_workgroup_per_token(sizes: &Sizes) -> Grid {
@@ -413,41 +523,6 @@ fn bind_rows<'a>(
     } else {
         args.buffer(name, buffer)
     }
-}
-
-/// No tokens: `N` and the loss are 0, and the empty per-token buffers need no launch.
-fn no_tokens(rec: &mut Recorder<'_>, out: &LossOutputs<'_>) -> Result<(), ExecError> {
-    rec.fill(out.loss, 0.0)?;
-    rec.fill(out.count, 0)
-}
-
-fn count(
-    rec: &mut Recorder<'_>,
-    labels: &GpuBuffer<i32>,
-    sizes: &Sizes,
-    count: &GpuBuffer<u32>,
-) -> Result<(), ExecError> {
-    let kernel = rec.gpu().kernel(
-        &cross_entropy_count::key(sizes.vocab, sizes.wg),
-        cross_entropy_count::body,
-    )?;
-    let args = Args::new()
-        .buffer("labels", labels)
-        .buffer("count", count)
-        .param("tokens", sizes.tokens);
-    rec.launch(&kernel, &args, Grid::Workgroups([1, 1, 1]))
-}
-
-fn mean(rec: &mut Recorder<'_>, sizes: &Sizes, out: &LossOutputs<'_>) -> Result<(), ExecError> {
-    let kernel = rec
-        .gpu()
-        .kernel(&cross_entropy_mean::key(sizes.wg), cross_entropy_mean::body)?;
-    let args = Args::new()
-        .buffer("token_loss", out.token_loss)
-        .buffer("count", out.count)
-        .buffer("loss", out.loss)
-        .param("tokens", sizes.tokens);
-    rec.launch(&kernel, &args, Grid::Workgroups([1, 1, 1]))
 }
 
 /// f64 references.

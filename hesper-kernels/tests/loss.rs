@@ -357,6 +357,178 @@ fn mismatched_lengths_name_kernel_and_buffer() {
     assert!(rec.is_empty());
 }
 
+/// The lm-head chunked over tokens: `N` counted once over the whole batch, the rows of three
+/// uneven chunks (masked labels in two, the middle one all masked) each divided by that one
+/// `N`, their token losses gathered into one `[T]` buffer, and the mean over it. The same
+/// `d_logits`, token losses, mean and `N` as the reference over the whole batch — and, bit for
+/// bit, as the fused launch over it.
+#[test]
+fn chunks_with_one_global_count_match_the_whole_batch() {
+    let g = gpu();
+    let chunks = [5, 3, 9];
+    let t: usize = chunks.iter().sum();
+    for (seed, v) in [(0, 1000), (1, 5003)] {
+        let mut rng = Rng::new(seed + 400);
+        let logits = rng.vec(t * v, 4.0);
+        let mut labels: Vec<i32> = (0..t)
+            .map(|_| (rng.next_u32() as usize % v) as i32)
+            .collect();
+        labels[1] = IGNORE_INDEX;
+        labels[5..8].fill(IGNORE_INDEX);
+        labels[12] = IGNORE_INDEX;
+        labels[15] = v as i32;
+
+        let all_labels = g.upload(&labels).unwrap();
+        let mut count = g.filled(1, u32::MAX).unwrap();
+        let token_loss = g.filled(t, f32::NAN).unwrap();
+        let mut mean = g.filled(1, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        loss::execute_cross_entropy_count(&mut rec, &all_labels, v, &mut count).unwrap();
+        let mut outs = vec![];
+        let mut start = 0;
+        for c in chunks {
+            let z = g.upload(&logits[start * v..(start + c) * v]).unwrap();
+            let y = g.upload(&labels[start..start + c]).unwrap();
+            let mut d = g.filled(c * v, f32::NAN).unwrap();
+            let mut tl = g.filled(c, f32::NAN).unwrap();
+            loss::execute_cross_entropy_rows(&mut rec, &z, &y, v, &count, &mut d, &mut tl).unwrap();
+            rec.copy_range(&tl, 0, &token_loss, start, c).unwrap();
+            outs.push((start, c, d, tl, z, y));
+            start += c;
+        }
+        loss::execute_cross_entropy_mean(&mut rec, &token_loss, &count, &mut mean).unwrap();
+        rec.submit().unwrap();
+
+        let what = format!("chunks {chunks:?} V={v}");
+        let z = f64s(&logits);
+        let (want_token, want_loss, n) = reference::cross_entropy_forward(&z, &labels, v);
+        let want_d = reference::cross_entropy_backward(&z, &labels, v);
+        assert_eq!(n, t - 6, "labels 1, 5..8, 12 and 15 are masked");
+        assert_eq!(count.read(g).unwrap(), [n as u32], "{what}: N");
+        let fused = run(g, &logits, &labels, v, true);
+        let fused_d = fused.d_logits.read(g).unwrap();
+        let fused_token = fused.token_loss.read(g).unwrap();
+        for (start, c, d, tl, _, _) in &outs {
+            let (d, tl) = (d.read(g).unwrap(), tl.read(g).unwrap());
+            let rows = start * v..(start + c) * v;
+            let what = format!("{what}, chunk at {start}");
+            assert_close(
+                &format!("{what} d_logits"),
+                &d,
+                &want_d[rows.clone()],
+                RTOL,
+                dz_atol(n),
+            );
+            let tokens = *start..start + c;
+            assert_close(
+                &format!("{what} token_loss"),
+                &tl,
+                &want_token[tokens.clone()],
+                RTOL,
+                LOSS_ATOL,
+            );
+            assert_eq!(bits(&d), bits(&fused_d[rows]), "{what}: d_logits vs fused");
+            assert_eq!(
+                bits(&tl),
+                bits(&fused_token[tokens]),
+                "{what}: token_loss vs fused"
+            );
+        }
+        let (_, _, middle, middle_loss, _, _) = &outs[1];
+        assert!(
+            middle.read(g).unwrap().iter().all(|d| *d == 0.0),
+            "{what}: masked chunk"
+        );
+        assert_eq!(
+            middle_loss.read(g).unwrap(),
+            [0.0; 3],
+            "{what}: masked chunk"
+        );
+        let token_loss = token_loss.read(g).unwrap();
+        assert_close(
+            &format!("{what} token_loss"),
+            &token_loss,
+            &want_token,
+            RTOL,
+            LOSS_ATOL,
+        );
+        let mean = mean.read(g).unwrap();
+        assert_close(
+            &format!("{what} loss"),
+            &mean,
+            &[want_loss],
+            RTOL,
+            LOSS_ATOL,
+        );
+        assert_eq!(
+            bits(&mean),
+            bits(&fused.loss.read(g).unwrap()),
+            "{what}: mean vs fused"
+        );
+    }
+}
+
+fn bits(x: &[f32]) -> Vec<u32> {
+    x.iter().map(|v| v.to_bits()).collect()
+}
+
+/// The split launches check their own buffers, each error naming its kernel and binding.
+#[test]
+fn split_launches_name_kernel_and_buffer() {
+    let g = gpu();
+    let (c, v) = (4, 10);
+    let logits = g.zeros::<f32>(c * v).unwrap();
+    let labels = g.zeros::<i32>(c).unwrap();
+    let count = g.zeros::<u32>(1).unwrap();
+    let mut two = g.zeros::<u32>(2).unwrap();
+    let mut d = g.zeros::<f32>(c * v).unwrap();
+    let mut tl = g.zeros::<f32>(c).unwrap();
+    let mut rec = g.recorder();
+    let err = loss::execute_cross_entropy_count(&mut rec, &labels, v, &mut two).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_count`, binding `count`: expected 1 elements (N), given 2 elements"
+    );
+    let err = loss::execute_cross_entropy_count(&mut rec, &labels, 0, &mut two).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_count`: cannot dispatch vocab = 0: a softmax needs at least one \
+         class"
+    );
+    let err =
+        loss::execute_cross_entropy_rows(&mut rec, &logits, &labels, v, &two, &mut d, &mut tl)
+            .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy`, binding `count`: expected 1 elements (N), given 2 elements"
+    );
+    let mut short = g.zeros::<f32>(c - 1).unwrap();
+    let err =
+        loss::execute_cross_entropy_rows(&mut rec, &logits, &labels, v, &count, &mut d, &mut short)
+            .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy`, binding `token_loss`: expected 4 elements (one per label), given \
+         3 elements"
+    );
+    let err = loss::execute_cross_entropy_rows(
+        &mut rec, &logits, &labels, v, &count, &mut short, &mut tl,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy`, binding `d_logits`: expected 40 elements (as logits), given 3 \
+         elements"
+    );
+    let err = loss::execute_cross_entropy_mean(&mut rec, &tl, &count, &mut short).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `cross_entropy_mean`, binding `loss`: expected 1 elements (the mean), given 3 \
+         elements"
+    );
+    assert!(rec.is_empty());
+}
+
 /// Each kernel's WGSL at a small key (its first line), the snapshot named by the key.
 #[test]
 fn wgsl_snapshots() {
