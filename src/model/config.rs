@@ -1,7 +1,8 @@
 //! The model's and the adapters' configuration: plain host-side values, checked before use.
 
-/// A value of a config, the weights, the adapters or a batch that the model does not take.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+/// A value of a config, the weights, the adapters or a batch that the model does not take, or
+/// an error of the GPU running it.
+#[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     /// `item.field` is not what it must be.
     #[error("{item}: {field} must be {expected}, but is {given}")]
@@ -15,6 +16,10 @@ pub enum ModelError {
         /// What it was given.
         given: String,
     },
+    /// The executor refused or failed a launch, an upload or a readback (its message names
+    /// the kernel and the binding).
+    #[error(transparent)]
+    Gpu(#[from] hesper_exec::ExecError),
 }
 
 impl ModelError {

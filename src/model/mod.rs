@@ -1,5 +1,8 @@
-//! The model: its configuration ([`config`]) and its f64 reference on the CPU
-//! ([`reference`](mod@reference)).
+//! The model: its configuration ([`config`]), its f64 reference on the CPU
+//! ([`reference`](mod@reference)), and the LoRA training step on the GPU: the weights and
+//! adapters there ([`GpuModel`], [`GpuAdapters`]), the step's buffers ([`StepBuffers`], made
+//! once per [`StepShape`]), and the step recorded into one recorder
+//! ([`record_forward_backward`], then [`record_optimizer_step`]).
 //!
 //! The reference is the proof of the GPU training step: the step's loss, its LoRA gradients
 //! and its gradient at the embedding output are compared with [`reference::loss_and_grads`] on
@@ -23,6 +26,13 @@
 //!   the positions whose target is not `−100` (a batch without one has loss 0). A padded
 //!   position's target must be `−100`, so padding never changes the loss.
 
+mod activations;
 pub mod config;
+mod gpu;
 pub mod reference;
+mod step;
 mod tape;
+
+pub use activations::{StepBuffers, StepShape};
+pub use gpu::{GpuAdapters, GpuModel};
+pub use step::{Optimizer, record_forward_backward, record_optimizer_step};

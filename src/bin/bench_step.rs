@@ -1,0 +1,189 @@
+//! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
+//! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32: ms per step (wall clock, record +
+//! submit + the loss read, median of the timed steps), tokens/s, launches and submissions per
+//! step, GPU memory, and the GPU time per kernel family (timestamp queries, one step). Prints
+//! markdown for BENCHMARKS.md.
+//!
+//! ```sh
+//! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
+//! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_step   # 2 layers, B = 1, S = 64
+//! ```
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use hesper::exec::Gpu;
+use hesper::kernels::testing::Rng;
+use hesper::model::config::{Family, LoraConfig, ModelConfig};
+use hesper::model::reference::{Adapters, Batch, Weights};
+use hesper::model::{
+    GpuAdapters, GpuModel, Optimizer, StepBuffers, StepShape, record_forward_backward,
+    record_optimizer_step,
+};
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// SmolLM2-135M's shape (Hugging Face's config of `HuggingFaceTB/SmolLM2-135M-Instruct`).
+fn smollm2(layers: usize, max_seq: usize) -> ModelConfig {
+    ModelConfig {
+        family: Family::Llama,
+        vocab: 49_152,
+        dim: 576,
+        ffn_dim: 1536,
+        layers,
+        heads: 9,
+        kv_heads: 3,
+        head_dim: 64,
+        rope_base: 100_000.0,
+        norm_eps: 1e-5,
+        tied_embeddings: true,
+        max_seq,
+    }
+}
+
+/// Every position of `batch` full sequences predicts a random next token.
+fn random_batch(config: &ModelConfig, batch: usize, seq_len: usize, seed: u64) -> Batch {
+    let mut rng = Rng::new(seed);
+    let tokens: Vec<u32> = (0..batch * seq_len)
+        .map(|_| rng.next_u32() % config.vocab as u32)
+        .collect();
+    let targets = tokens.iter().map(|&t| t as i64).collect();
+    Batch {
+        batch,
+        seq_len,
+        tokens,
+        targets,
+        lens: vec![seq_len; batch],
+    }
+}
+
+/// The family a kernel's name belongs to, for the breakdown.
+fn family(kernel: &str) -> &'static str {
+    let families = [
+        ("matmul", "GEMM (frozen weights, lm-head)"),
+        ("lora", "LoRA"),
+        ("attention", "attention"),
+        ("cross_entropy", "cross-entropy"),
+        ("rms_norm", "RMSNorm"),
+        ("rope", "RoPE"),
+        ("swiglu", "SwiGLU"),
+        ("adamw", "optimizer"),
+        ("grad_norm", "optimizer"),
+        ("hesper_copy", "copies"),
+        ("hesper_fill", "copies"),
+        ("embedding", "embedding"),
+    ];
+    families
+        .iter()
+        .find(|(prefix, _)| kernel.starts_with(prefix))
+        .map_or("other", |(_, f)| f)
+}
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let quick = std::env::var_os("HESPER_BENCH_QUICK").is_some();
+    let gpu = Gpu::new()?;
+    println!("device: {}", gpu.describe());
+    let (layers, seq_len, batches, steps) = if quick {
+        (2, 64, vec![1], 3)
+    } else {
+        (30, 512, vec![8, 32], 10)
+    };
+    let config = smollm2(layers, seq_len);
+    let lora = LoraConfig::default();
+    let started = Instant::now();
+    let weights = Weights::random(&config, 1);
+    let model = GpuModel::upload(&gpu, &config, &weights)?;
+    drop(weights);
+    let adapters = Adapters::init_peft(&config, &lora, 2);
+    let optimizer = Optimizer::default();
+    println!("model uploaded in {:.1} s", started.elapsed().as_secs_f64());
+    println!();
+    println!(
+        "| B × S | ms/step | tokens/s | launches | submits | GPU memory (weights + adapters + step) | per token |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let mut breakdowns = vec![];
+    for batch in batches {
+        let mut gpu_adapters = GpuAdapters::upload(&gpu, &config, &lora, &adapters)?;
+        let shape = StepShape::new(batch, seq_len);
+        let mut buffers = StepBuffers::new(&gpu, &model, &gpu_adapters, shape)?;
+        buffers.load(&gpu, &config, &[random_batch(&config, batch, seq_len, 3)])?;
+        let mut times = vec![];
+        let mut launches = 0;
+        // The first two steps compile the pipelines and warm the caches.
+        for step in 1..=steps + 2 {
+            let start = Instant::now();
+            let mut rec = gpu.recorder();
+            record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
+            record_optimizer_step(
+                &mut rec,
+                &optimizer,
+                (1e-4, step),
+                &mut gpu_adapters,
+                &mut buffers,
+            )?;
+            launches = rec.len();
+            rec.submit()?;
+            let loss = buffers.loss().read(&gpu)?[0];
+            if step > 2 {
+                times.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+            if !loss.is_finite() {
+                return Err(format!("step {step}: loss {loss}").into());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let ms = times[times.len() / 2];
+        let tokens = (batch * seq_len) as f64;
+        let memory = model.memory_bytes() + gpu_adapters.memory_bytes() + buffers.memory_bytes();
+        println!(
+            "| {batch} × {seq_len} | {ms:.1} | {:.0} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
+            tokens / ms * 1e3,
+            memory as f64 / 1e9,
+            model.memory_bytes() as f64 / 1e9,
+            gpu_adapters.memory_bytes() as f64 / 1e9,
+            buffers.memory_bytes() as f64 / 1e9,
+            buffers.memory_bytes() as f64 / tokens / 1e3,
+        );
+
+        // One step with a timestamp per launch (each launch in its own pass).
+        let mut rec = gpu.timed_recorder(launches as u32)?;
+        record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
+        record_optimizer_step(
+            &mut rec,
+            &optimizer,
+            (1e-4, steps + 3),
+            &mut gpu_adapters,
+            &mut buffers,
+        )?;
+        let timings = rec.submit_timed()?;
+        let mut by_family: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        for t in &timings {
+            let entry = by_family.entry(family(&t.kernel)).or_default();
+            entry.0 += t.gpu_ns / 1e6;
+            entry.1 += 1;
+        }
+        breakdowns.push((batch, by_family));
+    }
+    for (batch, by_family) in breakdowns {
+        let total: f64 = by_family.values().map(|(ms, _)| ms).sum();
+        println!();
+        println!(
+            "GPU time per kernel family, B = {batch}, S = {seq_len} (one step, {total:.1} ms in all):"
+        );
+        println!();
+        println!("| family | launches | ms | share |");
+        println!("|---|---|---|---|");
+        let mut rows: Vec<_> = by_family.into_iter().collect();
+        rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+        for (family, (ms, n)) in rows {
+            println!("| {family} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
+        }
+    }
+    Ok(())
+}

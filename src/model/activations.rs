@@ -1,0 +1,500 @@
+//! Every buffer a training step uses, allocated once per step shape ([`StepBuffers::new`]) and
+//! reused by every step of that shape: nothing allocates while a step is recorded.
+//!
+//! Sizes, with `T = B·S` tokens of one micro-batch, `M` micro-batches, `Hq = H·hd`,
+//! `Hkv = KV·hd`, `C` the loss chunk's tokens (per layer, saved for the backward, in `f32`s):
+//! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]`, `gate, up, h: [T, I]`, `lse: [T, H]`,
+//! three `rstd: [T]`, one `h_lora: [T, r]` per adapted projection; Qwen3 adds the un-normed
+//! `q, k` and their `rstd`s, BitNet the sub-norms' outputs `[T, Hq]`, `[T, I]` and `rstd`s. The
+//! workspace (one for all layers) holds the gradients of one layer's activations, the loss's
+//! chunk `[C, V]` logits and their gradient, and the batch's inputs.
+
+use hesper_exec::{Gpu, GpuBuffer};
+use hesper_kernels::attention::ValidLengths;
+use hesper_kernels::lora::lora_scratch_len;
+use hesper_kernels::optim::grad_norm_partials_len;
+
+use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
+use super::gpu::{GpuAdapters, GpuModel};
+use super::reference::{Batch, IGNORE_INDEX};
+
+/// The shape a step's buffers are made for: `micro_batches` micro-batches of `batch`
+/// sequences of `seq_len` positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepShape {
+    pub batch: usize,
+    pub seq_len: usize,
+    /// Gradient accumulation: the step's gradient is that of the mean loss over the targets of
+    /// all its micro-batches.
+    pub micro_batches: usize,
+    /// The lm-head and cross-entropy run over chunks of this many tokens, so that only a
+    /// `[chunk, V]` block of logits exists at once (1024 at V = 49 152 is 201 MB).
+    pub loss_chunk: usize,
+    /// Gradient checkpointing (Hugging Face's `gradient_checkpointing`): keep only each
+    /// block's input and recompute the block's forward just before its backward, trading one
+    /// more forward for one block's activations in place of `L` blocks'.
+    pub recompute: bool,
+}
+
+impl StepShape {
+    /// One micro-batch, the loss in chunks of 1024 tokens.
+    pub fn new(batch: usize, seq_len: usize) -> StepShape {
+        StepShape {
+            batch,
+            seq_len,
+            micro_batches: 1,
+            loss_chunk: 1024,
+            recompute: false,
+        }
+    }
+
+    /// `T = B·S`: the tokens of one micro-batch.
+    pub fn tokens(&self) -> usize {
+        self.batch * self.seq_len
+    }
+
+    fn check(&self, config: &ModelConfig) -> Result<(), ModelError> {
+        let bad = |field: &str, expected: String, given: usize| {
+            Err(ModelError::invalid("StepShape", field, expected, given))
+        };
+        for (field, size) in [
+            ("batch", self.batch),
+            ("seq_len", self.seq_len),
+            ("micro_batches", self.micro_batches),
+            ("loss_chunk", self.loss_chunk),
+        ] {
+            if size == 0 {
+                return bad(field, "positive".into(), size);
+            }
+        }
+        if self.seq_len > config.max_seq {
+            return bad(
+                "seq_len",
+                format!("at most max_seq = {}", config.max_seq),
+                self.seq_len,
+            );
+        }
+        // The widest activation row, and the loss chunk's logits.
+        let widest = config
+            .ffn_dim
+            .max(config.dim)
+            .max(config.heads * config.head_dim);
+        let fits = |n: Option<usize>| n.is_some_and(|n| n <= u32::MAX as usize);
+        let activations = self
+            .tokens()
+            .checked_mul(self.micro_batches)
+            .and_then(|t| t.checked_mul(widest));
+        let logits = self.loss_chunk.min(self.tokens()).checked_mul(config.vocab);
+        if !fits(logits) {
+            return bad(
+                "loss_chunk",
+                format!(
+                    "a chunk whose [chunk, V = {}] logits fit u32 indices",
+                    config.vocab
+                ),
+                self.loss_chunk,
+            );
+        }
+        if !fits(activations) {
+            return bad(
+                "batch",
+                "a size whose activations fit u32 indices".into(),
+                self.batch,
+            );
+        }
+        Ok(())
+    }
+}
+
+/// One block's activations saved by the forward for the backward.
+pub(crate) struct LayerActivations {
+    /// The block's input `[T, D]`.
+    pub(crate) x: GpuBuffer<f32>,
+    pub(crate) rstd1: GpuBuffer<f32>,
+    pub(crate) n1: GpuBuffer<f32>,
+    /// Qwen3: `Q` and `K` before their per-head norms, and the norms' `rstd` (`[T·H]`, `[T·KV]`).
+    pub(crate) q_pre: Option<GpuBuffer<f32>>,
+    pub(crate) k_pre: Option<GpuBuffer<f32>>,
+    pub(crate) rstd_q: Option<GpuBuffer<f32>>,
+    pub(crate) rstd_k: Option<GpuBuffer<f32>>,
+    /// `Q`, `K` rotated, `V`.
+    pub(crate) q: GpuBuffer<f32>,
+    pub(crate) k: GpuBuffer<f32>,
+    pub(crate) v: GpuBuffer<f32>,
+    pub(crate) o: GpuBuffer<f32>,
+    pub(crate) lse: GpuBuffer<f32>,
+    /// BitNet: the attention output's sub-norm and its `rstd`.
+    pub(crate) o_sub: Option<GpuBuffer<f32>>,
+    pub(crate) rstd_o: Option<GpuBuffer<f32>>,
+    pub(crate) x1: GpuBuffer<f32>,
+    pub(crate) rstd2: GpuBuffer<f32>,
+    pub(crate) n2: GpuBuffer<f32>,
+    pub(crate) gate: GpuBuffer<f32>,
+    pub(crate) up: GpuBuffer<f32>,
+    /// The FFN's `h = act(gate)·up`; BitNet's sub-norm of it and its `rstd`.
+    pub(crate) h: GpuBuffer<f32>,
+    pub(crate) h_sub: Option<GpuBuffer<f32>>,
+    pub(crate) rstd_h: Option<GpuBuffer<f32>>,
+    /// `x·Aᵀ` `[T, r]` of each adapted projection, in the LoRA config's order.
+    pub(crate) lora_h: Vec<GpuBuffer<f32>>,
+}
+
+/// The gradients of one block's activations (reused by every block) and the LoRA backward's
+/// workspace.
+pub(crate) struct Workspace {
+    /// The residual stream's gradient, `[T, D]`: `∂loss/∂x_l` once block `l` is done.
+    pub(crate) dx: GpuBuffer<f32>,
+    /// The gradient of a norm's output `[T, D]` (`n1`, `n2`, the final norm).
+    pub(crate) dn: GpuBuffer<f32>,
+    pub(crate) d_h: GpuBuffer<f32>,
+    pub(crate) d_h_sub: Option<GpuBuffer<f32>>,
+    pub(crate) d_gate: GpuBuffer<f32>,
+    pub(crate) d_up: GpuBuffer<f32>,
+    /// The gradient of `W_o`'s input `[T, Hq]`; BitNet's of the attention output before it.
+    pub(crate) d_o: GpuBuffer<f32>,
+    pub(crate) d_o_attn: Option<GpuBuffer<f32>>,
+    pub(crate) stats: GpuBuffer<f32>,
+    pub(crate) d_q: GpuBuffer<f32>,
+    pub(crate) d_k: GpuBuffer<f32>,
+    pub(crate) d_v: GpuBuffer<f32>,
+    pub(crate) d_q_pre: Option<GpuBuffer<f32>>,
+    pub(crate) d_k_pre: Option<GpuBuffer<f32>>,
+    pub(crate) lora: LoraWork,
+}
+
+/// The LoRA backward's workspace: `dh [T, r]` and the weight gradients' partial sums.
+pub(crate) struct LoraWork {
+    pub(crate) dh: GpuBuffer<f32>,
+    pub(crate) scratch: GpuBuffer<f32>,
+}
+
+/// The final norm, the chunked lm-head and cross-entropy, and the loss.
+pub(crate) struct LossBuffers {
+    /// `RMSNorm(x_L)` `[T, D]` and its `rstd`.
+    pub(crate) n: GpuBuffer<f32>,
+    pub(crate) rstd: GpuBuffer<f32>,
+    /// One chunk: its rows of `n` `[C, D]`, logits and their gradient `[C, V]`, the gradient of
+    /// its rows of `n`, its labels (`−100` past the batch's end) and per-token losses.
+    pub(crate) n_chunk: GpuBuffer<f32>,
+    pub(crate) logits: GpuBuffer<f32>,
+    pub(crate) d_logits: GpuBuffer<f32>,
+    pub(crate) d_n_chunk: GpuBuffer<f32>,
+    pub(crate) labels_chunk: GpuBuffer<i32>,
+    pub(crate) token_loss_chunk: GpuBuffer<f32>,
+    /// Every micro-batch's per-token losses `[M·T]`, `N` over all of them, and the mean.
+    pub(crate) token_loss: GpuBuffer<f32>,
+    pub(crate) count: GpuBuffer<u32>,
+    pub(crate) loss: GpuBuffer<f32>,
+}
+
+/// The step's inputs: every micro-batch's tokens and targets `[M·T]`, and lengths.
+pub(crate) struct Inputs {
+    pub(crate) tokens: GpuBuffer<u32>,
+    pub(crate) labels: GpuBuffer<i32>,
+    /// The current micro-batch's tokens `[T]`, copied out of `tokens`.
+    pub(crate) tokens_micro: GpuBuffer<u32>,
+    pub(crate) lens: Vec<ValidLengths>,
+}
+
+/// Every buffer of a step of one [`StepShape`], for one model and set of adapters.
+pub struct StepBuffers {
+    config: ModelConfig,
+    lora: LoraConfig,
+    pub(crate) shape: StepShape,
+    /// The loss chunk's rows: `loss_chunk`, or `T` when that is fewer.
+    pub(crate) chunk: usize,
+    /// Every block's activations; with [`StepShape::recompute`], one block's, which every
+    /// block's forward and recomputed forward fill in turn.
+    pub(crate) layers: Vec<LayerActivations>,
+    /// With [`StepShape::recompute`], each block's input `[T, D]` (else empty: the inputs are
+    /// in `layers`).
+    pub(crate) layer_inputs: Vec<GpuBuffer<f32>>,
+    /// The last block's output `x_L` `[T, D]`.
+    pub(crate) x_out: GpuBuffer<f32>,
+    pub(crate) work: Workspace,
+    pub(crate) loss: LossBuffers,
+    pub(crate) inputs: Inputs,
+    /// The global gradient norm's partial sums and the norm.
+    pub(crate) norm_partials: GpuBuffer<f32>,
+    pub(crate) grad_norm: GpuBuffer<f32>,
+}
+
+impl StepBuffers {
+    /// Allocate every buffer of a step of `shape` for `model` and `adapters`.
+    pub fn new(
+        gpu: &Gpu,
+        model: &GpuModel,
+        adapters: &GpuAdapters,
+        shape: StepShape,
+    ) -> Result<StepBuffers, ModelError> {
+        let c = model.config();
+        shape.check(c)?;
+        let t = shape.tokens();
+        let (d, i, r) = (c.dim, c.ffn_dim, adapters.lora().rank);
+        let (hq, hkv) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let (qwen3, bitnet) = (c.family == Family::Qwen3, c.family == Family::BitNet);
+        let buf = |n: usize| gpu.zeros::<f32>(n);
+        let opt = |on: bool, n: usize| on.then(|| buf(n)).transpose();
+        let kept = if shape.recompute { 1 } else { c.layers };
+        let layers = (0..kept)
+            .map(|_| {
+                Ok(LayerActivations {
+                    x: buf(t * d)?,
+                    rstd1: buf(t)?,
+                    n1: buf(t * d)?,
+                    q_pre: opt(qwen3, t * hq)?,
+                    k_pre: opt(qwen3, t * hkv)?,
+                    rstd_q: opt(qwen3, t * c.heads)?,
+                    rstd_k: opt(qwen3, t * c.kv_heads)?,
+                    q: buf(t * hq)?,
+                    k: buf(t * hkv)?,
+                    v: buf(t * hkv)?,
+                    o: buf(t * hq)?,
+                    lse: buf(t * c.heads)?,
+                    o_sub: opt(bitnet, t * hq)?,
+                    rstd_o: opt(bitnet, t)?,
+                    x1: buf(t * d)?,
+                    rstd2: buf(t)?,
+                    n2: buf(t * d)?,
+                    gate: buf(t * i)?,
+                    up: buf(t * i)?,
+                    h: buf(t * i)?,
+                    h_sub: opt(bitnet, t * i)?,
+                    rstd_h: opt(bitnet, t)?,
+                    lora_h: adapters
+                        .lora()
+                        .targets
+                        .iter()
+                        .map(|_| buf(t * r))
+                        .collect::<Result<_, _>>()?,
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        let widest = adapters
+            .lora()
+            .targets
+            .iter()
+            .map(|p| {
+                let (out, input) = p.shape(c);
+                out + input
+            })
+            .max()
+            .unwrap_or(0);
+        let work = Workspace {
+            dx: buf(t * d)?,
+            dn: buf(t * d)?,
+            d_h: buf(t * i)?,
+            d_h_sub: opt(bitnet, t * i)?,
+            d_gate: buf(t * i)?,
+            d_up: buf(t * i)?,
+            d_o: buf(t * hq)?,
+            d_o_attn: opt(bitnet, t * hq)?,
+            stats: buf(2 * t * c.heads)?,
+            d_q: buf(t * hq)?,
+            d_k: buf(t * hkv)?,
+            d_v: buf(t * hkv)?,
+            d_q_pre: opt(qwen3, t * hq)?,
+            d_k_pre: opt(qwen3, t * hkv)?,
+            lora: LoraWork {
+                dh: buf(t * r)?,
+                scratch: buf(lora_scratch_len(t, widest, r))?,
+            },
+        };
+        let chunk = shape.loss_chunk.min(t);
+        let all = t * shape.micro_batches;
+        let loss = LossBuffers {
+            n: buf(t * d)?,
+            rstd: buf(t)?,
+            n_chunk: buf(chunk * d)?,
+            logits: buf(chunk * c.vocab)?,
+            d_logits: buf(chunk * c.vocab)?,
+            d_n_chunk: buf(chunk * d)?,
+            labels_chunk: gpu.filled(chunk, IGNORE_INDEX as i32)?,
+            token_loss_chunk: buf(chunk)?,
+            token_loss: buf(all)?,
+            count: gpu.zeros(1)?,
+            loss: buf(1)?,
+        };
+        let lens = (0..shape.micro_batches)
+            .map(|_| ValidLengths::upload(gpu, &vec![shape.seq_len; shape.batch], shape.seq_len))
+            .collect::<Result<_, _>>()?;
+        let inputs = Inputs {
+            tokens: gpu.zeros(all)?,
+            labels: gpu.filled(all, IGNORE_INDEX as i32)?,
+            tokens_micro: gpu.zeros(t)?,
+            lens,
+        };
+        let grads = adapters
+            .adapters
+            .iter()
+            .flat_map(|a| [a.da.len(), a.db.len()]);
+        let inputs_kept = if shape.recompute { c.layers } else { 0 };
+        let layer_inputs = (0..inputs_kept)
+            .map(|_| buf(t * d))
+            .collect::<Result<_, _>>()?;
+        Ok(StepBuffers {
+            config: c.clone(),
+            lora: adapters.lora().clone(),
+            shape,
+            chunk,
+            layers,
+            layer_inputs,
+            x_out: buf(t * d)?,
+            work,
+            loss,
+            inputs,
+            norm_partials: buf(grad_norm_partials_len(grads))?,
+            grad_norm: buf(1)?,
+        })
+    }
+
+    pub fn shape(&self) -> StepShape {
+        self.shape
+    }
+
+    /// The model config and LoRA config these buffers were made for.
+    pub(crate) fn made_for(&self) -> (&ModelConfig, &LoraConfig) {
+        (&self.config, &self.lora)
+    }
+
+    /// Write the step's micro-batches (one per [`StepShape::micro_batches`], each of the
+    /// shape's `batch` and `seq_len`, checked against the model first; nothing is written
+    /// on an error).
+    pub fn load(
+        &mut self,
+        gpu: &Gpu,
+        config: &ModelConfig,
+        batches: &[Batch],
+    ) -> Result<(), ModelError> {
+        let shape = self.shape;
+        if batches.len() != shape.micro_batches {
+            let expected = format!("{} micro-batches (the step's shape)", shape.micro_batches);
+            return Err(ModelError::invalid(
+                "Batch",
+                "micro-batches",
+                expected,
+                batches.len(),
+            ));
+        }
+        for (m, batch) in batches.iter().enumerate() {
+            batch.check(config)?;
+            if (batch.batch, batch.seq_len) != (shape.batch, shape.seq_len) {
+                let expected = format!(
+                    "{} sequences of {} (the step's shape)",
+                    shape.batch, shape.seq_len
+                );
+                let given = format!("{} sequences of {}", batch.batch, batch.seq_len);
+                return Err(ModelError::invalid(
+                    "Batch",
+                    format!("micro-batch {m}"),
+                    expected,
+                    given,
+                ));
+            }
+        }
+        let tokens: Vec<u32> = batches
+            .iter()
+            .flat_map(|b| b.tokens.iter().copied())
+            .collect();
+        // `Batch::check` has made every target a class or −100.
+        let labels: Vec<i32> = batches
+            .iter()
+            .flat_map(|b| b.targets.iter().map(|&y| y as i32))
+            .collect();
+        self.inputs.tokens.write(gpu, &tokens)?;
+        self.inputs.labels.write(gpu, &labels)?;
+        for (lens, batch) in self.inputs.lens.iter_mut().zip(batches) {
+            lens.write(gpu, &batch.lens)?;
+        }
+        Ok(())
+    }
+
+    /// `[1]`: the mean cross-entropy of the last recorded step, over the targets of all its
+    /// micro-batches.
+    pub fn loss(&self) -> &GpuBuffer<f32> {
+        &self.loss.loss
+    }
+
+    /// `[M·T]`: each position's cross-entropy (0 where the target is −100).
+    pub fn token_losses(&self) -> &GpuBuffer<f32> {
+        &self.loss.token_loss
+    }
+
+    /// `[1]`: the global norm of the last step's LoRA gradients, before clipping (written by
+    /// the optimizer step).
+    pub fn grad_norm(&self) -> &GpuBuffer<f32> {
+        &self.grad_norm
+    }
+
+    /// `[T, D]`: `∂loss/∂x0` of the last micro-batch, the gradient at the embedding output.
+    pub fn d_embeddings(&self) -> &GpuBuffer<f32> {
+        &self.work.dx
+    }
+
+    /// Bytes of GPU memory these buffers take: the saved activations, the workspace, the
+    /// loss's chunk and the inputs.
+    pub fn memory_bytes(&self) -> u64 {
+        let sum = |bufs: &mut dyn Iterator<Item = Option<&GpuBuffer<f32>>>| {
+            bufs.flatten().map(GpuBuffer::bytes).sum::<u64>()
+        };
+        let layer = |l: &LayerActivations| {
+            let fixed = [
+                &l.x, &l.rstd1, &l.n1, &l.q, &l.k, &l.v, &l.o, &l.lse, &l.x1, &l.rstd2, &l.n2,
+                &l.gate, &l.up, &l.h,
+            ];
+            let extra = [
+                &l.q_pre, &l.k_pre, &l.rstd_q, &l.rstd_k, &l.o_sub, &l.rstd_o, &l.h_sub, &l.rstd_h,
+            ];
+            sum(&mut fixed.into_iter().map(Some))
+                + sum(&mut extra.into_iter().map(Option::as_ref))
+                + sum(&mut l.lora_h.iter().map(Some))
+        };
+        let w = &self.work;
+        let work = [
+            &w.dx,
+            &w.dn,
+            &w.d_h,
+            &w.d_gate,
+            &w.d_up,
+            &w.d_o,
+            &w.stats,
+            &w.d_q,
+            &w.d_k,
+            &w.d_v,
+            &w.lora.dh,
+            &w.lora.scratch,
+        ];
+        let work_extra = [&w.d_h_sub, &w.d_o_attn, &w.d_q_pre, &w.d_k_pre];
+        let l = &self.loss;
+        let loss = [
+            &l.n,
+            &l.rstd,
+            &l.n_chunk,
+            &l.logits,
+            &l.d_logits,
+            &l.d_n_chunk,
+            &l.token_loss_chunk,
+            &l.token_loss,
+            &l.loss,
+        ];
+        self.layers.iter().map(layer).sum::<u64>()
+            + self.layer_inputs.iter().map(GpuBuffer::bytes).sum::<u64>()
+            + self.x_out.bytes()
+            + sum(&mut work.into_iter().map(Some))
+            + sum(&mut work_extra.into_iter().map(Option::as_ref))
+            + sum(&mut loss.into_iter().map(Some))
+            + l.labels_chunk.bytes()
+            + self.inputs.tokens.bytes() * 2
+            + self.inputs.labels.bytes()
+    }
+}
+
+/// Where a projection of a block reads its input from.
+pub(crate) fn projection_input(layer: &LayerActivations, p: Projection) -> &GpuBuffer<f32> {
+    match p {
+        Projection::Q | Projection::K | Projection::V => &layer.n1,
+        Projection::O => layer.o_sub.as_ref().unwrap_or(&layer.o),
+        Projection::Gate | Projection::Up => &layer.n2,
+        Projection::Down => layer.h_sub.as_ref().unwrap_or(&layer.h),
+    }
+}

@@ -1,0 +1,295 @@
+//! The model on the GPU: the frozen weights in f32 ([`GpuModel`]) and the LoRA adapters with
+//! their gradients and AdamW state ([`GpuAdapters`]), uploaded from and read back to the host
+//! arrays of [`reference`](super::reference).
+
+use hesper_exec::{Gpu, GpuBuffer};
+use hesper_kernels::rope::RopeTable;
+
+use super::config::{LoraConfig, ModelConfig, ModelError, Projection};
+use super::reference::{Adapter, Adapters, LayerWeights, Weights};
+
+/// f64 host values as the f32 the GPU computes with.
+fn f32s(values: &[f64]) -> Vec<f32> {
+    values.iter().map(|&v| v as f32).collect()
+}
+
+fn upload(gpu: &Gpu, values: &[f64]) -> Result<GpuBuffer<f32>, ModelError> {
+    Ok(gpu.upload(&f32s(values))?)
+}
+
+fn upload_option(
+    gpu: &Gpu,
+    values: &Option<Vec<f64>>,
+) -> Result<Option<GpuBuffer<f32>>, ModelError> {
+    values.as_deref().map(|v| upload(gpu, v)).transpose()
+}
+
+/// One block's frozen weights on the GPU (the fields of [`LayerWeights`]).
+pub(crate) struct GpuLayer {
+    pub(crate) attn_norm: GpuBuffer<f32>,
+    /// `W_q, W_k, W_v, W_o, W_gate, W_up, W_down`, in [`Projection::ALL`]'s order.
+    projections: [GpuBuffer<f32>; 7],
+    pub(crate) ffn_norm: GpuBuffer<f32>,
+    pub(crate) q_bias: Option<GpuBuffer<f32>>,
+    pub(crate) k_bias: Option<GpuBuffer<f32>>,
+    pub(crate) v_bias: Option<GpuBuffer<f32>>,
+    pub(crate) q_norm: Option<GpuBuffer<f32>>,
+    pub(crate) k_norm: Option<GpuBuffer<f32>>,
+    pub(crate) attn_sub_norm: Option<GpuBuffer<f32>>,
+    pub(crate) ffn_sub_norm: Option<GpuBuffer<f32>>,
+}
+
+impl GpuLayer {
+    fn upload(gpu: &Gpu, w: &LayerWeights) -> Result<GpuLayer, ModelError> {
+        let mut projections = Vec::with_capacity(7);
+        for p in Projection::ALL {
+            projections.push(upload(gpu, w.projection(p))?);
+        }
+        Ok(GpuLayer {
+            attn_norm: upload(gpu, &w.attn_norm)?,
+            projections: projections.try_into().ok().expect("seven projections"),
+            ffn_norm: upload(gpu, &w.ffn_norm)?,
+            q_bias: upload_option(gpu, &w.q_bias)?,
+            k_bias: upload_option(gpu, &w.k_bias)?,
+            v_bias: upload_option(gpu, &w.v_bias)?,
+            q_norm: upload_option(gpu, &w.q_norm)?,
+            k_norm: upload_option(gpu, &w.k_norm)?,
+            attn_sub_norm: upload_option(gpu, &w.attn_sub_norm)?,
+            ffn_sub_norm: upload_option(gpu, &w.ffn_sub_norm)?,
+        })
+    }
+
+    /// The frozen weight of `projection`, `[out, in]`.
+    pub(crate) fn projection(&self, projection: Projection) -> &GpuBuffer<f32> {
+        let at = Projection::ALL
+            .iter()
+            .position(|&p| p == projection)
+            .expect("ALL holds every projection");
+        &self.projections[at]
+    }
+
+    /// The bias of `projection`, where the family has one (Qwen2's Q, K, V).
+    pub(crate) fn bias(&self, projection: Projection) -> Option<&GpuBuffer<f32>> {
+        match projection {
+            Projection::Q => self.q_bias.as_ref(),
+            Projection::K => self.k_bias.as_ref(),
+            Projection::V => self.v_bias.as_ref(),
+            _ => None,
+        }
+    }
+}
+
+/// A model's frozen weights on the GPU, with its config and RoPE table: what every step reads
+/// and none writes.
+pub struct GpuModel {
+    config: ModelConfig,
+    pub(crate) embed: GpuBuffer<f32>,
+    pub(crate) layers: Vec<GpuLayer>,
+    pub(crate) final_norm: GpuBuffer<f32>,
+    lm_head: Option<GpuBuffer<f32>>,
+    pub(crate) rope: RopeTable,
+}
+
+impl GpuModel {
+    /// Upload `weights` (checked against `config` first; the GPU computes with their f32
+    /// roundings). The GPU step also needs `head_dim` to be a multiple of 4 and at most 128
+    /// (its attention kernels' rule), checked here.
+    pub fn upload(
+        gpu: &Gpu,
+        config: &ModelConfig,
+        weights: &Weights,
+    ) -> Result<GpuModel, ModelError> {
+        config.check()?;
+        let hd = config.head_dim;
+        if !hd.is_multiple_of(4) || hd > hesper_kernels::attention::sequence::MAX_HEAD_DIM {
+            return Err(ModelError::invalid(
+                "ModelConfig",
+                "head_dim",
+                "a multiple of 4, at most 128 (the GPU attention kernels)",
+                hd,
+            ));
+        }
+        weights.check(config)?;
+        let layers = weights
+            .layers
+            .iter()
+            .map(|w| GpuLayer::upload(gpu, w))
+            .collect::<Result<_, _>>()?;
+        Ok(GpuModel {
+            config: config.clone(),
+            embed: upload(gpu, &weights.embed)?,
+            layers,
+            final_norm: upload(gpu, &weights.final_norm)?,
+            lm_head: weights
+                .lm_head
+                .as_deref()
+                .map(|h| upload(gpu, h))
+                .transpose()?,
+            rope: RopeTable::new(gpu, hd, config.rope_base, config.max_seq)?,
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
+    /// The matrix the logits are `n·Wᵀ` of (`[V, D]`): the head, or the tied embedding.
+    pub(crate) fn head(&self) -> &GpuBuffer<f32> {
+        self.lm_head.as_ref().unwrap_or(&self.embed)
+    }
+
+    /// Bytes of GPU memory the frozen weights take.
+    pub fn memory_bytes(&self) -> u64 {
+        let layer = |l: &GpuLayer| {
+            let extras = [
+                &l.q_bias,
+                &l.k_bias,
+                &l.v_bias,
+                &l.q_norm,
+                &l.k_norm,
+                &l.attn_sub_norm,
+                &l.ffn_sub_norm,
+            ];
+            l.projections.iter().map(GpuBuffer::bytes).sum::<u64>()
+                + l.attn_norm.bytes()
+                + l.ffn_norm.bytes()
+                + extras
+                    .iter()
+                    .flat_map(|e| e.as_ref())
+                    .map(GpuBuffer::bytes)
+                    .sum::<u64>()
+        };
+        self.embed.bytes()
+            + self.layers.iter().map(layer).sum::<u64>()
+            + self.final_norm.bytes()
+            + self.lm_head.as_ref().map_or(0, GpuBuffer::bytes)
+    }
+}
+
+/// One projection's adapter on the GPU: the trained `A [r, in]` and `B [out, r]`, their
+/// gradients, and AdamW's moments.
+pub(crate) struct GpuAdapter {
+    pub(crate) a: GpuBuffer<f32>,
+    pub(crate) b: GpuBuffer<f32>,
+    /// `∂loss/∂A`, `∂loss/∂B` of the last step (summed over its micro-batches).
+    pub(crate) da: GpuBuffer<f32>,
+    pub(crate) db: GpuBuffer<f32>,
+    /// One micro-batch's gradients, added into `da`, `db` after the first micro-batch.
+    pub(crate) micro_da: GpuBuffer<f32>,
+    pub(crate) micro_db: GpuBuffer<f32>,
+    /// AdamW's `m` and `v` of `A` and of `B`.
+    pub(crate) moments: [GpuBuffer<f32>; 4],
+}
+
+/// The LoRA adapters of every targeted projection of every layer on the GPU, with their
+/// gradients and optimizer state (what a step writes).
+pub struct GpuAdapters {
+    config: ModelConfig,
+    lora: LoraConfig,
+    /// `[layer][target]`, flattened, as [`Adapters`] holds them.
+    pub(crate) adapters: Vec<GpuAdapter>,
+}
+
+impl GpuAdapters {
+    /// Upload `adapters` (checked against `config` and `lora`), with zero gradients and
+    /// optimizer state.
+    pub fn upload(
+        gpu: &Gpu,
+        config: &ModelConfig,
+        lora: &LoraConfig,
+        adapters: &Adapters,
+    ) -> Result<GpuAdapters, ModelError> {
+        config.check()?;
+        lora.check()?;
+        adapters.check(config, lora)?;
+        let adapters = adapters
+            .iter()
+            .map(|(_, _, Adapter { a, b })| {
+                let zeros = |n: usize| gpu.zeros::<f32>(n);
+                Ok(GpuAdapter {
+                    a: upload(gpu, a)?,
+                    b: upload(gpu, b)?,
+                    da: zeros(a.len())?,
+                    db: zeros(b.len())?,
+                    micro_da: zeros(a.len())?,
+                    micro_db: zeros(b.len())?,
+                    moments: [
+                        zeros(a.len())?,
+                        zeros(a.len())?,
+                        zeros(b.len())?,
+                        zeros(b.len())?,
+                    ],
+                })
+            })
+            .collect::<Result<_, ModelError>>()?;
+        Ok(GpuAdapters {
+            config: config.clone(),
+            lora: lora.clone(),
+            adapters,
+        })
+    }
+
+    pub fn lora(&self) -> &LoraConfig {
+        &self.lora
+    }
+
+    /// The position of `(layer, projection)`'s adapter, `None` when LoRA does not target it.
+    pub(crate) fn index(&self, layer: usize, projection: Projection) -> Option<usize> {
+        let targets = &self.lora.targets;
+        let target = targets.iter().position(|&p| p == projection)?;
+        Some(layer * targets.len() + target)
+    }
+
+    /// The adapters as host arrays (waits for the GPU).
+    pub fn download(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
+        self.read(gpu, |a| (&a.a, &a.b))
+    }
+
+    /// The last step's gradients, in the adapters' layout (waits for the GPU).
+    pub fn download_grads(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
+        self.read(gpu, |a| (&a.da, &a.db))
+    }
+
+    /// Replace the adapters' values (checked like [`GpuAdapters::upload`]); the optimizer
+    /// state is kept.
+    pub fn write(&self, gpu: &Gpu, adapters: &Adapters) -> Result<(), ModelError> {
+        adapters.check(&self.config, &self.lora)?;
+        for (gpu_adapter, (_, _, host)) in self.adapters.iter().zip(adapters.iter()) {
+            gpu_adapter.a.write(gpu, &f32s(&host.a))?;
+            gpu_adapter.b.write(gpu, &f32s(&host.b))?;
+        }
+        Ok(())
+    }
+
+    fn read(
+        &self,
+        gpu: &Gpu,
+        pick: impl Fn(&GpuAdapter) -> (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    ) -> Result<Adapters, ModelError> {
+        let mut out = Adapters::zeros(&self.config, &self.lora);
+        let targets = self.lora.targets.len();
+        for (i, gpu_adapter) in self.adapters.iter().enumerate() {
+            let (a, b) = pick(gpu_adapter);
+            let host = out
+                .get_mut(i / targets, self.lora.targets[i % targets])
+                .expect("the same layout");
+            host.a = a.read(gpu)?.iter().map(|&v| v as f64).collect();
+            host.b = b.read(gpu)?.iter().map(|&v| v as f64).collect();
+        }
+        Ok(out)
+    }
+
+    /// Bytes of GPU memory the adapters, their gradients and their optimizer state take.
+    pub fn memory_bytes(&self) -> u64 {
+        self.adapters
+            .iter()
+            .map(|a| {
+                [&a.a, &a.b, &a.da, &a.db, &a.micro_da, &a.micro_db]
+                    .into_iter()
+                    .chain(&a.moments)
+                    .map(GpuBuffer::bytes)
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+}

@@ -1,0 +1,657 @@
+//! A LoRA training step recorded into one [`Recorder`]: the forward over every block saving
+//! what the backward needs, the final norm with the lm-head and cross-entropy chunked over
+//! tokens, the backward through every block in reverse into every adapter's gradient, and
+//! AdamW (global-norm clipping, LoRA+). The schedule is fixed per [`StepShape`]: the same
+//! launches over the same buffers every step, per-step values (learning rate, step number) as
+//! runtime parameters, so no step compiles a pipeline or allocates.
+//!
+//! The math is [`reference`](super::reference)'s (KERNELS.md "Forward of one block", "Through
+//! a block"), which the tests compare the step with.
+
+use hesper_exec::{GpuBuffer, Recorder};
+use hesper_kernels::attention::{
+    SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths, execute_attention_backward,
+    execute_attention_forward,
+};
+use hesper_kernels::elementwise::{execute_add, execute_add_bias, execute_embedding};
+use hesper_kernels::ffn::{
+    execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
+    execute_swiglu_forward,
+};
+use hesper_kernels::linear::{execute_matmul_nn, execute_matmul_nt};
+use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
+use hesper_kernels::loss::{
+    IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
+    execute_cross_entropy_rows,
+};
+use hesper_kernels::norm::{execute_rms_norm_backward, execute_rms_norm_forward};
+use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_grad_norm};
+use hesper_kernels::rope::{Positions, execute_rope_backward, execute_rope_forward};
+
+use super::activations::{
+    LayerActivations, LoraWork, LossBuffers, StepBuffers, Workspace, projection_input,
+};
+use super::config::{ModelError, Projection};
+use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
+
+/// What every launch of one micro-batch shares.
+struct Ctx<'a> {
+    model: &'a GpuModel,
+    /// `T = B·S`.
+    tokens: usize,
+    attention: SeqShape,
+    positions: Positions,
+    eps: f32,
+    rank: usize,
+    /// LoRA's `s`.
+    scale: f32,
+    /// The micro-batch: the first writes the adapters' gradients, the others add to them.
+    micro: usize,
+}
+
+impl Ctx<'_> {
+    /// `y (+)= x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer`, saving `x·Aᵀ` in
+    /// `lora_h` where LoRA adapts it.
+    #[allow(clippy::too_many_arguments)]
+    fn project(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        (layer, projection): (usize, Projection),
+        x: &GpuBuffer<f32>,
+        y: &mut GpuBuffer<f32>,
+        lora_h: &mut [GpuBuffer<f32>],
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        let weights = &self.model.layers[layer];
+        let (out, input) = projection.shape(self.model.config());
+        execute_matmul_nt(
+            rec,
+            x,
+            weights.projection(projection),
+            y,
+            self.tokens,
+            out,
+            input,
+            accumulate,
+        )?;
+        if let Some(bias) = weights.bias(projection) {
+            execute_add_bias(rec, y, bias)?;
+        }
+        if let Some(i) = adapters.index(layer, projection) {
+            let adapter = &adapters.adapters[i];
+            let h = &mut lora_h[i % adapters.lora().targets.len()];
+            execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?;
+        }
+        Ok(())
+    }
+
+    /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer`, and its adapter's gradients
+    /// (written by the first micro-batch, added to by the others).
+    #[allow(clippy::too_many_arguments)]
+    fn project_backward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &mut GpuAdapters,
+        (layer, projection): (usize, Projection),
+        saved: &LayerActivations,
+        dy: &GpuBuffer<f32>,
+        dx: &mut GpuBuffer<f32>,
+        work: &mut LoraWork,
+        accumulate: bool,
+    ) -> Result<(), ModelError> {
+        let weights = &self.model.layers[layer];
+        let (out, input) = projection.shape(self.model.config());
+        execute_matmul_nn(
+            rec,
+            dy,
+            weights.projection(projection),
+            dx,
+            self.tokens,
+            out,
+            input,
+            accumulate,
+        )?;
+        let Some(i) = adapters.index(layer, projection) else {
+            return Ok(());
+        };
+        let target = i % adapters.lora().targets.len();
+        let GpuAdapter {
+            a,
+            b,
+            da,
+            db,
+            micro_da,
+            micro_db,
+            ..
+        } = &mut adapters.adapters[i];
+        let inputs = LoraBackward {
+            x: projection_input(saved, projection),
+            a,
+            b,
+            h: &saved.lora_h[target],
+            dy,
+        };
+        let (rank, scale) = (self.rank, self.scale);
+        let (dh, scratch) = (&mut work.dh, &mut work.scratch);
+        if self.micro == 0 {
+            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, da, db, dx)?;
+        } else {
+            execute_lora_backward(
+                rec, &inputs, rank, scale, dh, scratch, micro_da, micro_db, dx,
+            )?;
+            execute_add(rec, micro_da, da)?;
+            execute_add(rec, micro_db, db)?;
+        }
+        Ok(())
+    }
+
+    /// Block `layer`'s forward from `saved.x`, saving its activations; its output into `out`.
+    fn block_forward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        layer: usize,
+        saved: &mut LayerActivations,
+        lens: &ValidLengths,
+        out: &mut GpuBuffer<f32>,
+    ) -> Result<(), ModelError> {
+        let (c, w, eps) = (self.model.config(), &self.model.layers[layer], self.eps);
+        let a = saved;
+        execute_rms_norm_forward(rec, &a.x, &w.attn_norm, &mut a.n1, &mut a.rstd1, eps)?;
+        let at = |p| (layer, p);
+        let q_out = a.q_pre.as_mut().unwrap_or(&mut a.q);
+        self.project(
+            rec,
+            adapters,
+            at(Projection::Q),
+            &a.n1,
+            q_out,
+            &mut a.lora_h,
+            false,
+        )?;
+        let k_out = a.k_pre.as_mut().unwrap_or(&mut a.k);
+        self.project(
+            rec,
+            adapters,
+            at(Projection::K),
+            &a.n1,
+            k_out,
+            &mut a.lora_h,
+            false,
+        )?;
+        self.project(
+            rec,
+            adapters,
+            at(Projection::V),
+            &a.n1,
+            &mut a.v,
+            &mut a.lora_h,
+            false,
+        )?;
+        if let (Some(q_pre), Some(k_pre), Some(rstd_q), Some(rstd_k), Some(q_norm), Some(k_norm)) = (
+            &a.q_pre,
+            &a.k_pre,
+            &mut a.rstd_q,
+            &mut a.rstd_k,
+            &w.q_norm,
+            &w.k_norm,
+        ) {
+            execute_rms_norm_forward(rec, q_pre, q_norm, &mut a.q, rstd_q, eps)?;
+            execute_rms_norm_forward(rec, k_pre, k_norm, &mut a.k, rstd_k, eps)?;
+        }
+        execute_rope_forward(rec, &mut a.q, &self.model.rope, c.heads, self.positions)?;
+        execute_rope_forward(rec, &mut a.k, &self.model.rope, c.kv_heads, self.positions)?;
+        let inputs = SeqInputs {
+            q: &a.q,
+            k: &a.k,
+            v: &a.v,
+            lens: Some(lens),
+        };
+        execute_attention_forward(rec, self.attention, inputs, &mut a.o, &mut a.lse)?;
+        if let (Some(o_sub), Some(rstd_o), Some(gamma)) =
+            (&mut a.o_sub, &mut a.rstd_o, &w.attn_sub_norm)
+        {
+            execute_rms_norm_forward(rec, &a.o, gamma, o_sub, rstd_o, eps)?;
+        }
+        rec.copy(&a.x, &a.x1)?;
+        let o_in = a.o_sub.as_ref().unwrap_or(&a.o);
+        self.project(
+            rec,
+            adapters,
+            at(Projection::O),
+            o_in,
+            &mut a.x1,
+            &mut a.lora_h,
+            true,
+        )?;
+
+        execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n2, &mut a.rstd2, eps)?;
+        self.project(
+            rec,
+            adapters,
+            at(Projection::Gate),
+            &a.n2,
+            &mut a.gate,
+            &mut a.lora_h,
+            false,
+        )?;
+        self.project(
+            rec,
+            adapters,
+            at(Projection::Up),
+            &a.n2,
+            &mut a.up,
+            &mut a.lora_h,
+            false,
+        )?;
+        match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
+            (Some(h_sub), Some(rstd_h), Some(gamma)) => {
+                execute_relu_sqr_mul_forward(rec, &a.gate, &a.up, &mut a.h)?;
+                execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
+            }
+            _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
+        }
+        rec.copy(&a.x1, out)?;
+        let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
+        self.project(
+            rec,
+            adapters,
+            at(Projection::Down),
+            h_in,
+            out,
+            &mut a.lora_h,
+            true,
+        )
+    }
+
+    /// Block `layer`'s backward: `work.dx` holds `∂loss/∂(its output)` and is left holding
+    /// `∂loss/∂(its input)`; every adapter of the block gets its gradients.
+    fn block_backward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &mut GpuAdapters,
+        layer: usize,
+        a: &LayerActivations,
+        lens: &ValidLengths,
+        work: &mut Workspace,
+    ) -> Result<(), ModelError> {
+        let (c, w) = (self.model.config(), &self.model.layers[layer]);
+        let at = |p| (layer, p);
+        let Workspace {
+            dx,
+            dn,
+            d_h,
+            d_h_sub,
+            d_gate,
+            d_up,
+            d_o,
+            d_o_attn,
+            stats,
+            d_q,
+            d_k,
+            d_v,
+            d_q_pre,
+            d_k_pre,
+            lora,
+        } = work;
+
+        // x2 = x1 + h·W_downᵀ: dx is ∂/∂x2, and ∂/∂x1 gets it unchanged (the residual) plus
+        // the FFN's path, added below.
+        let d_down_in = d_h_sub.as_mut().unwrap_or(d_h);
+        self.project_backward(
+            rec,
+            adapters,
+            at(Projection::Down),
+            a,
+            dx,
+            d_down_in,
+            lora,
+            false,
+        )?;
+        match (&a.h_sub, &a.rstd_h, &w.ffn_sub_norm, d_h_sub) {
+            (Some(_), Some(rstd_h), Some(gamma), Some(d_h_sub)) => {
+                execute_rms_norm_backward(rec, &a.h, gamma, rstd_h, d_h_sub, d_h, false)?;
+                execute_relu_sqr_mul_backward(rec, &a.gate, &a.up, d_h, d_gate, d_up)?;
+            }
+            _ => execute_swiglu_backward(rec, &a.gate, &a.up, d_h, d_gate, d_up)?,
+        }
+        self.project_backward(
+            rec,
+            adapters,
+            at(Projection::Gate),
+            a,
+            d_gate,
+            dn,
+            lora,
+            false,
+        )?;
+        self.project_backward(rec, adapters, at(Projection::Up), a, d_up, dn, lora, true)?;
+        execute_rms_norm_backward(rec, &a.x1, &w.ffn_norm, &a.rstd2, dn, dx, true)?;
+
+        // x1 = x + o·W_oᵀ: the same for the attention's path.
+        self.project_backward(rec, adapters, at(Projection::O), a, dx, d_o, lora, false)?;
+        let d_attn: &GpuBuffer<f32> = match (&a.rstd_o, &w.attn_sub_norm, d_o_attn.as_mut()) {
+            (Some(rstd_o), Some(gamma), Some(d_o_attn)) => {
+                execute_rms_norm_backward(rec, &a.o, gamma, rstd_o, d_o, d_o_attn, false)?;
+                d_o_attn
+            }
+            _ => d_o,
+        };
+        let saved = SeqSaved {
+            inputs: SeqInputs {
+                q: &a.q,
+                k: &a.k,
+                v: &a.v,
+                lens: Some(lens),
+            },
+            o: &a.o,
+            lse: &a.lse,
+        };
+        let grads = SeqGrads {
+            stats,
+            d_q,
+            d_k,
+            d_v,
+        };
+        execute_attention_backward(rec, self.attention, saved, d_attn, grads)?;
+        execute_rope_backward(rec, d_q, &self.model.rope, c.heads, self.positions)?;
+        execute_rope_backward(rec, d_k, &self.model.rope, c.kv_heads, self.positions)?;
+        let (mut dq_in, mut dk_in): (&GpuBuffer<f32>, &GpuBuffer<f32>) = (d_q, d_k);
+        if let (
+            Some(q_pre),
+            Some(k_pre),
+            Some(rstd_q),
+            Some(rstd_k),
+            Some(q_norm),
+            Some(k_norm),
+            Some(d_q_pre),
+            Some(d_k_pre),
+        ) = (
+            &a.q_pre,
+            &a.k_pre,
+            &a.rstd_q,
+            &a.rstd_k,
+            &w.q_norm,
+            &w.k_norm,
+            d_q_pre.as_mut(),
+            d_k_pre.as_mut(),
+        ) {
+            execute_rms_norm_backward(rec, q_pre, q_norm, rstd_q, dq_in, d_q_pre, false)?;
+            execute_rms_norm_backward(rec, k_pre, k_norm, rstd_k, dk_in, d_k_pre, false)?;
+            (dq_in, dk_in) = (d_q_pre, d_k_pre);
+        }
+        self.project_backward(rec, adapters, at(Projection::Q), a, dq_in, dn, lora, false)?;
+        self.project_backward(rec, adapters, at(Projection::K), a, dk_in, dn, lora, true)?;
+        self.project_backward(rec, adapters, at(Projection::V), a, d_v, dn, lora, true)?;
+        execute_rms_norm_backward(rec, &a.x, &w.attn_norm, &a.rstd1, dn, dx, true)?;
+        Ok(())
+    }
+
+    /// The final norm of `x_out`, then chunk by chunk of tokens the logits, their
+    /// cross-entropy (each chunk's rows divided by the step's one `N`) and the gradient of the
+    /// norm's output, into `dn`; the per-token losses into this micro-batch's rows of
+    /// `loss.token_loss`.
+    fn loss_forward_backward(
+        &self,
+        rec: &mut Recorder<'_>,
+        x_out: &GpuBuffer<f32>,
+        labels: &GpuBuffer<i32>,
+        loss: &mut LossBuffers,
+        chunk: usize,
+        dn: &mut GpuBuffer<f32>,
+    ) -> Result<(), ModelError> {
+        let c = self.model.config();
+        let (t, d, vocab) = (self.tokens, c.dim, c.vocab);
+        let head = self.model.head();
+        execute_rms_norm_forward(
+            rec,
+            x_out,
+            &self.model.final_norm,
+            &mut loss.n,
+            &mut loss.rstd,
+            self.eps,
+        )?;
+        let mut first = 0;
+        while first < t {
+            let rows = chunk.min(t - first);
+            rec.copy_range(&loss.n, first * d, &loss.n_chunk, 0, rows * d)?;
+            if rows < chunk {
+                // The rows past the batch's end hold an earlier chunk's values: masked, they
+                // add nothing.
+                rec.fill(&loss.labels_chunk, IGNORE_INDEX)?;
+            }
+            rec.copy_range(labels, self.micro * t + first, &loss.labels_chunk, 0, rows)?;
+            execute_matmul_nt(
+                rec,
+                &loss.n_chunk,
+                head,
+                &mut loss.logits,
+                chunk,
+                vocab,
+                d,
+                false,
+            )?;
+            execute_cross_entropy_rows(
+                rec,
+                &loss.logits,
+                &loss.labels_chunk,
+                vocab,
+                &loss.count,
+                &mut loss.d_logits,
+                &mut loss.token_loss_chunk,
+            )?;
+            execute_matmul_nn(
+                rec,
+                &loss.d_logits,
+                head,
+                &mut loss.d_n_chunk,
+                chunk,
+                vocab,
+                d,
+                false,
+            )?;
+            rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
+            let at = self.micro * t + first;
+            rec.copy_range(&loss.token_loss_chunk, 0, &loss.token_loss, at, rows)?;
+            first += rows;
+        }
+        Ok(())
+    }
+}
+
+/// `Ok` when `buffers` were made for `model`'s config and `adapters`' LoRA config.
+fn check_buffers(
+    model: &GpuModel,
+    adapters: &GpuAdapters,
+    buffers: &StepBuffers,
+) -> Result<(), ModelError> {
+    let (config, lora) = buffers.made_for();
+    if config != model.config() || lora != adapters.lora() {
+        return Err(ModelError::invalid(
+            "StepBuffers",
+            "model",
+            "buffers made by StepBuffers::new for this model and these adapters",
+            format!("buffers of another model or LoRA config ({config:?}, {lora:?})"),
+        ));
+    }
+    Ok(())
+}
+
+/// Record the forward and backward of the micro-batches [`StepBuffers::load`] wrote: the loss
+/// (mean cross-entropy over the targets of all micro-batches) into [`StepBuffers::loss`] and
+/// its gradient with respect to every adapter into the adapters' gradients (overwritten).
+pub fn record_forward_backward(
+    rec: &mut Recorder<'_>,
+    model: &GpuModel,
+    adapters: &mut GpuAdapters,
+    buffers: &mut StepBuffers,
+) -> Result<(), ModelError> {
+    check_buffers(model, adapters, buffers)?;
+    let c = model.config();
+    let shape = buffers.shape;
+    let t = shape.tokens();
+    let StepBuffers {
+        chunk,
+        layers,
+        layer_inputs,
+        x_out,
+        work,
+        loss,
+        inputs,
+        ..
+    } = buffers;
+    let mut ctx = Ctx {
+        model,
+        tokens: t,
+        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim),
+        positions: Positions {
+            seq_len: shape.seq_len as u32,
+            offset: 0,
+        },
+        eps: c.norm_eps as f32,
+        rank: adapters.lora().rank,
+        scale: adapters.lora().scale() as f32,
+        micro: 0,
+    };
+    execute_cross_entropy_count(rec, &inputs.labels, c.vocab, &mut loss.count)?;
+    for micro in 0..shape.micro_batches {
+        ctx.micro = micro;
+        let lens = &inputs.lens[micro];
+        rec.copy_range(&inputs.tokens, micro * t, &inputs.tokens_micro, 0, t)?;
+        let x0 = match layer_inputs.first_mut() {
+            Some(x0) => x0,
+            None => &mut layers[0].x,
+        };
+        execute_embedding(rec, &model.embed, &inputs.tokens_micro, c.dim, x0)?;
+        for layer in 0..c.layers {
+            if shape.recompute {
+                // The one set of activations, filled from this block's kept input.
+                let (input, next) = layer_inputs[layer..].split_first_mut().expect("layer < L");
+                let out = next.first_mut().unwrap_or(&mut *x_out);
+                rec.copy(input, &layers[0].x)?;
+                ctx.block_forward(rec, adapters, layer, &mut layers[0], lens, out)?;
+            } else {
+                let (this, next) = layers[layer..].split_first_mut().expect("layer < L");
+                let out = match next.first_mut() {
+                    Some(next) => &mut next.x,
+                    None => &mut *x_out,
+                };
+                ctx.block_forward(rec, adapters, layer, this, lens, out)?;
+            }
+        }
+        ctx.loss_forward_backward(rec, x_out, &inputs.labels, loss, *chunk, &mut work.dn)?;
+        execute_rms_norm_backward(
+            rec,
+            x_out,
+            &model.final_norm,
+            &loss.rstd,
+            &work.dn,
+            &mut work.dx,
+            false,
+        )?;
+        for layer in (0..c.layers).rev() {
+            let saved = if shape.recompute {
+                // The forward again, from the kept input (its output lands in `x_out`, which
+                // the loss no longer needs): the same kernels on the same values, so the same
+                // activations to the bit.
+                rec.copy(&layer_inputs[layer], &layers[0].x)?;
+                ctx.block_forward(rec, adapters, layer, &mut layers[0], lens, x_out)?;
+                &layers[0]
+            } else {
+                &layers[layer]
+            };
+            ctx.block_backward(rec, adapters, layer, saved, lens, work)?;
+        }
+    }
+    execute_cross_entropy_mean(rec, &loss.token_loss, &loss.count, &mut loss.loss)?;
+    Ok(())
+}
+
+/// The optimizer of the adapters: AdamW over every `A` and `B`, LoRA+ and global-norm
+/// clipping (PyTorch's `clip_grad_norm_`, over all adapters together).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Optimizer {
+    pub adamw: AdamW,
+    /// Clip the gradients' global norm to this; `None` does not clip.
+    pub max_grad_norm: Option<f64>,
+    /// LoRA+: `B` trains at this multiple of the learning rate (1 is plain LoRA).
+    pub lora_plus_ratio: f64,
+}
+
+impl Default for Optimizer {
+    /// PyTorch's AdamW, clipping at 1.0 (Hugging Face's `max_grad_norm`), no LoRA+.
+    fn default() -> Self {
+        Optimizer {
+            adamw: AdamW::default(),
+            max_grad_norm: Some(1.0),
+            lora_plus_ratio: 1.0,
+        }
+    }
+}
+
+/// Record one optimizer step over every adapter from the gradients
+/// [`record_forward_backward`] left: the global gradient norm into
+/// [`StepBuffers::grad_norm`], then AdamW at learning rate `lr` as step `step` (from 1).
+///
+/// A gradient that is not finite makes the norm not finite, and then the update is skipped:
+/// the adapters and the optimizer state keep their values, and the norm says why.
+pub fn record_optimizer_step(
+    rec: &mut Recorder<'_>,
+    optimizer: &Optimizer,
+    (lr, step): (f64, u32),
+    adapters: &mut GpuAdapters,
+    buffers: &mut StepBuffers,
+) -> Result<(), ModelError> {
+    let ratio = optimizer.lora_plus_ratio;
+    if !(ratio.is_finite() && ratio > 0.0) {
+        let expected = "a positive finite multiple of the learning rate";
+        return Err(ModelError::invalid(
+            "Optimizer",
+            "lora_plus_ratio",
+            expected,
+            ratio,
+        ));
+    }
+    let grads: Vec<&GpuBuffer<f32>> = adapters
+        .adapters
+        .iter()
+        .flat_map(|a| [&a.da, &a.db])
+        .collect();
+    execute_global_grad_norm(
+        rec,
+        &grads,
+        &mut buffers.norm_partials,
+        &mut buffers.grad_norm,
+    )?;
+    // Without clipping the norm still guards the update: a coefficient of exactly 1 for every
+    // finite norm, and a skipped step for one that is not.
+    let max_norm = optimizer.max_grad_norm.map_or(f32::MAX, |m| m as f32);
+    let clip = Clip::GlobalNorm {
+        norm: &buffers.grad_norm,
+        max_norm,
+    };
+    let step_a = Step {
+        lr: lr as f32,
+        t: step,
+        clip,
+    };
+    let step_b = Step {
+        lr: (lr * ratio) as f32,
+        t: step,
+        clip,
+    };
+    for adapter in &mut adapters.adapters {
+        let GpuAdapter {
+            a,
+            b,
+            da,
+            db,
+            moments: [m_a, v_a, m_b, v_b],
+            ..
+        } = adapter;
+        execute_adamw(rec, &optimizer.adamw, &step_a, a, da, m_a, v_a)?;
+        execute_adamw(rec, &optimizer.adamw, &step_b, b, db, m_b, v_b)?;
+    }
+    Ok(())
+}
