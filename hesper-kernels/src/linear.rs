@@ -37,9 +37,10 @@ use crate::{bad_tile, expect_len, expect_u32};
 /// Ternary weights per packed `u32` (2 bits each).
 pub const TERNARY_PER_WORD: usize = 16;
 
-/// Workgroups below which [`Tile::LARGE`] would leave an H200 partly idle (132 SMs, each running
-/// two of its 256-invocation workgroups at once).
-const LARGE_MIN_WORKGROUPS: usize = 264;
+/// Workgroups below which [`Tile::LARGE`] is slower than [`Tile::MEDIUM`] on the H200 (132 SMs):
+/// at a whole LoRA step's GEMMs (BENCHMARKS.md "The whole step") `MEDIUM` won with 384 `LARGE`
+/// workgroups (4096 × 1536: 4–11%), and `LARGE` at 3072 (3%).
+const LARGE_MIN_WORKGROUPS: usize = 512;
 
 /// Which product of a linear layer with its weight `W: [n, k]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -97,8 +98,17 @@ impl Tile {
         tm: 8,
         tn: 8,
     };
-    /// 64×64 outputs, 16 deep, 4×4 per invocation, 256 invocations, 17 KiB: four times the
-    /// workgroups of `LARGE`, for problems too small to fill the GPU with it.
+    /// 64×64 outputs, 16 deep, 8×8 per invocation, 64 invocations, 17 KiB: four times the
+    /// workgroups of `LARGE` with its work per invocation, for problems too small to fill the
+    /// GPU with `LARGE` (at SmolLM2's shapes on the H200 it beat `SMALL` by up to 1.4×).
+    pub const MEDIUM: Tile = Tile {
+        bm: 64,
+        bn: 64,
+        bk: 16,
+        tm: 8,
+        tn: 8,
+    };
+    /// 64×64 outputs, 16 deep, 4×4 per invocation, 256 invocations, 17 KiB.
     pub const SMALL: Tile = Tile {
         bm: 64,
         bn: 64,
@@ -119,14 +129,14 @@ impl Tile {
     };
 
     /// The tile for an output of `rows × cols`: `LARGE` when that gives enough workgroups to fill
-    /// the GPU, else `SMALL`.
+    /// the GPU, else `MEDIUM`.
     pub fn for_shape(rows: usize, cols: usize) -> Tile {
         let large = Tile::LARGE;
         let workgroups = rows.div_ceil(large.bm as usize) * cols.div_ceil(large.bn as usize);
         if workgroups >= LARGE_MIN_WORKGROUPS {
             large
         } else {
-            Tile::SMALL
+            Tile::MEDIUM
         }
     }
 
@@ -143,13 +153,14 @@ impl Tile {
     }
 
     /// This tile if a device with `limits` runs it, else the first standard tile that fits
-    /// (`SMALL`, then `PORTABLE`): a choice made for the shape, kept within the device.
+    /// (`MEDIUM`, `SMALL`, then `PORTABLE`): a choice made for the shape, kept within the
+    /// device.
     pub fn within(self, limits: &Limits) -> Tile {
         let fits = |t: &Tile| {
             t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
                 && t.invocations() <= limits.max_invocations_per_workgroup
         };
-        [self, Tile::SMALL, Tile::PORTABLE]
+        [self, Tile::MEDIUM, Tile::SMALL, Tile::PORTABLE]
             .into_iter()
             .find(fits)
             .unwrap_or(self)
@@ -906,14 +917,15 @@ mod tests {
     use super::*;
 
     /// The standard tiles, for every product, use at most the workgroup memory
-    /// `workgroup_bytes` says (what `within` chooses by), and pass their checks: `LARGE` and `SMALL` fit 32 KiB, `PORTABLE` WebGPU's 16 KiB
+    /// `workgroup_bytes` says (what `within` chooses by), and pass their checks: `LARGE`, `MEDIUM` and `SMALL` fit 32 KiB, `PORTABLE` WebGPU's 16 KiB
     /// (the snapshots are taken at a smaller tile).
     #[test]
     fn standard_tiles_use_the_workgroup_memory_they_say() {
         assert!(Tile::LARGE.workgroup_bytes() <= 32 * 1024);
+        assert!(Tile::MEDIUM.workgroup_bytes() <= 32 * 1024);
         assert!(Tile::SMALL.workgroup_bytes() <= 32 * 1024);
         assert!(Tile::PORTABLE.workgroup_bytes() <= 16 * 1024);
-        for tile in [Tile::LARGE, Tile::SMALL, Tile::PORTABLE] {
+        for tile in [Tile::LARGE, Tile::MEDIUM, Tile::SMALL, Tile::PORTABLE] {
             for (product, ternary) in [
                 (Product::Nt, false),
                 (Product::Nn, false),

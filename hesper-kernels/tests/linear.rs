@@ -10,9 +10,10 @@ use hesper_kernels::testing::{Rng, assert_close, check_gradient, f64s, gpu};
 /// whose depths fill every step.
 const SHAPES: [(usize, usize, usize); 4] =
     [(1, 1, 1), (37, 53, 29), (65, 100, 44), (256, 192, 320)];
-/// The two standard tiles, and a rectangular one whose invocations load two vec4s of `B` a step.
-const TILES: [Tile; 3] = [
+/// The three standard tiles, and a rectangular one whose invocations load two vec4s of `B` a step.
+const TILES: [Tile; 4] = [
     Tile::SMALL,
+    Tile::MEDIUM,
     Tile::LARGE,
     Tile {
         bm: 64,
@@ -217,12 +218,15 @@ fn entry_points_match_reference() {
 
 #[test]
 fn tile_choice_and_checks() {
-    // 4096 tokens through BitNet 2B's widths fill the GPU with 128×128 tiles; SmolLM's 576 does not.
+    // 4096 tokens through BitNet 2B's widths fill the GPU with 128×128 tiles; SmolLM's 576 and
+    // 1536 do not.
     assert_eq!(Tile::for_shape(4096, 2560), Tile::LARGE);
     assert_eq!(Tile::for_shape(4096, 6912), Tile::LARGE);
-    assert_eq!(Tile::for_shape(4096, 576), Tile::SMALL);
-    assert_eq!(Tile::for_shape(1, 1), Tile::SMALL);
+    assert_eq!(Tile::for_shape(4096, 1536), Tile::MEDIUM);
+    assert_eq!(Tile::for_shape(4096, 576), Tile::MEDIUM);
+    assert_eq!(Tile::for_shape(1, 1), Tile::MEDIUM);
     Tile::LARGE.check("k").unwrap();
+    Tile::MEDIUM.check("k").unwrap();
     Tile::SMALL.check("k").unwrap();
     let odd = Tile {
         tm: 6,

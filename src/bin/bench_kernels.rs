@@ -284,6 +284,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let tiles = [
             ("128×128×8", Tile::LARGE),
             ("64×64×16", Tile::SMALL),
+            ("64×64×16 8×8", Tile::MEDIUM),
             (
                 "128×128×16",
                 Tile {

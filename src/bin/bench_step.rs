@@ -1,8 +1,8 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
 //! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32: ms per step (wall clock, record +
-//! submit + the loss read, median of the timed steps), tokens/s, launches and submissions per
-//! step, GPU memory, and the GPU time per kernel family (timestamp queries, one step). Prints
-//! markdown for BENCHMARKS.md.
+//! submit, each step's loss read while the next runs; the mean of 10 steps), tokens/s, launches and submissions per
+//! step, GPU memory, the GPU time per kernel family (timestamp queries, one step), and the
+//! step's GEMM shapes one by one at several tiles. Prints markdown for BENCHMARKS.md.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
@@ -12,7 +12,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use hesper::exec::Gpu;
+use hesper::exec::profile::{BenchConfig, bench};
+use hesper::exec::{Gpu, GpuBuffer, PendingRead};
+use hesper::kernels::linear::{Gemm, Product, Tile, Weights as GemmWeights, execute_gemm};
 use hesper::kernels::testing::Rng;
 use hesper::model::config::{Family, LoraConfig, ModelConfig};
 use hesper::model::reference::{Adapters, Batch, Weights};
@@ -113,32 +115,35 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let shape = StepShape::new(batch, seq_len);
         let mut buffers = StepBuffers::new(&gpu, &model, &gpu_adapters, shape)?;
         buffers.load(&gpu, &config, &[random_batch(&config, batch, seq_len, 3)])?;
-        let mut times = vec![];
+        // As a trainer runs: each step's loss is read while the next step is recorded and
+        // runs. The first two steps compile the pipelines and warm the caches.
         let mut launches = 0;
-        // The first two steps compile the pipelines and warm the caches.
-        for step in 1..=steps + 2 {
-            let start = Instant::now();
-            let mut rec = gpu.recorder();
-            record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
-            record_optimizer_step(
-                &mut rec,
-                &optimizer,
-                (1e-4, step),
-                &mut gpu_adapters,
-                &mut buffers,
-            )?;
-            launches = rec.len();
-            rec.submit()?;
-            let loss = buffers.loss().read(&gpu)?[0];
-            if step > 2 {
-                times.push(start.elapsed().as_secs_f64() * 1e3);
+        let mut pending = None;
+        let mut timed_from = None;
+        for step in 1..=steps + 3 {
+            if step == 3 {
+                timed_from = Some(Instant::now());
             }
-            if !loss.is_finite() {
-                return Err(format!("step {step}: loss {loss}").into());
+            if step <= steps + 2 {
+                let mut rec = gpu.recorder();
+                record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
+                let at = (1e-4, step);
+                record_optimizer_step(&mut rec, &optimizer, at, &mut gpu_adapters, &mut buffers)?;
+                launches = rec.len();
+                rec.submit()?;
+            }
+            if let Some(previous) = pending.take() {
+                let loss: Vec<f32> = PendingRead::wait(previous, &gpu)?;
+                if !loss[0].is_finite() {
+                    return Err(format!("step {}: loss {}", step - 1, loss[0]).into());
+                }
+            }
+            if step <= steps + 2 {
+                pending = Some(buffers.loss().read_start(&gpu)?);
             }
         }
-        times.sort_by(f64::total_cmp);
-        let ms = times[times.len() / 2];
+        let elapsed = timed_from.expect("more than 2 steps").elapsed();
+        let ms = elapsed.as_secs_f64() * 1e3 / steps as f64;
         let tokens = (batch * seq_len) as f64;
         let memory = model.memory_bytes() + gpu_adapters.memory_bytes() + buffers.memory_bytes();
         println!(
@@ -185,5 +190,142 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             println!("| {family} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
         }
     }
+    gemm_sweep(&gpu, &config, 8 * seq_len, quick)
+}
+
+/// Every GEMM shape of the step at B = 8 (`(product, m, n, k)`, `W: [n, k]`; the count a step
+/// runs) at the tile `Tile::for_shape` picks and at others: µs (median) and TFLOP/s.
+fn gemm_sweep(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    t: usize,
+    quick: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (d, i, kv) = (c.dim, c.ffn_dim, c.kv_heads * c.head_dim);
+    let l = c.layers;
+    let chunk = 1024.min(t);
+    let shapes = [
+        (Product::Nt, t, d, d, 2 * l),
+        (Product::Nt, t, kv, d, 2 * l),
+        (Product::Nt, t, i, d, 2 * l),
+        (Product::Nt, t, d, i, l),
+        (Product::Nt, chunk, c.vocab, d, t / chunk),
+        (Product::Nn, t, d, d, 2 * l),
+        (Product::Nn, t, kv, d, 2 * l),
+        (Product::Nn, t, i, d, 2 * l),
+        (Product::Nn, t, d, i, l),
+        (Product::Nn, chunk, c.vocab, d, t / chunk),
+    ];
+    let tiles = [
+        Tile::LARGE,
+        Tile::SMALL,
+        Tile {
+            bm: 128,
+            bn: 128,
+            bk: 16,
+            tm: 8,
+            tn: 8,
+        },
+        Tile {
+            bm: 128,
+            bn: 64,
+            bk: 16,
+            tm: 8,
+            tn: 4,
+        },
+        Tile {
+            bm: 64,
+            bn: 128,
+            bk: 16,
+            tm: 4,
+            tn: 8,
+        },
+        Tile {
+            bm: 64,
+            bn: 64,
+            bk: 16,
+            tm: 4,
+            tn: 8,
+        },
+        Tile::MEDIUM,
+        Tile {
+            bm: 32,
+            bn: 64,
+            bk: 16,
+            tm: 4,
+            tn: 4,
+        },
+    ];
+    let config = if quick {
+        BenchConfig {
+            warmup: std::time::Duration::from_millis(50),
+            reps: 3,
+        }
+    } else {
+        BenchConfig::default()
+    };
+    println!();
+    println!("The step's GEMMs (B = 8), µs at each tile (bm×bn×bk tm×tn); * = Tile::for_shape's:");
+    println!();
+    let names: Vec<String> = tiles
+        .iter()
+        .map(|t| format!("{}×{}×{} {}×{}", t.bm, t.bn, t.bk, t.tm, t.tn))
+        .collect();
+    println!("| product m×n×k | per step | {} |", names.join(" | "));
+    println!("|---|---|{}", "---|".repeat(tiles.len()));
+    let mut chosen_total = 0.0;
+    let mut best_total = 0.0;
+    for (product, m, n, k, count) in shapes {
+        let filled = |len: usize| -> Result<GpuBuffer<f32>, hesper::exec::ExecError> {
+            gpu.upload(
+                &(0..len)
+                    .map(|x| ((x % 97) as f32 - 48.0) / 97.0)
+                    .collect::<Vec<_>>(),
+            )
+        };
+        let (rows_in, rows_out) = match product {
+            Product::Nt => (k, n),
+            Product::Nn => (n, k),
+        };
+        let input = filled(m * rows_in)?;
+        let w = filled(n * k)?;
+        let mut out = gpu.zeros::<f32>(m * rows_out)?;
+        let flops = 2.0 * (m * n * k) as f64;
+        let default = Gemm::new(product, (m, n, k), false).tile;
+        let mut cells = vec![];
+        let mut best = f64::INFINITY;
+        for tile in tiles {
+            let gemm = Gemm {
+                tile,
+                ..Gemm::new(product, (m, n, k), false)
+            };
+            if tile.check("gemm").is_err() {
+                cells.push("–".to_string());
+                continue;
+            }
+            let us = bench(gpu, "gemm", config, |rec| {
+                execute_gemm(rec, &gemm, &input, GemmWeights::Dense(&w), &mut out)
+            })?
+            .median_ns()
+                / 1e3;
+            best = best.min(us);
+            if tile == default {
+                chosen_total += us * count as f64;
+            }
+            let mark = if tile == default { "*" } else { "" };
+            cells.push(format!("{us:.0}{mark} ({:.1})", flops / us / 1e6));
+        }
+        best_total += best * count as f64;
+        println!(
+            "| {product:?} {m}×{n}×{k} | {count} | {} |",
+            cells.join(" | ")
+        );
+    }
+    println!();
+    println!(
+        "GEMM time a step at the chosen tiles {:.1} ms; at the best tile of each shape {:.1} ms",
+        chosen_total / 1e3,
+        best_total / 1e3
+    );
     Ok(())
 }
