@@ -37,11 +37,6 @@ use crate::{bad_tile, expect_len, expect_u32};
 /// Ternary weights per packed `u32` (2 bits each).
 pub const TERNARY_PER_WORD: usize = 16;
 
-/// Workgroups below which [`Tile::LARGE`] is slower than [`Tile::MEDIUM`] on the H200 (132 SMs):
-/// at a whole LoRA step's GEMMs (BENCHMARKS.md "The whole step") `MEDIUM` won with 384 `LARGE`
-/// workgroups (4096 × 1536: 4–11%), and `LARGE` at 3072 (3%).
-const LARGE_MIN_WORKGROUPS: usize = 512;
-
 /// Which product of a linear layer with its weight `W: [n, k]`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Product {
@@ -90,7 +85,8 @@ pub struct Tile {
 
 impl Tile {
     /// 128×128 outputs, 8 deep, 8×8 per invocation, 256 invocations, 16.5 KiB of workgroup
-    /// memory: the shape of the reference probe that reached 37 TFLOP/s on the H200.
+    /// memory: the shape of the reference probe that reached 37 TFLOP/s on the H200 (here 32
+    /// TFLOP/s at 4096 × 6912 × 2560, where `MEDIUM` reaches 34–38).
     pub const LARGE: Tile = Tile {
         bm: 128,
         bn: 128,
@@ -99,8 +95,9 @@ impl Tile {
         tn: 8,
     };
     /// 64×64 outputs, 16 deep, 8×8 per invocation, 64 invocations, 17 KiB: four times the
-    /// workgroups of `LARGE` with its work per invocation, for problems too small to fill the
-    /// GPU with `LARGE` (at SmolLM2's shapes on the H200 it beat `SMALL` by up to 1.4×).
+    /// workgroups of `LARGE` with its work per invocation. [`Gemm::new`]'s tile: on the H200 it
+    /// was the fastest of eight tiles, or within 10% of it, at every GEMM of a SmolLM2 LoRA step
+    /// at 4096 and 16 384 tokens, and at 4096 × 6912 × 2560 (BENCHMARKS.md "The whole step").
     pub const MEDIUM: Tile = Tile {
         bm: 64,
         bn: 64,
@@ -127,18 +124,6 @@ impl Tile {
         tm: 4,
         tn: 8,
     };
-
-    /// The tile for an output of `rows × cols`: `LARGE` when that gives enough workgroups to fill
-    /// the GPU, else `MEDIUM`.
-    pub fn for_shape(rows: usize, cols: usize) -> Tile {
-        let large = Tile::LARGE;
-        let workgroups = rows.div_ceil(large.bm as usize) * cols.div_ceil(large.bn as usize);
-        if workgroups >= LARGE_MIN_WORKGROUPS {
-            large
-        } else {
-            Tile::MEDIUM
-        }
-    }
 
     /// Invocations per workgroup.
     pub fn invocations(&self) -> u32 {
@@ -201,20 +186,15 @@ pub struct Gemm {
 }
 
 impl Gemm {
-    /// The GEMM of `product` with `W: [n, k]` over `m` rows, with the tile [`Tile::for_shape`]
-    /// picks for its output.
+    /// The GEMM of `product` with `W: [n, k]` over `m` rows, at [`Tile::MEDIUM`].
     pub fn new(product: Product, (m, n, k): (usize, usize, usize), accumulate: bool) -> Gemm {
-        let cols = match product {
-            Product::Nt => n,
-            Product::Nn => k,
-        };
         Gemm {
             product,
             m,
             n,
             k,
             accumulate,
-            tile: Tile::for_shape(m, cols),
+            tile: Tile::MEDIUM,
         }
     }
 

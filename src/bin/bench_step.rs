@@ -190,11 +190,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             println!("| {family} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
         }
     }
-    gemm_sweep(&gpu, &config, 8 * seq_len, quick)
+    for batch in [8, 32] {
+        gemm_sweep(&gpu, &config, batch * seq_len, quick)?;
+    }
+    Ok(())
 }
 
-/// Every GEMM shape of the step at B = 8 (`(product, m, n, k)`, `W: [n, k]`; the count a step
-/// runs) at the tile `Tile::for_shape` picks and at others: µs (median) and TFLOP/s.
+/// Every GEMM shape of the step over `t` tokens (`(product, m, n, k)`, `W: [n, k]`; the count a step
+/// runs) at `Gemm::new`'s tile and at others: µs (median) and TFLOP/s.
 fn gemm_sweep(
     gpu: &Gpu,
     c: &ModelConfig,
@@ -265,7 +268,9 @@ fn gemm_sweep(
         BenchConfig::default()
     };
     println!();
-    println!("The step's GEMMs (B = 8), µs at each tile (bm×bn×bk tm×tn); * = Tile::for_shape's:");
+    println!(
+        "The step's GEMMs ({t} tokens), µs (TFLOP/s) at each tile (bm×bn×bk tm×tn); * = Gemm::new's:"
+    );
     println!();
     let names: Vec<String> = tiles
         .iter()
