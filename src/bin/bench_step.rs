@@ -1,8 +1,9 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
 //! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32: ms per step (wall clock, record +
 //! submit, each step's loss read while the next runs; the mean of 10 steps), tokens/s, launches and submissions per
-//! step, GPU memory, the GPU time per kernel family (timestamp queries, one step), and the
-//! step's GEMM shapes one by one at several tiles. Prints markdown for BENCHMARKS.md.
+//! step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
+//! (timestamp queries, one step), and with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
+//! by one at several tiles. Prints markdown for BENCHMARKS.md.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
@@ -91,9 +92,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let gpu = Gpu::new()?;
     println!("device: {}", gpu.describe());
     let (layers, seq_len, batches, steps) = if quick {
-        (2, 64, vec![1], 3)
+        (2, 64, vec![(1, false), (1, true)], 3)
     } else {
-        (30, 512, vec![8, 32], 10)
+        (
+            30,
+            512,
+            vec![(8, false), (32, false), (8, true), (32, true)],
+            10,
+        )
     };
     let config = smollm2(layers, seq_len);
     let lora = LoraConfig::default();
@@ -106,13 +112,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("model uploaded in {:.1} s", started.elapsed().as_secs_f64());
     println!();
     println!(
-        "| B × S | ms/step | tokens/s | launches | submits | GPU memory (weights + adapters + step) | per token |"
+        "| B × S | recompute | ms/step | tokens/s | launches | submits | GPU memory (weights + adapters + step) | step's per token |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let mut breakdowns = vec![];
-    for batch in batches {
+    for (batch, recompute) in batches {
         let mut gpu_adapters = GpuAdapters::upload(&gpu, &config, &lora, &adapters)?;
-        let shape = StepShape::new(batch, seq_len);
+        let shape = StepShape {
+            recompute,
+            ..StepShape::new(batch, seq_len)
+        };
         let mut buffers = StepBuffers::new(&gpu, &model, &gpu_adapters, shape)?;
         buffers.load(&gpu, &config, &[random_batch(&config, batch, seq_len, 3)])?;
         // As a trainer runs: each step's loss is read while the next step is recorded and
@@ -147,7 +156,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let tokens = (batch * seq_len) as f64;
         let memory = model.memory_bytes() + gpu_adapters.memory_bytes() + buffers.memory_bytes();
         println!(
-            "| {batch} × {seq_len} | {ms:.1} | {:.0} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
+            "| {batch} × {seq_len} | {recompute} | {ms:.1} | {:.0} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
             tokens / ms * 1e3,
             memory as f64 / 1e9,
             model.memory_bytes() as f64 / 1e9,
@@ -156,7 +165,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             buffers.memory_bytes() as f64 / tokens / 1e3,
         );
 
-        // One step with a timestamp per launch (each launch in its own pass).
+        // One step with a timestamp per launch (each launch in its own pass; a recomputing
+        // step has more launches than a timed recorder holds).
+        if recompute {
+            continue;
+        }
         let mut rec = gpu.timed_recorder(launches as u32)?;
         record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
         record_optimizer_step(
@@ -190,8 +203,10 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             println!("| {family} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
         }
     }
-    for batch in [8, 32] {
-        gemm_sweep(&gpu, &config, batch * seq_len, quick)?;
+    if std::env::var_os("HESPER_BENCH_GEMMS").is_some() {
+        for batch in [8, 32] {
+            gemm_sweep(&gpu, &config, batch * seq_len, quick)?;
+        }
     }
     Ok(())
 }
