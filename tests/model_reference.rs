@@ -517,6 +517,45 @@ fn peft_names_keys_shapes_and_scales() {
     assert_eq!(rslora.scale(), 16.0 / 8f64.sqrt());
 }
 
+/// Adapters by PEFT's names, with and without the key's prefix; names of modules LoRA does not
+/// target, of layers past the model, and of no module are `None`; `target_modules`' names.
+#[test]
+fn adapters_by_peft_names() {
+    let config = tiny(Family::Llama);
+    let lora = LoraConfig::default();
+    let mut adapters = Adapters::random(&config, &lora, 3);
+    let v1 = adapters.get(1, Projection::V).unwrap().clone();
+    assert_eq!(adapters.get_by_name("layers.1.self_attn.v_proj"), Some(&v1));
+    let key = Adapters::peft_key(1, Projection::V);
+    assert_eq!(adapters.get_by_name(&key), Some(&v1));
+    adapters
+        .get_by_name_mut("layers.0.self_attn.q_proj")
+        .unwrap()
+        .b[2] = 7.0;
+    assert_eq!(adapters.get(0, Projection::Q).unwrap().b[2], 7.0);
+    for missing in [
+        "layers.0.self_attn.k_proj",
+        "layers.2.self_attn.q_proj",
+        "layers.0.self_attn.x_proj",
+        "self_attn.q_proj",
+        "layers.one.self_attn.q_proj",
+    ] {
+        assert_eq!(adapters.get_by_name(missing), None, "{missing}");
+    }
+    assert_eq!(
+        Projection::from_peft_name("gate_proj").unwrap(),
+        Projection::Gate
+    );
+    assert_eq!(
+        Projection::from_peft_name("mlp.down_proj").unwrap(),
+        Projection::Down
+    );
+    assert_names(
+        Projection::from_peft_name("qkv_proj"),
+        &["target", "\"qkv_proj\"", "self_attn.q_proj"],
+    );
+}
+
 /// The message of an error, which must name every one of `words`.
 fn assert_names(error: Result<impl std::fmt::Debug, ModelError>, words: &[&str]) {
     let message = error.unwrap_err().to_string();

@@ -457,6 +457,7 @@ fn train_tiny(steps: u32) -> Vec<f32> {
     // step's submit and is collected after the next step's.
     let mut losses = vec![];
     let mut pending = None;
+    let mut compiled_by_step_1 = 0;
     for step in 1..=steps + 1 {
         if step <= steps {
             let mut rec = g.recorder();
@@ -466,6 +467,9 @@ fn train_tiny(steps: u32) -> Vec<f32> {
                 .unwrap();
             rec.submit().unwrap();
         }
+        if step == 1 {
+            compiled_by_step_1 = g.cache_stats().misses;
+        }
         if let Some(previous) = pending.take() {
             let loss: Vec<f32> = hesper::exec::PendingRead::wait(previous, g).unwrap();
             losses.push(loss[0]);
@@ -474,6 +478,13 @@ fn train_tiny(steps: u32) -> Vec<f32> {
             pending = Some(buffers.loss().read_start(g).unwrap());
         }
     }
+    // The learning rate and the step number are runtime values: no step after the first
+    // compiles a pipeline.
+    assert_eq!(
+        g.cache_stats().misses,
+        compiled_by_step_1,
+        "a later step compiled"
+    );
     losses
 }
 

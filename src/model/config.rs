@@ -171,6 +171,22 @@ impl Projection {
         }
     }
 
+    /// The projection PEFT names `name`: a module path (`self_attn.q_proj`) or its last part
+    /// (`q_proj`, as `target_modules` lists it); else an error listing the names there are.
+    pub fn from_peft_name(name: &str) -> Result<Projection, ModelError> {
+        Projection::ALL
+            .into_iter()
+            .find(|p| {
+                let path = p.peft_name();
+                path == name || path.rsplit('.').next() == Some(name)
+            })
+            .ok_or_else(|| {
+                let names: Vec<&str> = Projection::ALL.iter().map(|p| p.peft_name()).collect();
+                let expected = format!("one of {}", names.join(", "));
+                ModelError::invalid("LoraConfig", "target", expected, format!("{name:?}"))
+            })
+    }
+
     /// `(out, in)`: the weight is `[out, in]`, `y = x·Wᵀ`.
     pub fn shape(self, config: &ModelConfig) -> (usize, usize) {
         let (d, i) = (config.dim, config.ffn_dim);

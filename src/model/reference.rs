@@ -303,6 +303,29 @@ impl Adapters {
         )
     }
 
+    /// The adapter PEFT names `name`: `layers.{i}.{module}` (`layers.3.self_attn.q_proj`),
+    /// with or without the `base_model.model.model.` of its keys ([`Adapters::peft_key`]);
+    /// `None` when there is no such layer or LoRA does not target the module.
+    pub fn get_by_name(&self, name: &str) -> Option<&Adapter> {
+        let (layer, projection) = Adapters::parse_name(name)?;
+        self.get(layer, projection)
+    }
+
+    /// The adapter PEFT names `name` ([`Adapters::get_by_name`]), to change.
+    pub fn get_by_name_mut(&mut self, name: &str) -> Option<&mut Adapter> {
+        let (layer, projection) = Adapters::parse_name(name)?;
+        self.get_mut(layer, projection)
+    }
+
+    fn parse_name(name: &str) -> Option<(usize, Projection)> {
+        let name = name.strip_prefix("base_model.model.model.").unwrap_or(name);
+        let (layer, module) = name.strip_prefix("layers.")?.split_once('.')?;
+        let projection = Projection::ALL
+            .into_iter()
+            .find(|p| p.peft_name() == module)?;
+        Some((layer.parse().ok()?, projection))
+    }
+
     /// The adapted projections, in the LoRA config's order.
     pub fn targets(&self) -> &[Projection] {
         &self.targets
