@@ -179,6 +179,36 @@ fn llama_step_matches_the_f64_model_on_all_seven_projections() {
     check_family(Family::Llama, lora(&Projection::ALL, 4, 8.0, false));
 }
 
+/// Sizes that are multiples of nothing: 3 sequences of 5 (T = 15, lengths 5, 2 and 0 — one
+/// all padding), the loss in chunks of 4, rank 3, LoRA on o, up and down.
+#[test]
+fn odd_sizes_and_an_empty_sequence_match_the_f64_model() {
+    let config = test_model(Family::Llama);
+    let lora = lora(
+        &[Projection::O, Projection::Up, Projection::Down],
+        3,
+        5.0,
+        false,
+    );
+    let weights = Weights::random(&config, 71);
+    let adapters = Adapters::random(&config, &lora, 72);
+    let batch = random_batch(&config, 73, 5, &[5, 2, 0]);
+    let (loss, want) = loss_and_grads(&config, &lora, &weights, &adapters, &batch).unwrap();
+    let got = run_step(&config, &lora, (&weights, &adapters), &[batch], (4, false));
+    assert!(
+        (got.loss - loss).abs() <= 1e-5 * loss,
+        "loss {} vs {loss}",
+        got.loss
+    );
+    for (layer, p, want) in want.lora.iter() {
+        let got = got.grads.get(layer, p).unwrap();
+        let name = Adapters::peft_key(layer, p);
+        assert_matches(&format!("{name}.lora_A"), &got.a, &want.a, 1e-4);
+        assert_matches(&format!("{name}.lora_B"), &got.b, &want.b, 1e-4);
+    }
+    assert_matches("d_x0", &got.d_x0, &want.d_x0, 1e-4);
+}
+
 /// Qwen2 (biases on Q, K, V; an untied head), LoRA on q, k, v with rank 2.
 #[test]
 fn qwen2_step_matches_the_f64_model() {
