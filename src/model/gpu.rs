@@ -2,11 +2,14 @@
 //! their gradients and AdamW state ([`GpuAdapters`]), uploaded from and read back to the host
 //! arrays of [`reference`](super::reference).
 
-use hesper_exec::{Gpu, GpuBuffer};
+use hesper_exec::{Gpu, GpuBuffer, PendingRead};
 use hesper_kernels::rope::RopeTable;
 
 use super::config::{LoraConfig, ModelConfig, ModelError, Projection};
 use super::reference::{Adapter, Adapters, LayerWeights, Weights};
+
+/// An adapter's `A` and `B` on their way to the host.
+type Reads = (PendingRead<f32>, PendingRead<f32>);
 
 /// f64 host values as the f32 the GPU computes with.
 fn f32s(values: &[f64]) -> Vec<f32> {
@@ -240,14 +243,40 @@ impl GpuAdapters {
         Some(layer * targets.len() + target)
     }
 
-    /// The adapters as host arrays (waits for the GPU).
+    /// The adapters as host arrays (waits for the GPU; [`GpuAdapters::download_async`] in a
+    /// web page).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn download(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
-        self.read(gpu, |a| (&a.a, &a.b))
+        let reads = self.start_reads(gpu, |a| (&a.a, &a.b))?;
+        self.gather(
+            reads
+                .into_iter()
+                .map(|(a, b)| Ok((a.wait(gpu)?, b.wait(gpu)?))),
+        )
     }
 
-    /// The last step's gradients, in the adapters' layout (waits for the GPU).
+    /// The last step's gradients, in the adapters' layout (waits for the GPU;
+    /// [`GpuAdapters::download_grads_async`] in a web page).
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn download_grads(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
-        self.read(gpu, |a| (&a.da, &a.db))
+        let reads = self.start_reads(gpu, |a| (&a.da, &a.db))?;
+        self.gather(
+            reads
+                .into_iter()
+                .map(|(a, b)| Ok((a.wait(gpu)?, b.wait(gpu)?))),
+        )
+    }
+
+    /// [`GpuAdapters::download`], awaited (in a web page; on native it waits).
+    pub async fn download_async(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
+        let reads = self.start_reads(gpu, |a| (&a.a, &a.b))?;
+        self.gather_async(gpu, reads).await
+    }
+
+    /// [`GpuAdapters::download_grads`], awaited (in a web page; on native it waits).
+    pub async fn download_grads_async(&self, gpu: &Gpu) -> Result<Adapters, ModelError> {
+        let reads = self.start_reads(gpu, |a| (&a.da, &a.db))?;
+        self.gather_async(gpu, reads).await
     }
 
     /// Replace the adapters' values (checked like [`GpuAdapters::upload`]); the optimizer
@@ -261,20 +290,41 @@ impl GpuAdapters {
         Ok(())
     }
 
-    fn read(
+    /// Start every adapter's two readbacks at once (each then waits only for its own copy).
+    fn start_reads(
         &self,
         gpu: &Gpu,
         pick: impl Fn(&GpuAdapter) -> (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    ) -> Result<Vec<Reads>, ModelError> {
+        let start = |a: &GpuAdapter| {
+            let (a, b) = pick(a);
+            Ok((a.read_start(gpu)?, b.read_start(gpu)?))
+        };
+        self.adapters.iter().map(start).collect()
+    }
+
+    async fn gather_async(&self, gpu: &Gpu, reads: Vec<Reads>) -> Result<Adapters, ModelError> {
+        let mut values = Vec::with_capacity(reads.len());
+        for (a, b) in reads {
+            values.push(Ok((a.wait_async(gpu).await?, b.wait_async(gpu).await?)));
+        }
+        self.gather(values)
+    }
+
+    /// Host adapters of every adapter's `(A, B)` values, in the adapters' order.
+    fn gather(
+        &self,
+        values: impl IntoIterator<Item = Result<(Vec<f32>, Vec<f32>), ModelError>>,
     ) -> Result<Adapters, ModelError> {
         let mut out = Adapters::zeros(&self.config, &self.lora);
         let targets = self.lora.targets.len();
-        for (i, gpu_adapter) in self.adapters.iter().enumerate() {
-            let (a, b) = pick(gpu_adapter);
+        for (i, ab) in values.into_iter().enumerate() {
+            let (a, b) = ab?;
             let host = out
                 .get_mut(i / targets, self.lora.targets[i % targets])
                 .expect("the same layout");
-            host.a = a.read(gpu)?.iter().map(|&v| v as f64).collect();
-            host.b = b.read(gpu)?.iter().map(|&v| v as f64).collect();
+            host.a = a.iter().map(|&v| v as f64).collect();
+            host.b = b.iter().map(|&v| v as f64).collect();
         }
         Ok(out)
     }
