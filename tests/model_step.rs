@@ -579,6 +579,42 @@ fn bad_inputs_are_errors_that_name_the_item() {
         buffers.load(g, &config, &[other]),
         &["micro-batch 0", "2 sequences of 8", "2 sequences of 4"],
     );
+    let mut adapters_on_gpu = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
+    let mut rec = g.recorder();
+    for (optimizer, at, words) in [
+        (
+            Optimizer::default(),
+            (1e-3, 0),
+            &["Optimizer", "step", "from 1"][..],
+        ),
+        (Optimizer::default(), (f64::NAN, 1), &["lr", "NaN"]),
+        (
+            Optimizer {
+                lora_plus_ratio: -2.0,
+                ..Optimizer::default()
+            },
+            (1e-3, 1),
+            &["lora_plus_ratio", "-2"],
+        ),
+        (
+            Optimizer {
+                max_grad_norm: Some(0.0),
+                ..Optimizer::default()
+            },
+            (1e-3, 1),
+            &["max_grad_norm"],
+        ),
+    ] {
+        let result =
+            record_optimizer_step(&mut rec, &optimizer, at, &mut adapters_on_gpu, &mut buffers);
+        assert_names(result, words);
+    }
+    assert!(
+        rec.is_empty(),
+        "a refused optimizer step recorded {} launches",
+        rec.len()
+    );
+    drop(rec);
     let good = random_batch(&config, 55, 8, &[8, 8]);
     assert_names(
         buffers.load(g, &config, &[good.clone(), good]),

@@ -590,6 +590,45 @@ impl Default for Optimizer {
     }
 }
 
+impl Optimizer {
+    /// `Ok` when every value is one AdamW takes, at learning rate `lr` and step `step`: checked
+    /// before anything of the step is recorded.
+    pub fn check(&self, (lr, step): (f64, u32)) -> Result<(), ModelError> {
+        let bad = |field: &str, expected: &str, given: f64| {
+            Err(ModelError::invalid("Optimizer", field, expected, given))
+        };
+        let a = &self.adamw;
+        if step == 0 {
+            return bad(
+                "step",
+                "a step number from 1 (Adam's bias corrections)",
+                0.0,
+            );
+        }
+        for (field, beta) in [("adamw.beta1", a.beta1), ("adamw.beta2", a.beta2)] {
+            if !(0.0..1.0).contains(&beta) {
+                return bad(field, "in [0, 1)", beta);
+            }
+        }
+        let positive = [
+            ("adamw.eps", a.eps),
+            ("lora_plus_ratio", self.lora_plus_ratio),
+            ("max_grad_norm", self.max_grad_norm.unwrap_or(1.0)),
+        ];
+        for (field, value) in positive {
+            if !(value.is_finite() && value > 0.0) {
+                return bad(field, "positive and finite", value);
+            }
+        }
+        for (field, value) in [("adamw.weight_decay", a.weight_decay), ("lr", lr)] {
+            if !(value.is_finite() && value >= 0.0) {
+                return bad(field, "finite and at least 0", value);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Record one optimizer step over every adapter from the gradients
 /// [`record_forward_backward`] left: the global gradient norm into
 /// [`StepBuffers::grad_norm`], then AdamW at learning rate `lr` as step `step` (from 1).
@@ -603,16 +642,8 @@ pub fn record_optimizer_step(
     adapters: &mut GpuAdapters,
     buffers: &mut StepBuffers,
 ) -> Result<(), ModelError> {
+    optimizer.check((lr, step))?;
     let ratio = optimizer.lora_plus_ratio;
-    if !(ratio.is_finite() && ratio > 0.0) {
-        let expected = "a positive finite multiple of the learning rate";
-        return Err(ModelError::invalid(
-            "Optimizer",
-            "lora_plus_ratio",
-            expected,
-            ratio,
-        ));
-    }
     let grads: Vec<&GpuBuffer<f32>> = adapters
         .adapters
         .iter()
