@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Open the demo page in headless Chromium (through ChromeDriver's WebDriver API, stdlib only),
-wait until its run against the CPU reference has finished, save a screenshot and fail unless the
-page says every result is within tolerance. Then open it again with WebGPU off, and fail unless
-the page says so in one clear line. Usage: screenshot.py OUT.png (serves examples/web itself;
-the page must be built: scripts/web-demo --build-only)."""
+wait until its run against the CPU reference and then its training run have finished, save a
+screenshot and fail unless the page says every result is within tolerance and that the tiny
+model learned its text. Then open it again with WebGPU off, and fail unless both parts of the
+page say so in one clear line. Usage: screenshot.py OUT.png (serves examples/web itself; the
+page must be built: scripts/web-demo --build-only)."""
 
 import base64
 import functools
@@ -34,15 +35,22 @@ def call(base, method, path, body=None):
         return json.loads(r.read())["value"]
 
 
+NO_ADAPTER = "This browser offers no WebGPU adapter"
+
+
 def main(out):
-    kind, status, report = visit(out, webgpu=True)
-    print(f"status: {status}\n{report}")
+    (kind, status, report), (train_kind, train_status) = visit(out, webgpu=True)
+    print(f"status: {status}\n{report}\ntraining: {train_status}")
     if kind != "ok":
         sys.exit(f"the demo page did not finish within tolerance: {status}")
-    kind, status, _ = visit(None, webgpu=False)
-    print(f"without WebGPU: {status}")
-    if kind != "error" or "This browser offers no WebGPU adapter" not in status:
+    if train_kind != "ok":
+        sys.exit(f"the demo page's training did not learn its text: {train_status}")
+    (kind, status, _), (train_kind, train_status) = visit(None, webgpu=False)
+    print(f"without WebGPU: {status}\ntraining without WebGPU: {train_status}")
+    if kind != "error" or NO_ADAPTER not in status:
         sys.exit(f"without WebGPU the page must say there is no adapter, not: {status!r}")
+    if train_kind != "error" or NO_ADAPTER not in train_status:
+        sys.exit(f"without WebGPU the training must say there is no adapter, not: {train_status!r}")
 
 
 def visit(out, webgpu):
@@ -70,14 +78,19 @@ def visit(out, webgpu):
         s = f"/session/{session}"
         try:
             call(base, "POST", s + "/url", {"url": f"http://127.0.0.1:{page_port}/index.html"})
-            script = {"script": "const e = document.getElementById('status');"
-                                "return [e.className, e.textContent,"
-                                " document.getElementById('report').textContent];",
+            script = {"script": "const $ = (id) => document.getElementById(id);"
+                                "return [$('status').className, $('status').textContent,"
+                                " $('report').textContent,"
+                                " $('train-status').className, $('train-status').textContent];",
                       "args": []}
-            deadline = time.time() + 180
+            # The check takes seconds; the training ~2 minutes on SwiftShader (its first step
+            # compiles 50 pipelines, ~75 s), the page's --dev build a little more.
+            deadline = time.time() + 420
             while True:
-                kind, status, report = call(base, "POST", s + "/execute/sync", script)
-                if kind in ("ok", "error") or time.time() > deadline:
+                kind, status, report, train_kind, train_status = call(
+                    base, "POST", s + "/execute/sync", script)
+                done = ("ok", "error")
+                if (kind in done and train_kind in done) or time.time() > deadline:
                     break
                 time.sleep(0.5)
             if out:
@@ -88,7 +101,7 @@ def visit(out, webgpu):
     finally:
         driver.terminate()
         server.shutdown()
-    return kind, status, report
+    return (kind, status, report), (train_kind, train_status)
 
 
 if __name__ == "__main__":
