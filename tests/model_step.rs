@@ -615,6 +615,27 @@ fn bad_inputs_are_errors_that_name_the_item() {
         rec.len()
     );
     drop(rec);
+    let narrow = ModelConfig {
+        dim: 32,
+        ..config.clone()
+    };
+    let narrow_adapters = Adapters::init_peft(&narrow, &lora, 1);
+    let narrow_on_gpu = GpuAdapters::upload(g, &narrow, &lora, &narrow_adapters).unwrap();
+    let shape = StepShape::new(2, 8);
+    assert_names(
+        StepBuffers::new(g, &model, &narrow_on_gpu, shape),
+        &["GpuAdapters", "config", "dim: 32"],
+    );
+    let mut rec = g.recorder();
+    let mut narrow_on_gpu = narrow_on_gpu;
+    let result = record_forward_backward(&mut rec, &model, &mut narrow_on_gpu, &mut buffers);
+    assert_names(result, &["StepBuffers", "another model or LoRA config"]);
+    assert!(
+        rec.is_empty(),
+        "mismatched adapters recorded {} launches",
+        rec.len()
+    );
+    drop(rec);
     let good = random_batch(&config, 55, 8, &[8, 8]);
     assert_names(
         buffers.load(g, &config, &[good.clone(), good]),

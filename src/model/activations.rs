@@ -228,6 +228,14 @@ impl StepBuffers {
         shape: StepShape,
     ) -> Result<StepBuffers, ModelError> {
         let c = model.config();
+        if adapters.config() != c {
+            return Err(ModelError::invalid(
+                "GpuAdapters",
+                "config",
+                format!("the model's ({c:?})"),
+                format!("{:?}", adapters.config()),
+            ));
+        }
         shape.check(c)?;
         let t = shape.tokens();
         let (d, i, r) = (c.dim, c.ffn_dim, adapters.lora().rank);

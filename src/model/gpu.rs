@@ -236,6 +236,11 @@ impl GpuAdapters {
         &self.lora
     }
 
+    /// The model config the adapters were made for.
+    pub fn config(&self) -> &ModelConfig {
+        &self.config
+    }
+
     /// The position of `(layer, projection)`'s adapter, `None` when LoRA does not target it.
     pub(crate) fn index(&self, layer: usize, projection: Projection) -> Option<usize> {
         let targets = &self.lora.targets;

@@ -467,7 +467,8 @@ fn check_buffers(
     buffers: &StepBuffers,
 ) -> Result<(), ModelError> {
     let (config, lora) = buffers.made_for();
-    if config != model.config() || lora != adapters.lora() {
+    let adapters_fit = adapters.config() == model.config() && adapters.lora() == lora;
+    if config != model.config() || !adapters_fit {
         return Err(ModelError::invalid(
             "StepBuffers",
             "model",
@@ -580,7 +581,8 @@ pub struct Optimizer {
 }
 
 impl Default for Optimizer {
-    /// PyTorch's AdamW, clipping at 1.0 (Hugging Face's `max_grad_norm`), no LoRA+.
+    /// `torch.optim.AdamW`'s defaults (weight decay 0.01: Hugging Face's `Trainer` uses 0.0),
+    /// clipping at 1.0 (Hugging Face's `max_grad_norm`), no LoRA+.
     fn default() -> Self {
         Optimizer {
             adamw: AdamW::default(),
@@ -634,7 +636,10 @@ impl Optimizer {
 /// [`StepBuffers::grad_norm`], then AdamW at learning rate `lr` as step `step` (from 1).
 ///
 /// A gradient that is not finite makes the norm not finite, and then the update is skipped:
-/// the adapters and the optimizer state keep their values, and the norm says why.
+/// the adapters and the optimizer state keep their values, and the norm says why. A step whose
+/// micro-batches have no target has loss 0 and zero gradients (not PyTorch's 0/0 = NaN): AdamW
+/// then applies only its weight decay and its moments' decay, as PyTorch does with zero
+/// gradients.
 pub fn record_optimizer_step(
     rec: &mut Recorder<'_>,
     optimizer: &Optimizer,
