@@ -13,4 +13,5 @@ pub use hesper_dsl as dsl;
 pub use hesper_exec as exec;
 pub use hesper_kernels as kernels;
 
+pub mod io;
 pub mod model;
