@@ -30,24 +30,6 @@ fn tiny(family: Family) -> ModelConfig {
     }
 }
 
-/// The GPU step's test model: 2 layers, D = 64, 4 query / 2 KV heads of 16, vocab 97.
-fn gpu_test(family: Family) -> ModelConfig {
-    ModelConfig {
-        family,
-        vocab: 97,
-        dim: 64,
-        ffn_dim: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        rope_base: 10_000.0,
-        norm_eps: 1e-5,
-        tied_embeddings: matches!(family, Family::Llama | Family::Qwen3),
-        max_seq: 8,
-    }
-}
-
 const FAMILIES: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::BitNet];
 
 /// LoRA on all seven projections with a scale that is not 1 (so a forgotten scale shows).
@@ -57,33 +39,6 @@ fn all_seven(rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
         rank,
         alpha,
         rslora,
-    }
-}
-
-/// Random tokens in sequences of `lens`, right-padded to `seq_len`; each position predicts the
-/// next token, the last of each sequence and the padding nothing, and position 1 of the first
-/// sequence is masked too.
-fn random_batch(config: &ModelConfig, seed: u64, seq_len: usize, lens: &[usize]) -> Batch {
-    let mut rng = Rng::new(seed);
-    let tokens: Vec<u32> = (0..lens.len() * seq_len)
-        .map(|_| rng.next_u32() % config.vocab as u32)
-        .collect();
-    let targets = (0..tokens.len())
-        .map(|t| {
-            let (b, s) = (t / seq_len, t % seq_len);
-            if s + 1 < lens[b] && !(b == 0 && s == 1) {
-                tokens[t + 1] as i64
-            } else {
-                IGNORE_INDEX
-            }
-        })
-        .collect();
-    Batch {
-        batch: lens.len(),
-        seq_len,
-        tokens,
-        targets,
-        lens: lens.to_vec(),
     }
 }
 
@@ -201,7 +156,7 @@ impl Case {
 /// at positions > 0), a forgotten LoRA scale, and an RMSNorm backward with another ε.
 fn gradients_match_finite_differences(family: Family, lora: LoraConfig) {
     let config = tiny(family);
-    let batch = random_batch(&config, 3, 6, &[6, 4]);
+    let batch = Batch::random(&config, 3, 6, &[6, 4]);
     let case = Case::new(config, lora, batch);
     let (value, grads) = case.grads();
     assert_eq!(value, case.loss_with(&case.adapters));
@@ -234,8 +189,8 @@ fn bitnet_gradients_match_finite_differences() {
 #[test]
 fn the_gpu_test_model_runs_for_every_family() {
     for family in FAMILIES {
-        let config = gpu_test(family);
-        let batch = random_batch(&config, 4, 8, &[8, 5]);
+        let config = ModelConfig::tiny(family);
+        let batch = Batch::random(&config, 4, 8, &[8, 5]);
         let case = Case::new(config, all_seven(4, 8.0, false), batch);
         let (value, grads) = case.grads();
         assert!((value - 97f64.ln()).abs() < 1.0, "{family:?}: loss {value}");
@@ -296,7 +251,7 @@ fn the_gpu_test_model_runs_for_every_family() {
 #[test]
 fn the_lora_scale_enters_the_forward_and_both_gradients() {
     let config = tiny(Family::Llama);
-    let batch = random_batch(&config, 6, 6, &[6, 3]);
+    let batch = Batch::random(&config, 6, 6, &[6, 3]);
     let case = Case::new(config, all_seven(2, 3.0, false), batch);
     let (value, grads) = case.grads();
     let frozen = case.loss_with(&Adapters::zeros(&case.config, &case.lora));
@@ -339,7 +294,7 @@ fn peft_init_starts_at_the_frozen_model_with_non_zero_b_gradients() {
         rank: 2,
         ..LoraConfig::default()
     };
-    let batch = random_batch(&config, 7, 6, &[5, 6]);
+    let batch = Batch::random(&config, 7, 6, &[5, 6]);
     let mut case = Case::new(config, lora, batch);
     case.adapters = Adapters::init_peft(&case.config, &case.lora, 8);
     for (_, p, adapter) in case.adapters.iter() {
@@ -372,7 +327,7 @@ fn keys_and_values_of_earlier_positions_get_gradients() {
         alpha: 3.0,
         rslora: false,
     };
-    let mut batch = random_batch(&config, 9, 5, &[5]);
+    let mut batch = Batch::random(&config, 9, 5, &[5]);
     batch.targets = vec![IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, 7];
     let case = Case::new(config, lora, batch);
     let (_, grads) = case.grads();
@@ -391,7 +346,7 @@ fn keys_and_values_of_earlier_positions_get_gradients() {
 #[test]
 fn the_residual_gradient_is_a_sum() {
     let config = tiny(Family::Qwen3);
-    let batch = random_batch(&config, 10, 6, &[6, 2]);
+    let batch = Batch::random(&config, 10, 6, &[6, 2]);
     let lora = LoraConfig {
         rank: 2,
         ..LoraConfig::default()
@@ -411,7 +366,7 @@ fn the_residual_gradient_is_a_sum() {
 #[test]
 fn padded_tokens_change_nothing() {
     let config = tiny(Family::BitNet);
-    let batch = random_batch(&config, 11, 6, &[6, 3]);
+    let batch = Batch::random(&config, 11, 6, &[6, 3]);
     let case = Case::new(config, all_seven(2, 3.0, false), batch);
     let (value, grads) = case.grads();
     let mut repadded = Case::new(case.config.clone(), case.lora.clone(), case.batch.clone());
@@ -430,7 +385,7 @@ fn padded_tokens_change_nothing() {
 #[test]
 fn a_batch_is_the_target_weighted_mean_of_its_sequences() {
     let config = tiny(Family::Qwen2);
-    let batch = random_batch(&config, 12, 6, &[6, 4]);
+    let batch = Batch::random(&config, 12, 6, &[6, 4]);
     let case = Case::new(config, all_seven(2, 3.0, false), batch);
     let (value, grads) = case.grads();
     let part = |b: usize, seq_len: usize| {
@@ -472,7 +427,7 @@ fn a_batch_is_the_target_weighted_mean_of_its_sequences() {
 #[test]
 fn a_batch_without_targets_has_loss_zero() {
     let config = tiny(Family::Llama);
-    let mut batch = random_batch(&config, 13, 4, &[4, 2]);
+    let mut batch = Batch::random(&config, 13, 4, &[4, 2]);
     batch.targets.fill(IGNORE_INDEX);
     let case = Case::new(config, LoraConfig::default(), batch);
     let (value, grads) = case.grads();
@@ -488,7 +443,7 @@ fn a_batch_without_targets_has_loss_zero() {
 
 #[test]
 fn peft_names_keys_shapes_and_scales() {
-    let config = gpu_test(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     assert_eq!(Projection::K.peft_name(), "self_attn.k_proj");
     assert_eq!(Projection::Gate.peft_name(), "mlp.gate_proj");
     assert_eq!(
@@ -601,7 +556,7 @@ fn inputs_errors_name_the_tensor_or_element() {
     let good = Case::new(
         config.clone(),
         LoraConfig::default(),
-        random_batch(&config, 14, 6, &[6, 3]),
+        Batch::random(&config, 14, 6, &[6, 3]),
     );
     let loss_of = |f: &dyn Fn(&mut Case)| {
         let mut c = Case::new(good.config.clone(), good.lora.clone(), good.batch.clone());

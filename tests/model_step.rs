@@ -5,7 +5,7 @@
 
 use hesper::exec::{Gpu, GpuOptions};
 use hesper::kernels::optim::reference::{State, adamw_step, clip_coefficient, global_grad_norm};
-use hesper::kernels::testing::{Rng, gpu};
+use hesper::kernels::testing::gpu;
 use hesper::model::config::{Family, LoraConfig, ModelConfig, Projection};
 use hesper::model::reference::{Adapters, Batch, IGNORE_INDEX, Weights, loss_and_grads};
 use hesper::model::{
@@ -13,57 +13,12 @@ use hesper::model::{
     record_optimizer_step,
 };
 
-/// The test model: 2 layers, D = 64, 4 query / 2 KV heads of 16, vocab 97.
-fn test_model(family: Family) -> ModelConfig {
-    ModelConfig {
-        family,
-        vocab: 97,
-        dim: 64,
-        ffn_dim: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        rope_base: 10_000.0,
-        norm_eps: 1e-5,
-        tied_embeddings: matches!(family, Family::Llama | Family::Qwen3),
-        max_seq: 8,
-    }
-}
-
 fn lora(targets: &[Projection], rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
     LoraConfig {
         targets: targets.to_vec(),
         rank,
         alpha,
         rslora,
-    }
-}
-
-/// Random tokens in sequences of `lens` right-padded to `seq_len`, each position predicting
-/// the next token; the last of each sequence, the padding and position 1 of the first sequence
-/// predict nothing.
-fn random_batch(config: &ModelConfig, seed: u64, seq_len: usize, lens: &[usize]) -> Batch {
-    let mut rng = Rng::new(seed);
-    let tokens: Vec<u32> = (0..lens.len() * seq_len)
-        .map(|_| rng.next_u32() % config.vocab as u32)
-        .collect();
-    let targets = (0..tokens.len())
-        .map(|t| {
-            let (b, s) = (t / seq_len, t % seq_len);
-            if s + 1 < lens[b] && !(b == 0 && s == 1) {
-                tokens[t + 1] as i64
-            } else {
-                IGNORE_INDEX
-            }
-        })
-        .collect();
-    Batch {
-        batch: lens.len(),
-        seq_len,
-        tokens,
-        targets,
-        lens: lens.to_vec(),
     }
 }
 
@@ -95,6 +50,17 @@ fn assert_matches(what: &str, got: &[f64], want: &[f64], tol: f64) {
         want[i],
         err / max
     );
+}
+
+/// Every `lora_A` and `lora_B` gradient of `got` against `want` ([`assert_matches`] at 1e-4),
+/// named by PEFT's key after `what`.
+fn assert_grads_match(what: &str, got: &Adapters, want: &Adapters) {
+    for (layer, p, want) in want.iter() {
+        let name = Adapters::peft_key(layer, p);
+        let got = got.get(layer, p).unwrap();
+        assert_matches(&format!("{what} {name}.lora_A"), &got.a, &want.a, 1e-4);
+        assert_matches(&format!("{what} {name}.lora_B"), &got.b, &want.b, 1e-4);
+    }
 }
 
 /// The GPU's loss, adapter gradients and `∂loss/∂x0` for one batch.
@@ -146,10 +112,10 @@ fn run_step(
 /// The GPU step of `config` against the f64 model on random weights, random (non-zero)
 /// adapters and a batch of two sequences, one of them short, the loss in uneven chunks.
 fn check_family(family: Family, lora: LoraConfig) {
-    let config = test_model(family);
+    let config = ModelConfig::tiny(family);
     let weights = Weights::random(&config, 1);
     let adapters = Adapters::random(&config, &lora, 2);
-    let batch = random_batch(&config, 3, 8, &[8, 5]);
+    let batch = Batch::random(&config, 3, 8, &[8, 5]);
     let (loss, want) = loss_and_grads(&config, &lora, &weights, &adapters, &batch).unwrap();
     let got = run_step(
         &config,
@@ -163,12 +129,7 @@ fn check_family(family: Family, lora: LoraConfig) {
         "{family:?}: loss {} on the GPU, {loss} in f64",
         got.loss
     );
-    for (layer, p, want) in want.lora.iter() {
-        let name = Adapters::peft_key(layer, p);
-        let got = got.grads.get(layer, p).unwrap();
-        assert_matches(&format!("{family:?} {name}.lora_A"), &got.a, &want.a, 1e-4);
-        assert_matches(&format!("{family:?} {name}.lora_B"), &got.b, &want.b, 1e-4);
-    }
+    assert_grads_match(&format!("{family:?}"), &got.grads, &want.lora);
     assert_matches(&format!("{family:?} d_x0"), &got.d_x0, &want.d_x0, 1e-4);
 }
 
@@ -183,7 +144,7 @@ fn llama_step_matches_the_f64_model_on_all_seven_projections() {
 /// all padding), the loss in chunks of 4, rank 3, LoRA on o, up and down.
 #[test]
 fn odd_sizes_and_an_empty_sequence_match_the_f64_model() {
-    let config = test_model(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     let lora = lora(
         &[Projection::O, Projection::Up, Projection::Down],
         3,
@@ -192,7 +153,7 @@ fn odd_sizes_and_an_empty_sequence_match_the_f64_model() {
     );
     let weights = Weights::random(&config, 71);
     let adapters = Adapters::random(&config, &lora, 72);
-    let batch = random_batch(&config, 73, 5, &[5, 2, 0]);
+    let batch = Batch::random(&config, 73, 5, &[5, 2, 0]);
     let (loss, want) = loss_and_grads(&config, &lora, &weights, &adapters, &batch).unwrap();
     let got = run_step(&config, &lora, (&weights, &adapters), &[batch], (4, false));
     assert!(
@@ -200,12 +161,7 @@ fn odd_sizes_and_an_empty_sequence_match_the_f64_model() {
         "loss {} vs {loss}",
         got.loss
     );
-    for (layer, p, want) in want.lora.iter() {
-        let got = got.grads.get(layer, p).unwrap();
-        let name = Adapters::peft_key(layer, p);
-        assert_matches(&format!("{name}.lora_A"), &got.a, &want.a, 1e-4);
-        assert_matches(&format!("{name}.lora_B"), &got.b, &want.b, 1e-4);
-    }
+    assert_grads_match("", &got.grads, &want.lora);
     assert_matches("d_x0", &got.d_x0, &want.d_x0, 1e-4);
 }
 
@@ -239,7 +195,7 @@ fn bitnet_step_matches_the_f64_model_on_all_seven_projections() {
 /// of two means: the micro-batches have different target counts).
 #[test]
 fn micro_batches_accumulate_the_gradient_of_the_whole_batch() {
-    let config = test_model(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     let lora = lora(
         &[Projection::Q, Projection::V, Projection::Down],
         4,
@@ -248,8 +204,8 @@ fn micro_batches_accumulate_the_gradient_of_the_whole_batch() {
     );
     let weights = Weights::random(&config, 11);
     let adapters = Adapters::random(&config, &lora, 12);
-    let first = random_batch(&config, 13, 8, &[8, 3]);
-    let second = random_batch(&config, 14, 8, &[6, 8]);
+    let first = Batch::random(&config, 13, 8, &[8, 3]);
+    let second = Batch::random(&config, 14, 8, &[6, 8]);
     assert_ne!(first.target_count(), second.target_count());
     let whole = Batch {
         batch: 4,
@@ -271,12 +227,7 @@ fn micro_batches_accumulate_the_gradient_of_the_whole_batch() {
         "loss {} vs {loss}",
         got.loss
     );
-    for (layer, p, want) in want.lora.iter() {
-        let got = got.grads.get(layer, p).unwrap();
-        let name = Adapters::peft_key(layer, p);
-        assert_matches(&format!("{name}.lora_A"), &got.a, &want.a, 1e-4);
-        assert_matches(&format!("{name}.lora_B"), &got.b, &want.b, 1e-4);
-    }
+    assert_grads_match("", &got.grads, &want.lora);
 }
 
 /// Gradient checkpointing recomputes each block's forward before its backward: the same
@@ -284,13 +235,13 @@ fn micro_batches_accumulate_the_gradient_of_the_whole_batch() {
 /// used), in less memory.
 #[test]
 fn gradient_checkpointing_gives_the_same_step_to_the_bit() {
-    let config = test_model(Family::BitNet);
+    let config = ModelConfig::tiny(Family::BitNet);
     let lora = lora(&Projection::ALL, 2, 4.0, false);
     let weights = Weights::random(&config, 61);
     let adapters = Adapters::random(&config, &lora, 62);
     let batches = [
-        random_batch(&config, 63, 8, &[7, 8]),
-        random_batch(&config, 64, 8, &[8, 2]),
+        Batch::random(&config, 63, 8, &[7, 8]),
+        Batch::random(&config, 64, 8, &[8, 2]),
     ];
     let kept = run_step(&config, &lora, (&weights, &adapters), &batches, (16, false));
     let recomputed = run_step(&config, &lora, (&weights, &adapters), &batches, (16, true));
@@ -314,11 +265,11 @@ fn gradient_checkpointing_gives_the_same_step_to_the_bit() {
 #[test]
 fn one_adamw_step_matches_the_f64_optimizer() {
     let g = gpu();
-    let config = test_model(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     let lora = lora(&[Projection::Q, Projection::V], 4, 8.0, false);
     let weights = Weights::random(&config, 21);
     let adapters = Adapters::random(&config, &lora, 22);
-    let batch = random_batch(&config, 23, 8, &[8, 6]);
+    let batch = Batch::random(&config, 23, 8, &[8, 6]);
     let (_, grads) = loss_and_grads(&config, &lora, &weights, &adapters, &batch).unwrap();
     let all: Vec<&[f64]> = grads
         .lora
@@ -392,12 +343,12 @@ fn one_adamw_step_matches_the_f64_optimizer() {
 #[test]
 fn a_step_whose_gradient_is_not_finite_changes_nothing() {
     let g = gpu();
-    let config = test_model(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     let lora = LoraConfig::default();
     let weights = Weights::random(&config, 31);
     let mut adapters = Adapters::random(&config, &lora, 32);
     adapters.get_mut(1, Projection::V).unwrap().b[0] = f64::NAN;
-    let batch = random_batch(&config, 33, 8, &[8, 8]);
+    let batch = Batch::random(&config, 33, 8, &[8, 8]);
     let model = GpuModel::upload(g, &config, &weights).unwrap();
     let mut gpu_adapters = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
     let mut buffers = StepBuffers::new(g, &model, &gpu_adapters, StepShape::new(2, 8)).unwrap();
@@ -448,7 +399,7 @@ fn train_tiny(steps: u32) -> Vec<f32> {
     });
     let config = ModelConfig {
         max_seq: 16,
-        ..test_model(Family::Llama)
+        ..ModelConfig::tiny(Family::Llama)
     };
     let lora = lora(&Projection::ALL, 8, 16.0, false);
     let text = b"the quick brown fox jumps over the lazy dog; the dog sleeps.";
@@ -532,7 +483,7 @@ fn assert_names<T>(result: Result<T, hesper::model::config::ModelError>, words: 
 #[test]
 fn bad_inputs_are_errors_that_name_the_item() {
     let g = gpu();
-    let config = test_model(Family::Llama);
+    let config = ModelConfig::tiny(Family::Llama);
     let lora = LoraConfig::default();
     let weights = Weights::random(&config, 51);
     let adapters = Adapters::init_peft(&config, &lora, 52);
@@ -568,13 +519,13 @@ fn bad_inputs_are_errors_that_name_the_item() {
         &["seq_len", "max_seq = 8", "9"],
     );
     let mut buffers = StepBuffers::new(g, &model, &gpu_adapters, StepShape::new(2, 8)).unwrap();
-    let mut batch = random_batch(&config, 53, 8, &[8, 8]);
+    let mut batch = Batch::random(&config, 53, 8, &[8, 8]);
     batch.tokens[5] = 97;
     assert_names(
         buffers.load(g, &config, std::slice::from_ref(&batch)),
         &["tokens[5]", "vocab = 97", "97"],
     );
-    let other = random_batch(&config, 54, 4, &[4, 4]);
+    let other = Batch::random(&config, 54, 4, &[4, 4]);
     assert_names(
         buffers.load(g, &config, &[other]),
         &["micro-batch 0", "2 sequences of 8", "2 sequences of 4"],
@@ -636,7 +587,7 @@ fn bad_inputs_are_errors_that_name_the_item() {
         rec.len()
     );
     drop(rec);
-    let good = random_batch(&config, 55, 8, &[8, 8]);
+    let good = Batch::random(&config, 55, 8, &[8, 8]);
     assert_names(
         buffers.load(g, &config, &[good.clone(), good]),
         &["micro-batches", "1 micro-batches", "2"],

@@ -85,6 +85,26 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
+    /// The tests' model of `family`: 2 layers, `D = 64`, FFN 128, 4 query and 2 KV heads of 16,
+    /// a vocabulary of 97, RoPE base 10 000, `ε = 1e-5`, at most 8 positions; the embedding
+    /// tied for Llama and Qwen3 (Qwen2 and BitNet have a head of their own).
+    pub fn tiny(family: Family) -> ModelConfig {
+        ModelConfig {
+            family,
+            vocab: 97,
+            dim: 64,
+            ffn_dim: 128,
+            layers: 2,
+            heads: 4,
+            kv_heads: 2,
+            head_dim: 16,
+            rope_base: 10_000.0,
+            norm_eps: 1e-5,
+            tied_embeddings: matches!(family, Family::Llama | Family::Qwen3),
+            max_seq: 8,
+        }
+    }
+
     /// `Ok` when every size is positive, `heads` is a multiple of `kv_heads`, `head_dim` is
     /// even (RoPE rotates pairs), and `rope_base` and `norm_eps` are positive and finite.
     pub fn check(&self) -> Result<(), ModelError> {

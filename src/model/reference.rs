@@ -408,6 +408,34 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Random tokens of `config`'s vocabulary in sequences of `lens`, right-padded to
+    /// `seq_len`, reproducible per seed, for tests: each position predicts the next token; the
+    /// last of each sequence, the padding, and position 1 of the first sequence (a masked
+    /// target inside a sequence) predict nothing.
+    pub fn random(config: &ModelConfig, seed: u64, seq_len: usize, lens: &[usize]) -> Batch {
+        let mut rng = Rng::new(seed);
+        let tokens: Vec<u32> = (0..lens.len() * seq_len)
+            .map(|_| rng.next_u32() % config.vocab as u32)
+            .collect();
+        let targets = (0..tokens.len())
+            .map(|t| {
+                let (b, s) = (t / seq_len, t % seq_len);
+                if s + 1 < lens[b] && !(b == 0 && s == 1) {
+                    tokens[t + 1] as i64
+                } else {
+                    IGNORE_INDEX
+                }
+            })
+            .collect();
+        Batch {
+            batch: lens.len(),
+            seq_len,
+            tokens,
+            targets,
+            lens: lens.to_vec(),
+        }
+    }
+
     /// `T = B·S`.
     pub fn positions(&self) -> usize {
         self.batch * self.seq_len

@@ -26,18 +26,8 @@ pub const LEARNING_RATE: f64 = 1e-2;
 /// of 97 (printable ASCII and two more), tied embeddings, at most 16 positions.
 pub fn model_config() -> ModelConfig {
     ModelConfig {
-        family: Family::Llama,
-        vocab: 97,
-        dim: 64,
-        ffn_dim: 128,
-        layers: 2,
-        heads: 4,
-        kv_heads: 2,
-        head_dim: 16,
-        rope_base: 10_000.0,
-        norm_eps: 1e-5,
-        tied_embeddings: true,
-        max_seq: 16,
+        max_seq: SEQ_LEN,
+        ..ModelConfig::tiny(Family::Llama)
     }
 }
 
