@@ -13,3 +13,21 @@ pub fn gpu_with_cache_file(path: &std::path::Path) -> hesper::exec::Gpu {
     })
     .unwrap()
 }
+
+/// The real SmolLM2-135M-Instruct GGUF: `HESPER_SMOLLM2`, else `models/` (where
+/// `scripts/fetch-model` puts it); `None`, with the skip reason printed, when it is absent.
+pub fn smollm2_path() -> Option<String> {
+    let path = std::env::var("HESPER_SMOLLM2").unwrap_or_else(|_| {
+        concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+        .into()
+    });
+    if std::path::Path::new(&path).exists() {
+        Some(path)
+    } else {
+        eprintln!("skipped: {path} is absent (scripts/fetch-model fetches it)");
+        None
+    }
+}

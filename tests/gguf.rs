@@ -3,6 +3,8 @@
 //! model mapping on tiny synthetic models, and the real SmolLM2 file when present
 //! (scripts/fetch-model, or `HESPER_SMOLLM2=path`).
 
+mod common;
+
 use hesper::io::{GgufError, GgufFile, Value, ValueType, load_model};
 use hesper::model::config::{Family, ModelConfig};
 
@@ -551,17 +553,9 @@ fn models_we_do_not_load_are_errors_naming_what() {
 
 #[test]
 fn smollm2_loads_with_gguf_py_values() {
-    let path = std::env::var("HESPER_SMOLLM2").unwrap_or_else(|_| {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
-        .into()
-    });
-    if !std::path::Path::new(&path).exists() {
-        eprintln!("skipped: {path} is absent (scripts/fetch-model fetches it)");
+    let Some(path) = common::smollm2_path() else {
         return;
-    }
+    };
     let file = GgufFile::open(&path).unwrap();
     let (config, weights) = load_model(&file).unwrap();
     let smollm2 = ModelConfig {

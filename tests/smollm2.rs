@@ -2,6 +2,8 @@
 //! factual text. Skipped, with the reason printed, where the file is absent
 //! (`scripts/fetch-model` fetches it into `models/`, or set `HESPER_SMOLLM2=path`).
 
+mod common;
+
 use hesper::io::{GgufFile, load_model};
 use hesper::kernels::testing::gpu;
 use hesper::model::config::LoraConfig;
@@ -32,17 +34,9 @@ const TRANSFORMERS: [f64; 20] = [
 /// as GGUF permutes them the mean is 2.41), and each capital after "is" costs under 0.5 nats.
 #[test]
 fn smollm2_predicts_capitals() {
-    let path = std::env::var("HESPER_SMOLLM2").unwrap_or_else(|_| {
-        concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/models/SmolLM2-135M-Instruct.Q4_1.gguf"
-        )
-        .into()
-    });
-    if !std::path::Path::new(&path).exists() {
-        eprintln!("skipped: {path} is absent (scripts/fetch-model fetches it)");
+    let Some(path) = common::smollm2_path() else {
         return;
-    }
+    };
     let g = gpu();
     let file = GgufFile::open(&path).unwrap();
     let (config, weights) = load_model(&file).unwrap();
