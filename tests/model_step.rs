@@ -7,10 +7,12 @@ use hesper::exec::{Gpu, GpuOptions};
 use hesper::kernels::optim::reference::{State, adamw_step, clip_coefficient, global_grad_norm};
 use hesper::kernels::testing::gpu;
 use hesper::model::config::{Family, LoraConfig, ModelConfig, Projection};
-use hesper::model::reference::{Adapters, Batch, IGNORE_INDEX, Weights, loss_and_grads};
+use hesper::model::reference::{
+    Adapters, Batch, IGNORE_INDEX, Weights, logits as reference_logits, loss_and_grads,
+};
 use hesper::model::{
-    GpuAdapters, GpuModel, Optimizer, StepBuffers, StepShape, record_forward_backward,
-    record_optimizer_step,
+    GpuAdapters, GpuModel, LogitsBuffers, Optimizer, StepBuffers, StepShape,
+    record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
 };
 
 fn lora(targets: &[Projection], rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
@@ -193,6 +195,101 @@ fn bitnet_step_matches_the_f64_model_on_all_seven_projections() {
 /// Two micro-batches accumulate the gradient of the loss over all their targets: the f64
 /// model's on the two batches as one batch of four sequences (N counted over both, not a mean
 /// of two means: the micro-batches have different target counts).
+/// The forward alone (an eval step: loss and per-position losses, the gradients untouched)
+/// and the logits of chosen positions (what generation reads) against the f64 model, with
+/// and without gradient checkpointing, for a family with every optional part (Qwen3's q/k
+/// norms) and for Llama.
+#[test]
+fn forward_loss_and_logits_match_the_f64_model() {
+    for (family, recompute) in [(Family::Qwen3, false), (Family::Llama, true)] {
+        let config = ModelConfig::tiny(family);
+        let lora = lora(
+            &[Projection::Q, Projection::V, Projection::Down],
+            4,
+            8.0,
+            false,
+        );
+        let weights = Weights::random(&config, 11);
+        let adapters = Adapters::random(&config, &lora, 12);
+        let batch = Batch::random(&config, 13, 8, &[8, 6]);
+        let g = gpu();
+        let model = GpuModel::upload(g, &config, &weights).unwrap();
+        let mut gpu_adapters = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
+        let mut shape = StepShape::new(2, 8);
+        shape.recompute = recompute;
+        let mut buffers = StepBuffers::new(g, &model, &gpu_adapters, shape).unwrap();
+        buffers
+            .load(g, &config, std::slice::from_ref(&batch))
+            .unwrap();
+        // Gradients of a training step first: the eval step must leave them as they are.
+        let mut rec = g.recorder();
+        record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers).unwrap();
+        rec.submit().unwrap();
+        let grads = gpu_adapters.download_grads(g).unwrap();
+        buffers.token_losses().write(g, &[f32::NAN; 16]).unwrap();
+
+        let mut rec = g.recorder();
+        record_forward_loss(&mut rec, &model, &gpu_adapters, &mut buffers).unwrap();
+        rec.submit().unwrap();
+        let (want, _) = loss_and_grads(&config, &lora, &weights, &adapters, &batch).unwrap();
+        let got = buffers.loss().read(g).unwrap()[0] as f64;
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{family:?}: eval loss {got} on the GPU, {want} in f64"
+        );
+        let want_logits = reference_logits(&config, &lora, &weights, &adapters, &batch).unwrap();
+        let v = config.vocab;
+        let want_token_losses: Vec<f64> = (batch.targets.iter().enumerate())
+            .map(|(t, &y)| match usize::try_from(y) {
+                Ok(y) => {
+                    let z = &want_logits[t * v..][..v];
+                    let max = z.iter().fold(f64::MIN, |m, &x| m.max(x));
+                    max + z.iter().map(|x| (x - max).exp()).sum::<f64>().ln() - z[y]
+                }
+                Err(_) => 0.0,
+            })
+            .collect();
+        let token_losses = buffers.token_losses().read(g).unwrap();
+        let token_losses: Vec<f64> = token_losses.iter().map(|&l| l as f64).collect();
+        assert_matches("token losses", &token_losses, &want_token_losses, 1e-5);
+        assert_eq!(gpu_adapters.download_grads(g).unwrap(), grads, "{family:?}");
+
+        let positions = [7, 8 + 5, 0];
+        let mut out = LogitsBuffers::new(g, &config, positions.len()).unwrap();
+        out.logits()
+            .write(g, &vec![f32::NAN; positions.len() * v])
+            .unwrap();
+        let mut rec = g.recorder();
+        record_logits(
+            &mut rec,
+            &model,
+            &gpu_adapters,
+            &mut buffers,
+            &positions,
+            &mut out,
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        let got = out.logits().read(g).unwrap();
+        for (row, &p) in positions.iter().enumerate() {
+            let got: Vec<f64> = got[row * v..][..v].iter().map(|&x| x as f64).collect();
+            let what = format!("{family:?} logits of position {p}");
+            assert_matches(&what, &got, &want_logits[p * v..][..v], 1e-5);
+        }
+        let mut rec = g.recorder();
+        let too_far = record_logits(
+            &mut rec,
+            &model,
+            &gpu_adapters,
+            &mut buffers,
+            &[16, 0, 1],
+            &mut out,
+        );
+        let message = too_far.unwrap_err().to_string();
+        assert!(message.contains("positions below B·S = 16"), "{message}");
+    }
+}
+
 #[test]
 fn micro_batches_accumulate_the_gradient_of_the_whole_batch() {
     let config = ModelConfig::tiny(Family::Llama);

@@ -506,3 +506,32 @@ pub(crate) fn projection_input(layer: &LayerActivations, p: Projection) -> &GpuB
         Projection::Down => layer.h_sub.as_ref().unwrap_or(&layer.h),
     }
 }
+
+/// Where [`record_logits`](super::record_logits) puts the logits of `rows` positions: their
+/// rows of the final norm's output `[rows, D]` and the logits `[rows, V]`.
+pub struct LogitsBuffers {
+    pub(crate) rows: usize,
+    pub(crate) vocab: usize,
+    pub(crate) n: GpuBuffer<f32>,
+    pub(crate) logits: GpuBuffer<f32>,
+}
+
+impl LogitsBuffers {
+    /// Buffers for the logits of `rows` positions of `config`'s vocabulary.
+    pub fn new(gpu: &Gpu, config: &ModelConfig, rows: usize) -> Result<LogitsBuffers, ModelError> {
+        if rows == 0 {
+            return Err(ModelError::invalid("LogitsBuffers", "rows", "positive", 0));
+        }
+        Ok(LogitsBuffers {
+            rows,
+            vocab: config.vocab,
+            n: gpu.zeros(rows * config.dim)?,
+            logits: gpu.zeros(rows * config.vocab)?,
+        })
+    }
+
+    /// `[rows, V]`: the logits the last [`record_logits`](super::record_logits) wrote.
+    pub fn logits(&self) -> &GpuBuffer<f32> {
+        &self.logits
+    }
+}

@@ -33,6 +33,8 @@ pub mod reference;
 mod step;
 mod tape;
 
-pub use activations::{StepBuffers, StepShape};
+pub use activations::{LogitsBuffers, StepBuffers, StepShape};
 pub use gpu::{GpuAdapters, GpuModel};
-pub use step::{Optimizer, record_forward_backward, record_optimizer_step};
+pub use step::{
+    Optimizer, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
+};

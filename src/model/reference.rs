@@ -564,6 +564,20 @@ pub fn loss_from_embeddings(
     Ok(tape.value(graph.loss)[0])
 }
 
+/// `[T, V]`: the logits of every position of the batch (its targets unused).
+pub fn logits(
+    config: &ModelConfig,
+    lora: &LoraConfig,
+    weights: &Weights,
+    adapters: &Adapters,
+    batch: &Batch,
+) -> Result<Vec<f64>, ModelError> {
+    let x0 = embed(config, weights, batch)?;
+    let mut tape = Tape::new();
+    let graph = record(&mut tape, (config, lora, weights, adapters, batch), &x0)?;
+    Ok(tape.value(graph.logits).to_vec())
+}
+
 /// The mean cross-entropy of the batch and its gradients.
 pub fn loss_and_grads(
     config: &ModelConfig,
@@ -593,6 +607,7 @@ struct Graph {
     x0: Var,
     /// `(A, B)` of each adapter, in the adapters' order.
     adapters: Vec<(Var, Var)>,
+    logits: Var,
     loss: Var,
 }
 
@@ -648,6 +663,7 @@ fn record<'a>(tape: &mut Tape<'a>, model: Model<'a>, x0: &[f64]) -> Result<Graph
     Ok(Graph {
         x0,
         adapters: leaves,
+        logits,
         loss,
     })
 }

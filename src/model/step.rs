@@ -29,7 +29,8 @@ use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_gra
 use hesper_kernels::rope::{Positions, execute_rope_backward, execute_rope_forward};
 
 use super::activations::{
-    LayerActivations, LoraWork, LossBuffers, StepBuffers, Workspace, projection_input,
+    LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
+    projection_input,
 };
 use super::config::{ModelError, Projection};
 use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
@@ -389,8 +390,8 @@ impl Ctx<'_> {
     }
 
     /// The final norm of `x_out`, then chunk by chunk of tokens the logits, their
-    /// cross-entropy (each chunk's rows divided by the step's one `N`) and the gradient of the
-    /// norm's output, into `dn`; the per-token losses into this micro-batch's rows of
+    /// cross-entropy (each chunk's rows divided by the step's one `N`) and, given `dn`, the
+    /// gradient of the norm's output into it; the per-token losses into this micro-batch's rows of
     /// `loss.token_loss`.
     fn loss_forward_backward(
         &self,
@@ -399,7 +400,7 @@ impl Ctx<'_> {
         labels: &GpuBuffer<i32>,
         loss: &mut LossBuffers,
         chunk: usize,
-        dn: &mut GpuBuffer<f32>,
+        mut dn: Option<&mut GpuBuffer<f32>>,
     ) -> Result<(), ModelError> {
         let c = self.model.config();
         let (t, d, vocab) = (self.tokens, c.dim, c.vocab);
@@ -441,17 +442,19 @@ impl Ctx<'_> {
                 &mut loss.d_logits,
                 &mut loss.token_loss_chunk,
             )?;
-            execute_matmul_nn(
-                rec,
-                &loss.d_logits,
-                head,
-                &mut loss.d_n_chunk,
-                chunk,
-                vocab,
-                d,
-                false,
-            )?;
-            rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
+            if let Some(dn) = dn.as_deref_mut() {
+                execute_matmul_nn(
+                    rec,
+                    &loss.d_logits,
+                    head,
+                    &mut loss.d_n_chunk,
+                    chunk,
+                    vocab,
+                    d,
+                    false,
+                )?;
+                rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
+            }
             let at = self.micro * t + first;
             rec.copy_range(&loss.token_loss_chunk, 0, &loss.token_loss, at, rows)?;
             first += rows;
@@ -479,6 +482,71 @@ fn check_buffers(
     Ok(())
 }
 
+/// The context of a step over `buffers`' shape, at micro-batch 0.
+fn context<'a>(model: &'a GpuModel, adapters: &GpuAdapters, buffers: &StepBuffers) -> Ctx<'a> {
+    let c = model.config();
+    let shape = buffers.shape;
+    Ctx {
+        model,
+        tokens: shape.tokens(),
+        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim),
+        positions: Positions {
+            seq_len: shape.seq_len as u32,
+            offset: 0,
+        },
+        eps: c.norm_eps as f32,
+        rank: adapters.lora().rank,
+        scale: adapters.lora().scale() as f32,
+        micro: 0,
+    }
+}
+
+impl Ctx<'_> {
+    /// The embedding of micro-batch `self.micro` and every block's forward: the last block's
+    /// output into `buffers.x_out`.
+    fn blocks_forward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        buffers: &mut StepBuffers,
+    ) -> Result<(), ModelError> {
+        let c = self.model.config();
+        let (t, micro) = (self.tokens, self.micro);
+        let StepBuffers {
+            shape,
+            layers,
+            layer_inputs,
+            x_out,
+            inputs,
+            ..
+        } = buffers;
+        let lens = &inputs.lens[micro];
+        rec.copy_range(&inputs.tokens, micro * t, &inputs.tokens_micro, 0, t)?;
+        let x0 = match layer_inputs.first_mut() {
+            Some(x0) => x0,
+            None => &mut layers[0].x,
+        };
+        execute_embedding(rec, &self.model.embed, &inputs.tokens_micro, c.dim, x0)?;
+        for layer in 0..c.layers {
+            if shape.recompute {
+                // The one set of activations, filled from this block's kept input.
+                let (input, next) = layer_inputs[layer..].split_first_mut().expect("layer < L");
+                let out = next.first_mut().unwrap_or(&mut *x_out);
+                rec.copy(input, &layers[0].x)?;
+                self.block_forward(rec, adapters, layer, &mut layers[0], lens, out)?;
+            } else {
+                let (this, next) = layers[layer..].split_first_mut().expect("layer < L");
+                let out = match next.first_mut() {
+                    Some(next) => &mut next.x,
+                    None => &mut *x_out,
+                };
+                self.block_forward(rec, adapters, layer, this, lens, out)?;
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Record the forward and backward of the micro-batches [`StepBuffers::load`] wrote: the loss
 /// (mean cross-entropy over the targets of all micro-batches) into [`StepBuffers::loss`] and
 /// its gradient with respect to every adapter into the adapters' gradients (overwritten).
@@ -490,58 +558,25 @@ pub fn record_forward_backward(
 ) -> Result<(), ModelError> {
     check_buffers(model, adapters, buffers)?;
     let c = model.config();
-    let shape = buffers.shape;
-    let t = shape.tokens();
-    let StepBuffers {
-        chunk,
-        layers,
-        layer_inputs,
-        x_out,
-        work,
-        loss,
-        inputs,
-        ..
-    } = buffers;
-    let mut ctx = Ctx {
-        model,
-        tokens: t,
-        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim),
-        positions: Positions {
-            seq_len: shape.seq_len as u32,
-            offset: 0,
-        },
-        eps: c.norm_eps as f32,
-        rank: adapters.lora().rank,
-        scale: adapters.lora().scale() as f32,
-        micro: 0,
-    };
-    execute_cross_entropy_count(rec, &inputs.labels, c.vocab, &mut loss.count)?;
-    for micro in 0..shape.micro_batches {
+    let mut ctx = context(model, adapters, buffers);
+    let labels = &buffers.inputs.labels;
+    execute_cross_entropy_count(rec, labels, c.vocab, &mut buffers.loss.count)?;
+    for micro in 0..buffers.shape.micro_batches {
         ctx.micro = micro;
-        let lens = &inputs.lens[micro];
-        rec.copy_range(&inputs.tokens, micro * t, &inputs.tokens_micro, 0, t)?;
-        let x0 = match layer_inputs.first_mut() {
-            Some(x0) => x0,
-            None => &mut layers[0].x,
-        };
-        execute_embedding(rec, &model.embed, &inputs.tokens_micro, c.dim, x0)?;
-        for layer in 0..c.layers {
-            if shape.recompute {
-                // The one set of activations, filled from this block's kept input.
-                let (input, next) = layer_inputs[layer..].split_first_mut().expect("layer < L");
-                let out = next.first_mut().unwrap_or(&mut *x_out);
-                rec.copy(input, &layers[0].x)?;
-                ctx.block_forward(rec, adapters, layer, &mut layers[0], lens, out)?;
-            } else {
-                let (this, next) = layers[layer..].split_first_mut().expect("layer < L");
-                let out = match next.first_mut() {
-                    Some(next) => &mut next.x,
-                    None => &mut *x_out,
-                };
-                ctx.block_forward(rec, adapters, layer, this, lens, out)?;
-            }
-        }
-        ctx.loss_forward_backward(rec, x_out, &inputs.labels, loss, *chunk, &mut work.dn)?;
+        ctx.blocks_forward(rec, adapters, buffers)?;
+        let StepBuffers {
+            shape,
+            chunk,
+            layers,
+            layer_inputs,
+            x_out,
+            work,
+            loss,
+            inputs,
+            ..
+        } = &mut *buffers;
+        let dn = Some(&mut work.dn);
+        ctx.loss_forward_backward(rec, x_out, &inputs.labels, loss, *chunk, dn)?;
         execute_rms_norm_backward(
             rec,
             x_out,
@@ -551,6 +586,7 @@ pub fn record_forward_backward(
             &mut work.dx,
             false,
         )?;
+        let lens = &inputs.lens[micro];
         for layer in (0..c.layers).rev() {
             let saved = if shape.recompute {
                 // The forward again, from the kept input (its output lands in `x_out`, which
@@ -565,7 +601,95 @@ pub fn record_forward_backward(
             ctx.block_backward(rec, adapters, layer, saved, lens, work)?;
         }
     }
+    let loss = &mut buffers.loss;
     execute_cross_entropy_mean(rec, &loss.token_loss, &loss.count, &mut loss.loss)?;
+    Ok(())
+}
+
+/// Record the forward alone of the micro-batches [`StepBuffers::load`] wrote: the loss into
+/// [`StepBuffers::loss`] and each position's into [`StepBuffers::token_losses`], as
+/// [`record_forward_backward`] computes them, without the backward (an eval step). The
+/// adapters' gradients are left as they are.
+pub fn record_forward_loss(
+    rec: &mut Recorder<'_>,
+    model: &GpuModel,
+    adapters: &GpuAdapters,
+    buffers: &mut StepBuffers,
+) -> Result<(), ModelError> {
+    check_buffers(model, adapters, buffers)?;
+    let mut ctx = context(model, adapters, buffers);
+    let labels = &buffers.inputs.labels;
+    execute_cross_entropy_count(rec, labels, model.config().vocab, &mut buffers.loss.count)?;
+    for micro in 0..buffers.shape.micro_batches {
+        ctx.micro = micro;
+        ctx.blocks_forward(rec, adapters, buffers)?;
+        let b = &mut *buffers;
+        ctx.loss_forward_backward(rec, &b.x_out, &b.inputs.labels, &mut b.loss, b.chunk, None)?;
+    }
+    let loss = &mut buffers.loss;
+    execute_cross_entropy_mean(rec, &loss.token_loss, &loss.count, &mut loss.loss)?;
+    Ok(())
+}
+
+/// Record the forward of the one micro-batch [`StepBuffers::load`] wrote and the logits of
+/// the given positions (`b·S + s`, one per row of `out`) into [`LogitsBuffers::logits`]: what
+/// generation reads (each sequence's last position).
+pub fn record_logits(
+    rec: &mut Recorder<'_>,
+    model: &GpuModel,
+    adapters: &GpuAdapters,
+    buffers: &mut StepBuffers,
+    positions: &[usize],
+    out: &mut LogitsBuffers,
+) -> Result<(), ModelError> {
+    check_buffers(model, adapters, buffers)?;
+    let c = model.config();
+    let shape = buffers.shape;
+    let bad = |field: &str, expected: String, given: String| {
+        Err(ModelError::invalid("record_logits", field, expected, given))
+    };
+    if shape.micro_batches != 1 {
+        let expected = "buffers of one micro-batch".to_string();
+        return bad("buffers", expected, shape.micro_batches.to_string());
+    }
+    if out.vocab != c.vocab {
+        let expected = format!("LogitsBuffers of the model's vocabulary ({})", c.vocab);
+        return bad("out", expected, out.vocab.to_string());
+    }
+    if positions.len() != out.rows {
+        let expected = format!("{} positions (the LogitsBuffers' rows)", out.rows);
+        return bad("positions", expected, positions.len().to_string());
+    }
+    if let Some(&p) = positions.iter().find(|&&p| p >= shape.tokens()) {
+        let expected = format!("positions below B·S = {}", shape.tokens());
+        return bad("positions", expected, p.to_string());
+    }
+    let ctx = context(model, adapters, buffers);
+    ctx.blocks_forward(rec, adapters, buffers)?;
+    let (d, loss) = (c.dim, &mut buffers.loss);
+    let eps = c.norm_eps as f32;
+    execute_rms_norm_forward(
+        rec,
+        &buffers.x_out,
+        &model.final_norm,
+        &mut loss.n,
+        &mut loss.rstd,
+        eps,
+    )?;
+    for (row, &p) in positions.iter().enumerate() {
+        rec.copy_range(&loss.n, p * d, &out.n, row * d, d)?;
+    }
+    let head = model.head();
+    execute_matmul_nt(
+        rec,
+        &out.n,
+        head,
+        &mut out.logits,
+        out.rows,
+        c.vocab,
+        d,
+        false,
+    )?;
     Ok(())
 }
 
