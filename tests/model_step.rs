@@ -11,8 +11,8 @@ use hesper::model::reference::{
     Adapters, Batch, IGNORE_INDEX, Weights, logits as reference_logits, loss_and_grads,
 };
 use hesper::model::{
-    GpuAdapters, GpuModel, LogitsBuffers, Optimizer, StepBuffers, StepShape,
-    record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
+    Generator, GpuAdapters, GpuModel, LogitsBuffers, Optimizer, Rng, Sampling, StepBuffers,
+    StepShape, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
 };
 
 fn lora(targets: &[Projection], rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
@@ -288,6 +288,78 @@ fn forward_loss_and_logits_match_the_f64_model() {
         let message = too_far.unwrap_err().to_string();
         assert!(message.contains("positions below B·S = 16"), "{message}");
     }
+}
+
+/// Greedy generation on the GPU against the f64 model's argmax at every step, for 30 tokens
+/// (past the first length of 32, so the generator's buffers grow once); where the f64 model's
+/// two best tokens are closer than f32 can tell, either is accepted.
+#[test]
+fn greedy_generation_follows_the_f64_model() {
+    let config = ModelConfig {
+        max_seq: 64,
+        ..ModelConfig::tiny(Family::Llama)
+    };
+    let lora = lora(&[Projection::Q, Projection::Up], 2, 4.0, true);
+    let weights = Weights::random(&config, 21);
+    let adapters = Adapters::random(&config, &lora, 22);
+    let g = gpu();
+    let model = GpuModel::upload(g, &config, &weights).unwrap();
+    let gpu_adapters = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
+    let mut generator = Generator::new(g, &model).unwrap();
+    let prompt = [3, 1, 4, 1, 5];
+    let mut streamed = vec![];
+    let mut rng = Rng::new(0);
+    let greedy = (Sampling::Greedy, &mut rng);
+    let new = generator
+        .generate(g, &model, &gpu_adapters, &prompt, 30, greedy, &[], |t| {
+            streamed.push(t)
+        })
+        .unwrap();
+    assert_eq!(new.len(), 30);
+    assert_eq!(new, streamed);
+    let mut tokens = prompt.to_vec();
+    for &next in &new {
+        let s = tokens.len();
+        let batch = Batch {
+            batch: 1,
+            seq_len: s,
+            tokens: tokens.clone(),
+            targets: vec![IGNORE_INDEX; s],
+            lens: vec![s],
+        };
+        let logits = reference_logits(&config, &lora, &weights, &adapters, &batch).unwrap();
+        let last = &logits[(s - 1) * config.vocab..];
+        let mut order: Vec<usize> = (0..config.vocab).collect();
+        order.sort_by(|&a, &b| last[b].total_cmp(&last[a]));
+        let (best, second) = (order[0], order[1]);
+        let close = last[best] - last[second] < 1e-4 * last[best].abs().max(1.0);
+        assert!(
+            next as usize == best || (close && next as usize == second),
+            "after {s} tokens: the GPU chose {next}, the f64 model {best} (logit {} vs {})",
+            last[next as usize],
+            last[best]
+        );
+        tokens.push(next);
+    }
+    // A stop token ends it, and is the last token given.
+    let stop = [new[2]];
+    let mut rng = Rng::new(0);
+    let until = generator
+        .generate(
+            g,
+            &model,
+            &gpu_adapters,
+            &prompt,
+            40,
+            (Sampling::Greedy, &mut rng),
+            &stop,
+            |_| {},
+        )
+        .unwrap();
+    assert_eq!(
+        until,
+        new[..=new.iter().position(|t| *t == new[2]).unwrap()]
+    );
 }
 
 #[test]

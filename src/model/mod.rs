@@ -28,12 +28,14 @@
 
 mod activations;
 pub mod config;
+mod generate;
 mod gpu;
 pub mod reference;
 mod step;
 mod tape;
 
 pub use activations::{LogitsBuffers, StepBuffers, StepShape};
+pub use generate::{Generator, Rng, Sampling};
 pub use gpu::{GpuAdapters, GpuModel};
 pub use step::{
     Optimizer, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
