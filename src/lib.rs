@@ -15,3 +15,4 @@ pub use hesper_kernels as kernels;
 
 pub mod io;
 pub mod model;
+pub mod train;

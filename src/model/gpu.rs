@@ -295,6 +295,38 @@ impl GpuAdapters {
         Ok(())
     }
 
+    /// AdamW's first and second moments `(m, v)`, each in the adapters' layout (`m` of `A` in
+    /// `a`, of `B` in `b`): what a checkpoint saves so a resumed run continues the same curve.
+    #[cfg(not(target_arch = "wasm32"))]
+    pub fn download_moments(&self, gpu: &Gpu) -> Result<(Adapters, Adapters), ModelError> {
+        let m = self.start_reads(gpu, |a| (&a.moments[0], &a.moments[2]))?;
+        let v = self.start_reads(gpu, |a| (&a.moments[1], &a.moments[3]))?;
+        let wait = |reads: Vec<Reads>| {
+            self.gather(
+                reads
+                    .into_iter()
+                    .map(|(a, b)| Ok((a.wait(gpu)?, b.wait(gpu)?))),
+            )
+        };
+        Ok((wait(m)?, wait(v)?))
+    }
+
+    /// Replace AdamW's moments (as [`GpuAdapters::download_moments`] gives them, checked
+    /// like the adapters).
+    pub fn write_moments(&self, gpu: &Gpu, m: &Adapters, v: &Adapters) -> Result<(), ModelError> {
+        m.check(&self.config, &self.lora)?;
+        v.check(&self.config, &self.lora)?;
+        let pairs = self.adapters.iter().zip(m.iter().zip(v.iter()));
+        for (gpu_adapter, ((_, _, m), (_, _, v))) in pairs {
+            let [m_a, v_a, m_b, v_b] = &gpu_adapter.moments;
+            m_a.write(gpu, &f32s(&m.a))?;
+            v_a.write(gpu, &f32s(&v.a))?;
+            m_b.write(gpu, &f32s(&m.b))?;
+            v_b.write(gpu, &f32s(&v.b))?;
+        }
+        Ok(())
+    }
+
     /// Start every adapter's two readbacks at once (each then waits only for its own copy).
     fn start_reads(
         &self,
