@@ -107,6 +107,36 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn embedding(dim: u32, limits: &Limits) -> Result<Kernel, Failure> {
+        Ok(Kernel::build_with_limits(
+            &embedding_key(dim),
+            limits,
+            super::embedding,
+        )?)
+    }
+
+    pub(crate) fn add_bias(cols: u32, limits: &Limits) -> Result<Kernel, Failure> {
+        Ok(Kernel::build_with_limits(
+            &add_bias_key(cols),
+            limits,
+            super::add_bias,
+        )?)
+    }
+
+    pub(crate) fn add(limits: &Limits) -> Result<Kernel, Failure> {
+        Ok(Kernel::build_with_limits(
+            &super::add::key(),
+            limits,
+            super::add::body,
+        )?)
+    }
+}
+
 /// Bind an f32 buffer as a kernel of width `width` reads it: `vec4`s when it is a multiple of 4.
 fn bind<'a>(args: Args<'a>, name: &'a str, buffer: &'a GpuBuffer<f32>, width: u32) -> Args<'a> {
     if width.is_multiple_of(4) {

@@ -81,6 +81,38 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module, within `limits`, for [`crate::catalog`] (none has a shape).
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn relu_sqr_mul_forward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (
+            super::relu_sqr_mul_forward::key(),
+            super::relu_sqr_mul_forward::body,
+        );
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn relu_sqr_mul_backward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (
+            super::relu_sqr_mul_backward::key(),
+            super::relu_sqr_mul_backward::body,
+        );
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn swiglu_forward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (super::swiglu_forward::key(), super::swiglu_forward::body);
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn swiglu_backward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (super::swiglu_backward::key(), super::swiglu_backward::body);
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+}
+
 /// Elements as vec4s, checked against u32.
 fn vec4s(kernel: &str, n: usize) -> Result<u32, ExecError> {
     expect_u32(kernel, "elements / 4", n.div_ceil(4))

@@ -7,9 +7,13 @@
 //! - an f64 reference in the module's `reference` submodule, which the tests compare the GPU
 //!   with on fresh random inputs, and which is itself checked against finite differences.
 //!
+//! [`catalog`] lists every kernel by name with its shape parameters, and builds any of them at
+//! any shape.
+//!
 //! The math contract is `../shared/KERNELS.md`.
 
 pub mod attention;
+pub mod catalog;
 pub mod elementwise;
 pub mod ffn;
 pub mod linear;

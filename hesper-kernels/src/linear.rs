@@ -667,6 +667,28 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// The GEMM kernels at any shape and tile, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// `matmul_nt`, `matmul_nn`, `bitlinear_forward` or `bitlinear_transpose` (`ternary`), the
+    /// tile checked first.
+    pub(crate) fn gemm(
+        (product, ternary): (Product, bool),
+        (cols, depth): (u32, u32),
+        tile: Tile,
+        accumulate: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        tile.check(kernel_name(product, ternary))?;
+        let key = gemm_key(product, ternary, (cols, depth), tile, accumulate);
+        Ok(Kernel::build_with_limits(&key, limits, |k| {
+            gemm_kernel(k, product, ternary)
+        })?)
+    }
+}
+
 /// Record one GEMM: `output (+)= input·Wᵀ` or `input·W` (times the weights' scale, if any),
 /// with the buffers' lengths and the tile checked first (an error names the kernel and buffer).
 pub fn execute_gemm(

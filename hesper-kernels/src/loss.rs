@@ -297,6 +297,68 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// `Ok` for a workgroup of invocations.
+    fn check_wg(wg: u32) -> Result<(), Failure> {
+        match wg {
+            0 => Err(Failure::rule(
+                "wg = 0".into(),
+                "a workgroup needs an invocation".into(),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    pub(crate) fn cross_entropy_count(
+        vocab: u32,
+        wg: u32,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        check_wg(wg)?;
+        let key = super::cross_entropy_count::key(vocab, wg);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::cross_entropy_count::body,
+        )?)
+    }
+
+    /// The row kernel with the gradient (`cross_entropy`) or the loss alone
+    /// (`cross_entropy_forward`).
+    pub(crate) fn cross_entropy_rows(
+        grad: bool,
+        vocab: u32,
+        wg: u32,
+        features: Features,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        check_wg(wg)?;
+        let (name, body): (_, fn(&mut KernelBuilder)) = match grad {
+            true => (ROW, row_with_grad),
+            false => (ROW_FORWARD, row_loss_only),
+        };
+        Ok(Kernel::build_with_limits(
+            &row_key(name, vocab, wg, features),
+            limits,
+            body,
+        )?)
+    }
+
+    pub(crate) fn cross_entropy_mean(wg: u32, limits: &Limits) -> Result<Kernel, Failure> {
+        check_wg(wg)?;
+        let key = super::cross_entropy_mean::key(wg);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::cross_entropy_mean::body,
+        )?)
+    }
+}
+
 /// What the cross-entropy kernels write besides the gradient.
 pub struct LossOutputs<'a> {
     /// `[T]`: each token's loss, 0 where masked.

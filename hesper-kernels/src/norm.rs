@@ -198,6 +198,57 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn rms_norm_forward(
+        cols: u32,
+        eps: f32,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = super::rms_norm_forward::key(cols, eps);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::rms_norm_forward::body,
+        )?)
+    }
+
+    pub(crate) fn rms_norm_backward(
+        cols: u32,
+        accumulate: bool,
+        features: Features,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = backward_key(cols, accumulate, features);
+        Ok(Kernel::build_with_limits(&key, limits, backward_body)?)
+    }
+
+    pub(crate) fn rms_norm_dgamma_partials(
+        cols: u32,
+        rows_per_block: u32,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = super::rms_norm_dgamma_partials::key(cols, rows_per_block);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::rms_norm_dgamma_partials::body,
+        )?)
+    }
+
+    pub(crate) fn rms_norm_dgamma_sum(cols: u32, limits: &Limits) -> Result<Kernel, Failure> {
+        let key = super::rms_norm_dgamma_sum::key(cols);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::rms_norm_dgamma_sum::body,
+        )?)
+    }
+}
+
 /// Rows and columns of `x` given `gamma`'s length, checked.
 fn rows_of(
     kernel: &str,

@@ -203,6 +203,38 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn adamw(clip: bool, limits: &Limits) -> Result<Kernel, Failure> {
+        Ok(Kernel::build_with_limits(
+            &adamw_key(clip),
+            limits,
+            adamw_body,
+        )?)
+    }
+
+    pub(crate) fn grad_norm_partials(limits: &Limits) -> Result<Kernel, Failure> {
+        let key = super::grad_norm_partials::key();
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::grad_norm_partials::body,
+        )?)
+    }
+
+    pub(crate) fn grad_norm_finish(limits: &Limits) -> Result<Kernel, Failure> {
+        let key = super::grad_norm_finish::key();
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::grad_norm_finish::body,
+        )?)
+    }
+}
+
 /// `(1 − β1^t, 1 − β2^t)`, formed in f64, once the step's values are checked: an error for
 /// t = 0 or a β outside [0, 1) (a correction 0 or negative), and for an ε, decay, learning
 /// rate or `max_norm` that is not finite or out of range.

@@ -159,6 +159,17 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![rope::build(64, false)?, rope::build(64, true)?])
 }
 
+/// The kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn rope(half: u32, backward: bool, limits: &Limits) -> Result<Kernel, Failure> {
+        let key = super::rope::key(half, backward);
+        Ok(Kernel::build_with_limits(&key, limits, super::rope::body)?)
+    }
+}
+
 /// Rotate `x` (rows of `heads × head_dim`, `head_dim` the table's) in place: the forward, or
 /// with `backward` the gradient's transpose rotation.
 pub fn execute_rope(

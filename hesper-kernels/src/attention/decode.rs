@@ -270,6 +270,88 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// Each kernel of this module at any shape, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// `1/√hd`, as the executor forms `τ` ([`DecodeShape`]).
+    pub(crate) fn tau(head_dim: u32) -> f32 {
+        (1.0 / (head_dim as f64).sqrt()) as f32
+    }
+
+    pub(crate) fn kv_cache_append(head_dim: u32, limits: &Limits) -> Result<Kernel, Failure> {
+        let key = super::kv_cache_append::key(head_dim);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::kv_cache_append::body,
+        )?)
+    }
+
+    /// The forward, for a head dimension the executor takes (`1 ..= 128`).
+    pub(crate) fn decode_attention(
+        (head_dim, group, tau): (u32, u32, f32),
+        features: Features,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        if head_dim == 0 || head_dim > DECODE_WG {
+            return Err(Failure::rule(
+                format!("head_dim = {head_dim}"),
+                format!("head_dim must be 1 to {DECODE_WG} (one invocation per output column)"),
+            ));
+        }
+        let key = decode_key(head_dim, group, tau, features);
+        Ok(Kernel::build_with_limits(&key, limits, decode_body)?)
+    }
+
+    pub(crate) fn softmax_backward(
+        lanes4: bool,
+        features: Features,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = softmax_key(lanes4, features);
+        Ok(Kernel::build_with_limits(&key, limits, softmax_body)?)
+    }
+
+    pub(crate) fn apply_backward(
+        head_dim: u32,
+        group: u32,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = super::apply_backward::key(head_dim, group);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::apply_backward::body,
+        )?)
+    }
+
+    pub(crate) fn score_backward_q(
+        (head_dim, group, tau): (u32, u32, f32),
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = super::score_backward_q::key(head_dim, group, tau);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::score_backward_q::body,
+        )?)
+    }
+
+    pub(crate) fn cache_backward(
+        (head_dim, group, tau): (u32, u32, f32),
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let key = super::cache_backward::key(head_dim, group, tau);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::cache_backward::body,
+        )?)
+    }
+}
+
 /// `ds = p ⊙ (dp − rowsum(p ⊙ dp))` over rows of `cols`.
 pub fn execute_softmax_backward(
     rec: &mut Recorder<'_>,

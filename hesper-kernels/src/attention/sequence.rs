@@ -1284,6 +1284,80 @@ fn stats_key(shape: &SeqShape, padded: bool) -> KernelKey {
         .assume_in_bounds()
 }
 
+/// Each kernel of this module at any shape and tile, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// Which of the three blocked kernels.
+    #[derive(Clone, Copy)]
+    pub(crate) enum Blocked {
+        Forward,
+        KeyGrads,
+        QueryGrads,
+    }
+
+    /// A shape of one sequence (the kernels' keys hold no batch or length), checked as the
+    /// executor checks it.
+    fn shape(
+        name: &str,
+        (head_dim, heads, kv_heads): (u32, u32, u32),
+    ) -> Result<SeqShape, Failure> {
+        let shape = SeqShape::new(1, 1, heads as usize, kv_heads as usize, head_dim as usize);
+        shape.check(name)?;
+        Ok(shape)
+    }
+
+    /// `Ok` for a tile the kernels' loops cover: `block` rows of `block / 4` invocations' four,
+    /// `block / vk` product steps of `vk` rows. (The executor runs only `LARGE`, `MEDIUM` and
+    /// `PORTABLE`, which the tests run on a GPU.)
+    fn check_tile(tile: SeqTile) -> Result<(), Failure> {
+        let SeqTile { block, bk, vk } = tile;
+        if block == 0 || !block.is_multiple_of(4) || bk == 0 || vk == 0 || !block.is_multiple_of(vk)
+        {
+            return Err(Failure::rule(
+                format!("tile {tile:?}"),
+                "block must be a positive multiple of 4, bk positive, and vk positive and \
+                 dividing block"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
+    /// `attention_forward`, `attention_backward_kv` or `attention_backward_q`.
+    pub(crate) fn blocked(
+        which: Blocked,
+        dims: (u32, u32, u32),
+        tile: SeqTile,
+        padded: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let (name, body): (_, fn(&mut KernelBuilder)) = match which {
+            Blocked::Forward => (FORWARD, forward_body),
+            Blocked::KeyGrads => (KEY_GRADS, key_grads_body),
+            Blocked::QueryGrads => (QUERY_GRADS, query_grads_body),
+        };
+        let shape = shape(name, dims)?;
+        check_tile(tile)?;
+        let key = seq_key(name, &shape, tile, padded);
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn stats(
+        (head_dim, heads): (u32, u32),
+        padded: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let shape = shape(STATS, (head_dim, heads, 1))?;
+        Ok(Kernel::build_with_limits(
+            &stats_key(&shape, padded),
+            limits,
+            stats_body,
+        )?)
+    }
+}
+
 /// The inputs of the forward: `Q [T, H·hd]`, `K`, `V [T, KV·hd]` (rotated, as RoPE leaves
 /// them), and the valid lengths when the batch is padded.
 #[derive(Clone, Copy)]

@@ -11,6 +11,7 @@ use super::subgroups::{self, SubgroupTile};
 use super::{
     Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
 };
+use crate::catalog::Failure;
 use crate::linear::{self, offset};
 use crate::{Columns, bad_tile};
 
@@ -381,6 +382,27 @@ pub(super) fn project(
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let key = key(64, 1, Layout::RankMinor, DownTile::DEFAULT);
     Ok(vec![Kernel::build(&key, body)?])
+}
+
+/// `lora_down` at any shape and tile (`[token_lanes, column_lanes, pitch, round_sums, span]`),
+/// within `limits`, for [`crate::catalog`]: the rank and the tile checked first.
+pub(crate) fn build_at(
+    (n, r, rank_minor): (u32, u32, bool),
+    [token_lanes, column_lanes, pitch, round_sums, span]: [u32; 5],
+    limits: &Limits,
+) -> Result<Kernel, Failure> {
+    let tile = DownTile {
+        token_lanes,
+        column_lanes,
+        pitch,
+        round_sums,
+        span,
+    };
+    super::check_width(n)?;
+    super::check_rank(r)?;
+    tile.check("lora_down")?;
+    let key = key(n, r, Layout::from_shape(rank_minor), tile);
+    Ok(Kernel::build_with_limits(&key, limits, body)?)
 }
 
 #[cfg(test)]

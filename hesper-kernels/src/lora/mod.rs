@@ -163,6 +163,39 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(kernels)
 }
 
+/// Each kernel of this module at any shape and tile, for [`crate::catalog`].
+pub(crate) mod build {
+    pub(crate) use super::down::build_at as lora_down;
+    pub(crate) use super::subgroups::build_at as lora_down_subgroups;
+    pub(crate) use super::up::build_at as lora_up;
+    pub(crate) use super::weight_grad::{
+        partials_at as lora_weight_grad_partials, sum_at as lora_weight_grad_sum,
+    };
+}
+
+/// `Ok` for a row width the kernels take (a positive one).
+fn check_width(n: u32) -> Result<(), crate::catalog::Failure> {
+    if n > 0 {
+        return Ok(());
+    }
+    Err(crate::catalog::Failure::rule(
+        "n = 0".into(),
+        "the row width must be positive".into(),
+    ))
+}
+
+/// `Ok` for a rank `lora_down`, `lora_down_subgroups` and `lora_up` take (`1 ..= MAX_RANK`:
+/// larger ones go through the GEMM).
+fn check_rank(r: u32) -> Result<(), crate::catalog::Failure> {
+    if (1..=MAX_RANK).contains(&r) {
+        return Ok(());
+    }
+    Err(crate::catalog::Failure::rule(
+        format!("rank = {r}"),
+        format!("the rank must be 1 to {MAX_RANK} (larger ranks go through the GEMM)"),
+    ))
+}
+
 /// Rows of a `[rows, width]` buffer, checked (`what` names the width).
 fn rows(
     kernel: &str,

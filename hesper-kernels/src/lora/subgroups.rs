@@ -6,6 +6,7 @@ use hesper_dsl::prelude::*;
 use hesper_exec::ExecError;
 
 use super::{Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, by_width};
+use crate::catalog::Failure;
 use crate::linear::offset;
 use crate::{Columns, bad_tile};
 
@@ -275,6 +276,34 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let key = key(64, 2, Layout::RankMinor, 32, SubgroupTile::DEFAULT);
     Ok(vec![Kernel::build(&key, body)?])
+}
+
+/// `lora_down_subgroups` for subgroups of `lanes` at any shape and tile (`[invocations,
+/// group_tokens, unroll]`), within `limits`, for [`crate::catalog`]: the rank, the tile and the
+/// subgroup size checked first.
+pub(crate) fn build_at(
+    (n, r, rank_minor): (u32, u32, bool),
+    lanes: u32,
+    [invocations, group_tokens, unroll]: [u32; 3],
+    limits: &Limits,
+) -> Result<Kernel, Failure> {
+    let name = "lora_down_subgroups";
+    let tile = SubgroupTile {
+        invocations,
+        group_tokens,
+        unroll,
+    };
+    super::check_width(n)?;
+    super::check_rank(r)?;
+    tile.check(name)?;
+    if !tile.runs_on(lanes) {
+        return Err(Failure::rule(
+            format!("lanes = {lanes}"),
+            format!("the subgroup size must be 8 to {invocations} and divide it"),
+        ));
+    }
+    let key = key(n, r, Layout::from_shape(rank_minor), lanes, tile);
+    Ok(Kernel::build_with_limits(&key, limits, body)?)
 }
 
 #[cfg(test)]

@@ -8,6 +8,7 @@ use super::{
     Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows,
     by_width, row_elements,
 };
+use crate::catalog::Failure;
 use crate::linear::{self, Gemm, Product, Weights, offset};
 use crate::{Columns, bad_tile};
 
@@ -158,6 +159,25 @@ pub(super) fn project_up(
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let key = key(64, 4, Layout::RankMajor, UpTile::DEFAULT);
     Ok(vec![Kernel::build(&key, body)?])
+}
+
+/// `lora_up` at any shape and tile (`[invocations, block_tokens, unroll]`), within `limits`,
+/// for [`crate::catalog`]: the rank and the tile checked first.
+pub(crate) fn build_at(
+    (n, r, rank_minor): (u32, u32, bool),
+    [invocations, block_tokens, unroll]: [u32; 3],
+    limits: &Limits,
+) -> Result<Kernel, Failure> {
+    let tile = UpTile {
+        invocations,
+        block_tokens,
+        unroll,
+    };
+    super::check_width(n)?;
+    super::check_rank(r)?;
+    tile.check("lora_up")?;
+    let key = key(n, r, Layout::from_shape(rank_minor), tile);
+    Ok(Kernel::build_with_limits(&key, limits, body)?)
 }
 
 #[cfg(test)]

@@ -11,6 +11,7 @@ use super::{
     Layout, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
     row_elements,
 };
+use crate::catalog::Failure;
 use crate::linear::offset;
 use crate::{Columns, bad_tile};
 
@@ -367,6 +368,40 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
             sum_body,
         )?,
     ])
+}
+
+/// `lora_weight_grad_partials` at any shape and tile (`[cols, lanes, lane_tokens, unroll,
+/// round_sums]`), within `limits`, for [`crate::catalog`]: the tile checked first.
+pub(crate) fn partials_at(
+    (n, r): (u32, u32),
+    [cols, lanes, lane_tokens, unroll, round_sums]: [u32; 5],
+    limits: &Limits,
+) -> Result<Kernel, Failure> {
+    let tile = PartialsTile {
+        cols,
+        lanes,
+        lane_tokens,
+        unroll,
+        round_sums,
+    };
+    super::check_width(n)?;
+    tile.check("lora_weight_grad_partials")?;
+    let key = partials_key(n, r, tile);
+    Ok(Kernel::build_with_limits(&key, limits, partials_body)?)
+}
+
+/// `lora_weight_grad_sum` at any shape and tile (`[invocations, loads]`), within `limits`, for
+/// [`crate::catalog`]: the tile checked first.
+pub(crate) fn sum_at(
+    (n, r, rank_minor, second): (u32, u32, bool, u32),
+    [invocations, loads]: [u32; 2],
+    limits: &Limits,
+) -> Result<Kernel, Failure> {
+    let tile = SumTile { invocations, loads };
+    super::check_width(n)?;
+    tile.check("lora_weight_grad_sum")?;
+    let key = sum_key(n, r, Layout::from_shape(rank_minor), second, tile);
+    Ok(Kernel::build_with_limits(&key, limits, sum_body)?)
 }
 
 #[cfg(test)]
