@@ -31,3 +31,70 @@ pub fn smollm2_path() -> Option<String> {
         None
     }
 }
+
+/// A GGUF string: its length (u64), then its bytes. (With [`Meta`], a minimal GGUF writer,
+/// metadata only: small tokenizers for tests.)
+pub fn str_bytes(s: &str) -> Vec<u8> {
+    let mut out = (s.len() as u64).to_le_bytes().to_vec();
+    out.extend(s.as_bytes());
+    out
+}
+
+/// Metadata key/values as GGUF lays them out (type id, then the value).
+#[derive(Clone, Default)]
+pub struct Meta(pub Vec<(String, u32, Vec<u8>)>);
+
+impl Meta {
+    pub fn set(&mut self, key: &str, type_id: u32, value: Vec<u8>) -> &mut Meta {
+        self.remove(key);
+        self.0.push((key.into(), type_id, value));
+        self
+    }
+    pub fn remove(&mut self, key: &str) -> &mut Meta {
+        self.0.retain(|(k, _, _)| k != key);
+        self
+    }
+    pub fn string(&mut self, key: &str, v: &str) -> &mut Meta {
+        self.set(key, 8, str_bytes(v))
+    }
+    pub fn u32(&mut self, key: &str, v: u32) -> &mut Meta {
+        self.set(key, 4, v.to_le_bytes().to_vec())
+    }
+    pub fn bool(&mut self, key: &str, v: bool) -> &mut Meta {
+        self.set(key, 7, vec![v as u8])
+    }
+    pub fn strings(&mut self, key: &str, items: &[&str]) -> &mut Meta {
+        let mut v = 8u32.to_le_bytes().to_vec();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|s| v.extend(str_bytes(s)));
+        self.set(key, 9, v)
+    }
+    pub fn i32s(&mut self, key: &str, items: &[i32]) -> &mut Meta {
+        let mut v = 5u32.to_le_bytes().to_vec();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|x| v.extend(x.to_le_bytes()));
+        self.set(key, 9, v)
+    }
+    pub fn u32s(&mut self, key: &str, items: &[u32]) -> &mut Meta {
+        let mut v = 4u32.to_le_bytes().to_vec();
+        v.extend((items.len() as u64).to_le_bytes());
+        items.iter().for_each(|x| v.extend(x.to_le_bytes()));
+        self.set(key, 9, v)
+    }
+    /// A GGUF v3 file of this metadata and no tensors.
+    pub fn file(&self) -> hesper::io::GgufFile {
+        let mut out = b"GGUF".to_vec();
+        out.extend(3u32.to_le_bytes());
+        out.extend(0u64.to_le_bytes());
+        out.extend((self.0.len() as u64).to_le_bytes());
+        for (key, ty, value) in &self.0 {
+            out.extend(str_bytes(key));
+            out.extend(ty.to_le_bytes());
+            out.extend(value);
+        }
+        hesper::io::GgufFile::parse(out, "test.gguf").unwrap()
+    }
+    pub fn tokenizer(&self) -> Result<hesper::io::Tokenizer, hesper::io::TokenizerError> {
+        hesper::io::Tokenizer::from_gguf(&self.file())
+    }
+}

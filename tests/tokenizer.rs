@@ -6,74 +6,8 @@
 
 mod common;
 
+use common::Meta;
 use hesper::io::{ChatMessage, ChatTemplate, GgufFile, PRE_TOKENIZERS, Tokenizer, TokenizerError};
-
-// --- A minimal GGUF writer: metadata only ---------------------------------------------------
-
-fn str_bytes(s: &str) -> Vec<u8> {
-    let mut out = (s.len() as u64).to_le_bytes().to_vec();
-    out.extend(s.as_bytes());
-    out
-}
-
-/// Metadata key/values as GGUF lays them out (type id, then the value).
-#[derive(Clone, Default)]
-struct Meta(Vec<(String, u32, Vec<u8>)>);
-
-impl Meta {
-    fn set(&mut self, key: &str, type_id: u32, value: Vec<u8>) -> &mut Meta {
-        self.remove(key);
-        self.0.push((key.into(), type_id, value));
-        self
-    }
-    fn remove(&mut self, key: &str) -> &mut Meta {
-        self.0.retain(|(k, _, _)| k != key);
-        self
-    }
-    fn string(&mut self, key: &str, v: &str) -> &mut Meta {
-        self.set(key, 8, str_bytes(v))
-    }
-    fn u32(&mut self, key: &str, v: u32) -> &mut Meta {
-        self.set(key, 4, v.to_le_bytes().to_vec())
-    }
-    fn bool(&mut self, key: &str, v: bool) -> &mut Meta {
-        self.set(key, 7, vec![v as u8])
-    }
-    fn strings(&mut self, key: &str, items: &[&str]) -> &mut Meta {
-        let mut v = 8u32.to_le_bytes().to_vec();
-        v.extend((items.len() as u64).to_le_bytes());
-        items.iter().for_each(|s| v.extend(str_bytes(s)));
-        self.set(key, 9, v)
-    }
-    fn i32s(&mut self, key: &str, items: &[i32]) -> &mut Meta {
-        let mut v = 5u32.to_le_bytes().to_vec();
-        v.extend((items.len() as u64).to_le_bytes());
-        items.iter().for_each(|x| v.extend(x.to_le_bytes()));
-        self.set(key, 9, v)
-    }
-    fn u32s(&mut self, key: &str, items: &[u32]) -> &mut Meta {
-        let mut v = 4u32.to_le_bytes().to_vec();
-        v.extend((items.len() as u64).to_le_bytes());
-        items.iter().for_each(|x| v.extend(x.to_le_bytes()));
-        self.set(key, 9, v)
-    }
-    /// A GGUF v3 file of this metadata and no tensors.
-    fn file(&self) -> GgufFile {
-        let mut out = b"GGUF".to_vec();
-        out.extend(3u32.to_le_bytes());
-        out.extend(0u64.to_le_bytes());
-        out.extend((self.0.len() as u64).to_le_bytes());
-        for (key, ty, value) in &self.0 {
-            out.extend(str_bytes(key));
-            out.extend(ty.to_le_bytes());
-            out.extend(value);
-        }
-        GgufFile::parse(out, "test.gguf").unwrap()
-    }
-    fn tokenizer(&self) -> Result<Tokenizer, TokenizerError> {
-        Tokenizer::from_gguf(&self.file())
-    }
-}
 
 /// The tiny vocabulary: three control tokens, a user-defined one, single bytes in GPT-2's
 /// alphabet (`Ġ` is a space, `Ċ` a newline, `Ã` and `©` the two bytes of "é") and merges.

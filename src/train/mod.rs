@@ -2,11 +2,19 @@
 //! rate's schedule ([`Schedule`]), and the loop with its checkpoints ([`Trainer`]). Above
 //! [`crate::model`], which records the steps; below the `hesper` command.
 
+#[cfg(not(target_arch = "wasm32"))]
+mod checkpoint;
+#[cfg(not(target_arch = "wasm32"))]
+pub mod data;
 mod loader;
 mod schedule;
+#[cfg(not(target_arch = "wasm32"))]
+mod trainer;
 
 pub use loader::{Loader, Position, Row, batch_of};
 pub use schedule::{Decay, Schedule};
+#[cfg(not(target_arch = "wasm32"))]
+pub use trainer::{Event, Outcome, StepRecord, TrainConfig, TrainState, Trainer};
 
 use crate::model::config::ModelError;
 
@@ -14,9 +22,12 @@ use crate::model::config::ModelError;
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     #[error(transparent)]
-    Model(#[from] ModelError),
+    Model(Box<ModelError>),
+    #[cfg(not(target_arch = "wasm32"))]
     #[error(transparent)]
-    Gpu(#[from] hesper_exec::ExecError),
+    Peft(Box<crate::io::PeftError>),
+    #[error(transparent)]
+    Gpu(Box<hesper_exec::ExecError>),
     /// Reading or writing `file` failed.
     #[error("{file}: {source}")]
     Io {
@@ -43,4 +54,24 @@ pub enum TrainError {
          (each was skipped, the adapters kept; the last checkpoint is the last good state)"
     )]
     Diverged { step: usize, steps: usize },
+}
+
+// Boxed: the errors of the layers below are large, and a run's `Result`s are passed up often.
+impl From<ModelError> for TrainError {
+    fn from(e: ModelError) -> Self {
+        TrainError::Model(Box::new(e))
+    }
+}
+
+#[cfg(not(target_arch = "wasm32"))]
+impl From<crate::io::PeftError> for TrainError {
+    fn from(e: crate::io::PeftError) -> Self {
+        TrainError::Peft(Box::new(e))
+    }
+}
+
+impl From<hesper_exec::ExecError> for TrainError {
+    fn from(e: hesper_exec::ExecError) -> Self {
+        TrainError::Gpu(Box::new(e))
+    }
 }
