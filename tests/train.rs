@@ -561,4 +561,16 @@ fn the_eval_split_is_seeded() {
     let mut all: Vec<u32> = a.train.iter().chain(&a.eval).map(|r| r.tokens[0]).collect();
     all.sort();
     assert_eq!(all, (4..14).collect::<Vec<_>>());
+    // Nothing held out: the file's order.
+    let whole = rows_of(
+        &text,
+        "data.jsonl",
+        true,
+        &char_tokenizer(),
+        &data(8, false),
+        64,
+    )
+    .unwrap();
+    let order: Vec<u32> = whole.train.iter().map(|r| r.tokens[0]).collect();
+    assert_eq!(order, (4..14).collect::<Vec<_>>());
 }

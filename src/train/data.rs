@@ -343,18 +343,21 @@ pub fn pack(examples: Vec<Row>, seq_len: usize) -> Vec<Row> {
 }
 
 /// A seeded shuffle, then the last `fraction` of the rows (at least one when positive and
-/// there are two or more) for eval.
+/// there are two or more) for eval. With nothing held out the rows keep the file's order (the
+/// trainer shuffles its own; `hesper grad` takes the first rows).
 pub fn split(mut rows: Vec<Row>, fraction: f64, seed: u64) -> Dataset {
+    if fraction <= 0.0 || rows.len() < 2 {
+        return Dataset {
+            train: rows,
+            eval: vec![],
+        };
+    }
     let mut rng = Rng::new(seed);
     for i in (1..rows.len()).rev() {
         rows.swap(i, rng.below(i + 1));
     }
     let n = rows.len();
-    let held = if fraction > 0.0 && n >= 2 {
-        ((n as f64 * fraction).ceil() as usize).clamp(1, n - 1)
-    } else {
-        0
-    };
+    let held = ((n as f64 * fraction).ceil() as usize).clamp(1, n - 1);
     let eval = rows.split_off(n - held);
     Dataset { train: rows, eval }
 }

@@ -1,6 +1,53 @@
 //! Fine-tuning: data into training rows ([`data`]), their order ([`Loader`]), the learning
 //! rate's schedule ([`Schedule`]), and the loop with its checkpoints ([`Trainer`]). Above
 //! [`crate::model`], which records the steps; below the `hesper` command.
+//!
+//! ```no_run
+//! use std::path::Path;
+//! use std::sync::atomic::AtomicBool;
+//! use hesper::io::{GgufFile, Tokenizer, load_model, save_peft_adapter};
+//! use hesper::model::config::LoraConfig;
+//! use hesper::model::reference::Adapters;
+//! use hesper::model::{GpuAdapters, GpuModel, Optimizer};
+//! use hesper::train::data::{DataConfig, load_data};
+//! use hesper::train::{Decay, Event, Schedule, TrainConfig, Trainer};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let gpu = hesper::exec::Gpu::new()?;
+//! let file = GgufFile::open("models/SmolLM2-135M-Instruct.Q4_1.gguf")?;
+//! let (config, weights) = load_model(&file)?;
+//! let tokenizer = Tokenizer::from_gguf(&file)?;
+//! let data_config = DataConfig { seq_len: 256, pack: false, eval_fraction: 0.05, seed: 0 };
+//! let data = load_data(Path::new("train.jsonl"), &tokenizer, &data_config, config.max_seq)?;
+//!
+//! let lora = LoraConfig::default(); // q_proj, v_proj; r = 8, α = 16
+//! let model = GpuModel::upload(&gpu, &config, &weights)?;
+//! let adapters = GpuAdapters::upload(&gpu, &config, &lora, &Adapters::init_peft(&config, &lora, 0))?;
+//! let run = TrainConfig {
+//!     lora: lora.clone(),
+//!     optimizer: Optimizer::default(),
+//!     schedule: Schedule { lr: 2e-4, warmup_steps: 10, total_steps: 200, decay: Decay::Cosine },
+//!     batch: 8,
+//!     accumulation: 1,
+//!     seq_len: 256,
+//!     recompute: false,
+//!     eval_every: 50,
+//!     save_every: 100,
+//!     max_bad_steps: 5,
+//!     seed: 0,
+//! };
+//! let mut trainer = Trainer::new(&gpu, &model, adapters, (data.train, data.eval), run)?;
+//! let stop = AtomicBool::new(false); // raise it (from a Ctrl-C handler) to stop and save
+//! trainer.run(Some(Path::new("runs/mine")), &stop, |event| {
+//!     if let Event::Step(r) = event {
+//!         println!("step {}: loss {}", r.step, r.loss);
+//!     }
+//! })?;
+//! let trained = trainer.adapters().download(&gpu)?;
+//! save_peft_adapter(Path::new("runs/mine"), &config, &lora, &trained, None)?;
+//! # Ok(())
+//! # }
+//! ```
 
 #[cfg(not(target_arch = "wasm32"))]
 mod checkpoint;

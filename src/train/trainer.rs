@@ -57,7 +57,9 @@ pub struct StepRecord {
     pub lr: f64,
     /// The tokens of its sequences (padding not counted).
     pub tokens: usize,
-    /// Tokens per second, from the time between this step's report and the previous one's.
+    /// Tokens per second of training so far in this run (every step's tokens over the time
+    /// since the run started, evals and saves not counted): a step's own time is not
+    /// measurable on the host while the next step runs beside it.
     pub tokens_per_second: f64,
     /// The eval loss after this step, where one was computed.
     pub eval_loss: Option<f64>,
@@ -98,6 +100,13 @@ pub enum Outcome {
     Finished,
     /// The stop flag was raised (Ctrl-C): stopped after the last step in flight, saved.
     Interrupted,
+}
+
+/// The run's training time and tokens so far (for tokens per second).
+#[derive(Default)]
+struct Throughput {
+    seconds: f64,
+    tokens: usize,
 }
 
 /// A training run of LoRA adapters on a frozen model.
@@ -231,10 +240,11 @@ impl<'a> Trainer<'a> {
         let total = self.config.schedule.total_steps;
         let mut in_flight: Option<InFlight> = None;
         let mut clock = Instant::now();
+        let mut throughput = Throughput::default();
         while self.state.step < total {
             if stop.load(Ordering::Relaxed) {
                 if let Some(flight) = in_flight.take() {
-                    self.finish(flight, &mut clock, &mut on_event)?;
+                    self.finish(flight, (&mut clock, &mut throughput), &mut on_event)?;
                 }
                 if let Some(out) = out {
                     self.save_into(out, &mut on_event)?;
@@ -243,7 +253,7 @@ impl<'a> Trainer<'a> {
             }
             let flight = self.submit_step()?;
             if let Some(previous) = in_flight.take() {
-                self.finish(previous, &mut clock, &mut on_event)?;
+                self.finish(previous, (&mut clock, &mut throughput), &mut on_event)?;
             }
             let step = flight.step;
             let every = |n: usize| n > 0 && step % n == 0;
@@ -254,7 +264,7 @@ impl<'a> Trainer<'a> {
                 in_flight = Some(flight);
                 continue;
             }
-            self.finish(flight, &mut clock, &mut on_event)?;
+            self.finish(flight, (&mut clock, &mut throughput), &mut on_event)?;
             if eval_due {
                 let loss = self.eval_loss()?.expect("eval rows are there");
                 if let Some(record) = self.state.history.last_mut() {
@@ -376,12 +386,13 @@ impl<'a> Trainer<'a> {
     fn finish(
         &mut self,
         flight: InFlight,
-        clock: &mut Instant,
+        (clock, throughput): (&mut Instant, &mut Throughput),
         on_event: &mut impl FnMut(Event<'_>),
     ) -> Result<(), TrainError> {
         let loss = flight.loss.wait(self.gpu)?[0];
         let grad_norm = flight.norm.wait(self.gpu)?[0];
-        let seconds = clock.elapsed().as_secs_f64();
+        throughput.seconds += clock.elapsed().as_secs_f64();
+        throughput.tokens += flight.tokens;
         *clock = Instant::now();
         let record = StepRecord {
             step: flight.step,
@@ -389,7 +400,7 @@ impl<'a> Trainer<'a> {
             grad_norm,
             lr: flight.lr,
             tokens: flight.tokens,
-            tokens_per_second: flight.tokens as f64 / seconds.max(1e-9),
+            tokens_per_second: throughput.tokens as f64 / throughput.seconds.max(1e-9),
             eval_loss: None,
         };
         if record.skipped() {

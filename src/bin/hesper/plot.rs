@@ -94,6 +94,7 @@ pub fn loss_png(path: &Path, history: &[StepRecord]) -> Result<(), String> {
         if text {
             chart
                 .configure_series_labels()
+                .position(SeriesLabelPosition::UpperRight)
                 .background_style(WHITE.mix(0.8))
                 .border_style(BLACK)
                 .draw()
