@@ -11,7 +11,7 @@ use hesper::model::reference::{
     Adapters, Batch, IGNORE_INDEX, Weights, logits as reference_logits, loss_and_grads,
 };
 use hesper::model::{
-    Generator, GpuAdapters, GpuModel, LogitsBuffers, Optimizer, Rng, Sampling, StepBuffers,
+    Generator, GpuAdapters, GpuModel, KvCache, LogitsBuffers, Optimizer, Rng, Sampling, StepBuffers,
     StepShape, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
 };
 
@@ -760,5 +760,162 @@ fn bad_inputs_are_errors_that_name_the_item() {
     assert_names(
         buffers.load(g, &config, &[good.clone(), good]),
         &["micro-batches", "1 micro-batches", "2"],
+    );
+}
+
+/// A tiny model of `family` with a context of 64, random weights and random adapters on
+/// several projections (different ones per family, so every adapted path is decoded somewhere).
+fn decoding_model(family: Family, seed: u64) -> (ModelConfig, LoraConfig, Weights, Adapters) {
+    let config = ModelConfig {
+        max_seq: 64,
+        ..ModelConfig::tiny(family)
+    };
+    let targets: &[Projection] = match family {
+        Family::Llama | Family::BitNet => &Projection::ALL,
+        Family::Qwen2 => &[Projection::Q, Projection::K, Projection::V, Projection::Down],
+        Family::Qwen3 => &[Projection::Q, Projection::K, Projection::O, Projection::Up],
+    };
+    let lora = lora(targets, 4, 8.0, false);
+    let weights = Weights::random(&config, seed);
+    let adapters = Adapters::random(&config, &lora, seed + 1);
+    (config, lora, weights, adapters)
+}
+
+const FAMILIES: [Family; 4] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::BitNet];
+
+/// The KV cache's logits at every position of a 20-token sequence against the f64 model's and
+/// the GPU's full forward (`Generator::next_logits`), for every family: the first 5 tokens
+/// appended at once (the prompt), the rest one at a time; then the cache cleared and the same
+/// sequence decoded again from position 0, to the bit. On a device of its own, so that its
+/// pipeline count is its own: no token after the first compiles one.
+#[test]
+fn kv_cache_logits_match_the_full_forward_for_every_family() {
+    let g = Gpu::new().expect("the GPU tests need an adapter");
+    for (f, family) in FAMILIES.into_iter().enumerate() {
+        let (config, lora, weights, adapters) = decoding_model(family, 60 + 2 * f as u64);
+        let model = GpuModel::upload(&g, &config, &weights).unwrap();
+        let gpu_adapters = GpuAdapters::upload(&g, &config, &lora, &adapters).unwrap();
+        let n = 20;
+        let batch = Batch::random(&config, 70 + f as u64, n, &[n]);
+        let want = reference_logits(&config, &lora, &weights, &adapters, &batch).unwrap();
+        let v = config.vocab;
+        let mut cache = KvCache::new(&g, &model, &gpu_adapters, 24).unwrap();
+        let mut generator = Generator::new(&g, &model).unwrap();
+        let prompt = 5;
+        let mut all = vec![];
+        let mut compiled_after_first = None;
+        let mut pos = 0;
+        while pos < n {
+            let take = if pos == 0 { prompt } else { 1 };
+            let tokens = &batch.tokens[pos..pos + take];
+            let got = cache.append(&g, &model, &gpu_adapters, tokens).unwrap();
+            pos += take;
+            assert_eq!(cache.len(), pos);
+            let last = pos - 1;
+            let what = format!("{family:?}: the cache's logits at position {last}");
+            let got64: Vec<f64> = got.iter().map(|&z| z as f64).collect();
+            assert_matches(&what, &got64, &want[last * v..][..v], 1e-5);
+            let full = generator
+                .next_logits(&g, &model, &gpu_adapters, &batch.tokens[..pos])
+                .unwrap();
+            let full: Vec<f64> = full.iter().map(|&z| z as f64).collect();
+            let what = format!("{family:?}: the cache against the full forward at {last}");
+            assert_matches(&what, &got64, &full, 1e-5);
+            all.push(got);
+            if pos == prompt + 1 {
+                compiled_after_first = Some(g.cache_stats().misses);
+            }
+        }
+        // One token's launches are the same at every position: the second decoded token on
+        // compiles nothing (the full forward's buffers compiled theirs before it).
+        assert_eq!(
+            g.cache_stats().misses,
+            compiled_after_first.unwrap(),
+            "{family:?}: a later token compiled a pipeline"
+        );
+        cache.clear();
+        assert!(cache.is_empty());
+        for (i, t) in batch.tokens.iter().enumerate() {
+            let got = cache.append(&g, &model, &gpu_adapters, &[*t]).unwrap();
+            if i + 1 >= prompt {
+                assert_eq!(got, all[i + 1 - prompt], "{family:?}: position {i} again");
+            }
+        }
+        assert_eq!(cache.tokens(), &batch.tokens[..]);
+    }
+}
+
+/// Greedy generation over the cache (`Generator::generate`) gives exactly the tokens of the
+/// full forward's argmax at every step (`Generator::next_logits`), for 30 tokens, every family;
+/// and a second generation reuses the cache from position 0.
+#[test]
+fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
+    let g = gpu();
+    for (f, family) in FAMILIES.into_iter().enumerate() {
+        let (config, lora, weights, adapters) = decoding_model(family, 80 + 2 * f as u64);
+        let model = GpuModel::upload(g, &config, &weights).unwrap();
+        let gpu_adapters = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
+        let mut generator = Generator::new(g, &model).unwrap();
+        let prompt = [7, 3, 90, 12, 5, 41];
+        let argmax = |z: &[f32]| Sampling::Greedy.choose(z, &mut Rng::new(0));
+        let mut want = vec![];
+        let mut tokens = prompt.to_vec();
+        for _ in 0..30 {
+            let z = generator
+                .next_logits(g, &model, &gpu_adapters, &tokens)
+                .unwrap();
+            want.push(argmax(&z));
+            tokens.push(argmax(&z));
+        }
+        for round in 0..2 {
+            let mut rng = Rng::new(0);
+            let greedy = (Sampling::Greedy, &mut rng);
+            let got = generator
+                .generate(g, &model, &gpu_adapters, &prompt, 30, greedy, &[], |_| {})
+                .unwrap();
+            assert_eq!(got, want, "{family:?}, generation {round}");
+        }
+        // The context ends it: 64 − 6 positions left.
+        let mut rng = Rng::new(0);
+        let greedy = (Sampling::Greedy, &mut rng);
+        let long = generator
+            .generate(g, &model, &gpu_adapters, &prompt, 100, greedy, &[], |_| {})
+            .unwrap();
+        assert_eq!(long.len(), 64 - prompt.len(), "{family:?}");
+        assert_eq!(long[..30], want[..], "{family:?}");
+    }
+}
+
+#[test]
+fn kv_cache_refuses_what_it_cannot_hold() {
+    let g = gpu();
+    let (config, lora_config, weights, adapters) = decoding_model(Family::Llama, 90);
+    let model = GpuModel::upload(g, &config, &weights).unwrap();
+    let gpu_adapters = GpuAdapters::upload(g, &config, &lora_config, &adapters).unwrap();
+    assert_names(
+        KvCache::new(g, &model, &gpu_adapters, 65),
+        &["capacity", "max_seq = 64", "65"],
+    );
+    let mut cache = KvCache::new(g, &model, &gpu_adapters, 4).unwrap();
+    assert_names(
+        cache.append(g, &model, &gpu_adapters, &[]),
+        &["tokens", "1 to 4"],
+    );
+    assert_names(
+        cache.append(g, &model, &gpu_adapters, &[1, 97]),
+        &["tokens[1]", "97"],
+    );
+    cache.append(g, &model, &gpu_adapters, &[1, 2, 3]).unwrap();
+    assert_names(
+        cache.append(g, &model, &gpu_adapters, &[4, 5]),
+        &["tokens", "1 to 1", "2"],
+    );
+    assert_eq!(cache.len(), 3, "a refused append caches nothing");
+    let other_lora = lora(&[Projection::V], 2, 2.0, false);
+    let other = Adapters::random(&config, &other_lora, 91);
+    let other = GpuAdapters::upload(g, &config, &other_lora, &other).unwrap();
+    assert_names(
+        cache.append(g, &model, &other, &[4]),
+        &["KvCache", "another model or LoRA config"],
     );
 }

@@ -2,14 +2,21 @@
 //! temperature / top-p sampling ([`Sampling`]), and the loop that appends tokens until a stop
 //! token or a length ([`Generator::generate`]).
 //!
-//! Each token runs the forward over the whole sequence so far (no KV cache yet), at a length
-//! rounded up to a power of two from 32, so a handful of shapes serve any prompt: the buffers
-//! and pipelines of a length are made once, the first time a sequence reaches it.
+//! [`Generator::generate`] decodes over a [`KvCache`]: the prompt is run through once, then each
+//! new token costs one token's forward. Its cache holds a length rounded up to a power of two
+//! from 32 (at most the model's context), made the first time a generation needs that much and
+//! kept for later ones.
+//!
+//! [`Generator::next_logits`] is the reference path: the whole forward over the sequence
+//! ([`record_logits`], the training forward), at a length rounded up to a power of two from 32,
+//! so a handful of shapes serve any prompt: the buffers and pipelines of a length are made once,
+//! the first time a sequence reaches it. The tests check the cache's logits against it.
 
 use hesper_exec::Gpu;
 
 use super::activations::{LogitsBuffers, StepBuffers, StepShape};
 use super::config::ModelError;
+use super::decode::KvCache;
 use super::gpu::{GpuAdapters, GpuModel};
 use super::reference::{Batch, IGNORE_INDEX};
 use super::step::record_logits;
@@ -130,24 +137,31 @@ impl Rng {
 
 /// The forward of a growing sequence and the logits at its end.
 pub struct Generator {
-    /// The buffers of the current length (a power of two, at least 32).
+    /// [`Generator::next_logits`]' buffers of the current length (a power of two, at least 32).
     buffers: Option<StepBuffers>,
     logits: LogitsBuffers,
+    /// [`Generator::generate`]'s cache (its capacity a power of two, at least 32, or the
+    /// model's context).
+    cache: Option<KvCache>,
 }
 
 /// The shortest length a [`Generator`] runs.
 const MIN_LEN: usize = 32;
 
 impl Generator {
+    /// Buffers for `model`'s generation; the rest are made as they are needed.
     pub fn new(gpu: &Gpu, model: &GpuModel) -> Result<Generator, ModelError> {
         Ok(Generator {
             buffers: None,
             logits: LogitsBuffers::new(gpu, model.config(), 1)?,
+            cache: None,
         })
     }
 
-    /// `[V]`: the logits of the token after `tokens` (the model with `adapters`). An error
-    /// when `tokens` is empty or longer than the model's context.
+    /// `[V]`: the logits of the token after `tokens` (the model with `adapters`), from the full
+    /// forward over all of them (no cache: the reference [`Generator::generate`]'s cached
+    /// decoding is tested against). An error when `tokens` is empty or longer than the model's
+    /// context.
     pub fn next_logits(
         &mut self,
         gpu: &Gpu,
@@ -157,10 +171,7 @@ impl Generator {
     ) -> Result<Vec<f32>, ModelError> {
         let c = model.config();
         let n = tokens.len();
-        if n == 0 || n > c.max_seq {
-            let expected = format!("1 to {} tokens (the model's context)", c.max_seq);
-            return Err(ModelError::invalid("generate", "sequence", expected, n));
-        }
+        check_length(c.max_seq, n)?;
         let len = n.next_power_of_two().max(MIN_LEN).min(c.max_seq);
         let fits = |b: &StepBuffers| b.shape().seq_len == len && b.made_for().1 == adapters.lora();
         if !self.buffers.as_ref().is_some_and(fits) {
@@ -198,7 +209,9 @@ impl Generator {
 
     /// Append up to `max_new` tokens to `prompt`, each chosen by `sampling` (drawing from
     /// `rng`), stopping after any token of `stop`; `on_token` sees each new token as it comes
-    /// (to stream it). Returns the new tokens.
+    /// (to stream it). Returns the new tokens. Decodes over a [`KvCache`]: the prompt's forward
+    /// once, then one token's per new token (no pipeline is compiled after the first). It stops
+    /// early at the model's context; a prompt that fills it gives no token.
     #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &mut self,
@@ -212,21 +225,45 @@ impl Generator {
         mut on_token: impl FnMut(u32),
     ) -> Result<Vec<u32>, ModelError> {
         sampling.check()?;
-        let mut tokens = prompt.to_vec();
-        for _ in 0..max_new {
-            if tokens.len() >= model.config().max_seq {
-                break;
-            }
-            let logits = self.next_logits(gpu, model, adapters, &tokens)?;
-            let next = sampling.choose(&logits, rng);
-            tokens.push(next);
-            on_token(next);
-            if stop.contains(&next) {
-                break;
-            }
+        let max_seq = model.config().max_seq;
+        if max_new == 0 || prompt.len() >= max_seq {
+            return Ok(vec![]);
         }
-        Ok(tokens.split_off(prompt.len()))
+        check_length(max_seq, prompt.len())?;
+        // The last new token is never run through the model: the cache needs
+        // `prompt + max_new − 1` positions.
+        let needed = (prompt.len() + max_new - 1).min(max_seq);
+        let capacity = needed.next_power_of_two().max(MIN_LEN).min(max_seq);
+        let fits = |k: &KvCache| k.fits(model, adapters) && k.capacity() >= needed;
+        if !self.cache.as_ref().is_some_and(fits) {
+            self.cache = None;
+            self.cache = Some(KvCache::new(gpu, model, adapters, capacity)?);
+        }
+        let cache = self.cache.as_mut().expect("made above");
+        cache.clear();
+        let mut logits = cache.append(gpu, model, adapters, prompt)?;
+        let mut new = Vec::with_capacity(max_new);
+        loop {
+            let next = sampling.choose(&logits, rng);
+            new.push(next);
+            on_token(next);
+            if stop.contains(&next) || new.len() == max_new || prompt.len() + new.len() >= max_seq
+            {
+                break;
+            }
+            logits = cache.append(gpu, model, adapters, &[next])?;
+        }
+        Ok(new)
     }
+}
+
+/// `Ok` for a sequence of 1 to `max_seq` tokens.
+fn check_length(max_seq: usize, n: usize) -> Result<(), ModelError> {
+    if n == 0 || n > max_seq {
+        let expected = format!("1 to {max_seq} tokens (the model's context)");
+        return Err(ModelError::invalid("generate", "sequence", expected, n));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //! ([`reference`](mod@reference)), and the LoRA training step on the GPU: the weights and
 //! adapters there ([`GpuModel`], [`GpuAdapters`]), the step's buffers ([`StepBuffers`], made
 //! once per [`StepShape`]), and the step recorded into one recorder
-//! ([`record_forward_backward`], then [`record_optimizer_step`]).
+//! ([`record_forward_backward`], then [`record_optimizer_step`]); and generation
+//! ([`Generator`]), decoding one token at a time over a [`KvCache`].
 //!
 //! The reference is the proof of the GPU training step: the step's loss, its LoRA gradients
 //! and its gradient at the embedding output are compared with [`reference::loss_and_grads`] on
@@ -28,6 +29,7 @@
 
 mod activations;
 pub mod config;
+mod decode;
 mod generate;
 mod gpu;
 pub mod reference;
@@ -35,6 +37,7 @@ mod step;
 mod tape;
 
 pub use activations::{LogitsBuffers, StepBuffers, StepShape};
+pub use decode::KvCache;
 pub use generate::{Generator, Rng, Sampling};
 pub use gpu::{GpuAdapters, GpuModel};
 pub use step::{

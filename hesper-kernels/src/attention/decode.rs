@@ -25,7 +25,7 @@ use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::rope::{self, Positions, RopeTable};
-use crate::{expect_len, expect_rows, expect_u32};
+use crate::{Len, expect_len, expect_rows, expect_u32};
 
 const WG: u32 = 256;
 
@@ -736,7 +736,8 @@ pub fn execute_kv_cache_append(
 /// One decoded token's attention over the `pos + 1` cached positions: the probabilities
 /// `attn [H, pos + 1]` (kept for [`execute_decode_attention_backward`]) and `O [H, hd]`, from
 /// the rotated query `q [H, hd]` and the caches `[KV, max_seq, hd]` (append the token's keys
-/// and values first).
+/// and values first). `attn` may be longer than `H·(pos + 1)` (sized for the longest sequence,
+/// say): its first `H·(pos + 1)` elements are written, row `h` at `h·(pos + 1)`.
 pub fn execute_decode_attention(
     rec: &mut Recorder<'_>,
     shape: DecodeShape,
@@ -761,11 +762,13 @@ pub fn execute_decode_attention(
     let what = "[kv_heads, max_seq, head_dim]";
     expect_len(name, "k_cache", k_cache, cache, what)?;
     expect_len(name, "v_cache", v_cache, cache, what)?;
+    // At least `[H, L]`: a buffer sized for the longest `L` serves every token (the kernel's
+    // rows are `L` apart, so only the first `H·L` elements are written).
     expect_len(
         name,
         "attn",
         attn,
-        shape.heads * shape.len(),
+        Len::AtLeast(shape.heads * shape.len()),
         "[heads, pos + 1]",
     )?;
     expect_len(name, "o", o, per_head, "[heads, head_dim]")?;
