@@ -11,8 +11,9 @@ use hesper::model::reference::{
     Adapters, Batch, IGNORE_INDEX, Weights, logits as reference_logits, loss_and_grads,
 };
 use hesper::model::{
-    Generator, GpuAdapters, GpuModel, KvCache, LogitsBuffers, Optimizer, Rng, Sampling, StepBuffers,
-    StepShape, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
+    Generator, GpuAdapters, GpuModel, KvCache, LogitsBuffers, Optimizer, Rng, Sampling,
+    StepBuffers, StepShape, record_forward_backward, record_forward_loss, record_logits,
+    record_optimizer_step,
 };
 
 fn lora(targets: &[Projection], rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
@@ -772,7 +773,12 @@ fn decoding_model(family: Family, seed: u64) -> (ModelConfig, LoraConfig, Weight
     };
     let targets: &[Projection] = match family {
         Family::Llama | Family::BitNet => &Projection::ALL,
-        Family::Qwen2 => &[Projection::Q, Projection::K, Projection::V, Projection::Down],
+        Family::Qwen2 => &[
+            Projection::Q,
+            Projection::K,
+            Projection::V,
+            Projection::Down,
+        ],
         Family::Qwen3 => &[Projection::Q, Projection::K, Projection::O, Projection::Up],
     };
     let lora = lora(targets, 4, 8.0, false);

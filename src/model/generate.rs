@@ -247,8 +247,7 @@ impl Generator {
             let next = sampling.choose(&logits, rng);
             new.push(next);
             on_token(next);
-            if stop.contains(&next) || new.len() == max_new || prompt.len() + new.len() >= max_seq
-            {
+            if stop.contains(&next) || new.len() == max_new || prompt.len() + new.len() >= max_seq {
                 break;
             }
             logits = cache.append(gpu, model, adapters, &[next])?;
