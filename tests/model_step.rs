@@ -11,8 +11,9 @@ use hesper::model::reference::{
     Adapters, Batch, IGNORE_INDEX, Weights, logits as reference_logits, loss_and_grads,
 };
 use hesper::model::{
-    Generator, GpuAdapters, GpuModel, KvCache, LogitsBuffers, Optimizer, Rng, Sampling, StepBuffers,
-    StepShape, record_forward_backward, record_forward_loss, record_logits, record_optimizer_step,
+    Generator, GpuAdapters, GpuModel, KvCache, LogitsBuffers, Optimizer, Rng, Sampling,
+    StepBuffers, StepShape, record_forward_backward, record_forward_loss, record_logits,
+    record_optimizer_step,
 };
 
 fn lora(targets: &[Projection], rank: usize, alpha: f64, rslora: bool) -> LoraConfig {
@@ -772,7 +773,12 @@ fn decoding_model(family: Family, seed: u64) -> (ModelConfig, LoraConfig, Weight
     };
     let targets: &[Projection] = match family {
         Family::Llama | Family::BitNet => &Projection::ALL,
-        Family::Qwen2 => &[Projection::Q, Projection::K, Projection::V, Projection::Down],
+        Family::Qwen2 => &[
+            Projection::Q,
+            Projection::K,
+            Projection::V,
+            Projection::Down,
+        ],
         Family::Qwen3 => &[Projection::Q, Projection::K, Projection::O, Projection::Up],
     };
     let lora = lora(targets, 4, 8.0, false);
@@ -847,7 +853,8 @@ fn kv_cache_logits_match_the_full_forward_for_every_family() {
 
 /// Greedy generation over the cache (`Generator::generate`) gives exactly the tokens of the
 /// full forward's argmax at every step (`Generator::next_logits`), for 30 tokens, every family;
-/// and a second generation reuses the cache from position 0.
+/// a second generation reuses the cache from position 0; and (Llama) the model's context ends
+/// a longer one.
 #[test]
 fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
     let g = gpu();
@@ -874,6 +881,9 @@ fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
                 .generate(g, &model, &gpu_adapters, &prompt, 30, greedy, &[], |_| {})
                 .unwrap();
             assert_eq!(got, want, "{family:?}, generation {round}");
+        }
+        if family != Family::Llama {
+            continue;
         }
         // The context ends it: 64 − 6 positions left.
         let mut rng = Rng::new(0);

@@ -107,10 +107,7 @@ impl KvCache {
         if capacity == 0 || capacity > c.max_seq {
             let expected = format!("1 to max_seq = {}", c.max_seq);
             return Err(ModelError::invalid(
-                "KvCache",
-                "capacity",
-                expected,
-                capacity,
+                "KvCache", "capacity", expected, capacity,
             ));
         }
         let (d, i, hd) = (c.dim, c.ffn_dim, c.head_dim);
@@ -220,7 +217,10 @@ impl KvCache {
         let start = self.ids.len();
         if tokens.is_empty() || start + tokens.len() > self.capacity {
             let room = self.capacity - start;
-            let expected = format!("1 to {room} tokens (room left of a capacity of {})", self.capacity);
+            let expected = format!(
+                "1 to {room} tokens (room left of a capacity of {})",
+                self.capacity
+            );
             return Err(ModelError::invalid(
                 "KvCache",
                 "tokens",
@@ -228,7 +228,11 @@ impl KvCache {
                 tokens.len(),
             ));
         }
-        if let Some((i, &t)) = tokens.iter().enumerate().find(|(_, t)| **t as usize >= c.vocab) {
+        if let Some((i, &t)) = tokens
+            .iter()
+            .enumerate()
+            .find(|(_, t)| **t as usize >= c.vocab)
+        {
             let expected = format!("below the vocabulary's {}", c.vocab);
             return Err(ModelError::invalid(
                 "KvCache",
@@ -343,7 +347,14 @@ impl KvCache {
             project(rec, Projection::O, o_in, &mut a.x1, &mut a.lora_h, true)?;
 
             execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n, &mut a.rstd, eps)?;
-            project(rec, Projection::Gate, &a.n, &mut a.gate, &mut a.lora_h, false)?;
+            project(
+                rec,
+                Projection::Gate,
+                &a.n,
+                &mut a.gate,
+                &mut a.lora_h,
+                false,
+            )?;
             project(rec, Projection::Up, &a.n, &mut a.up, &mut a.lora_h, false)?;
             match (&mut a.h_sub, &w.ffn_sub_norm) {
                 (Some(h_sub), Some(gamma)) => {
@@ -369,7 +380,11 @@ impl KvCache {
         let extra = [&w.q_pre, &w.k_pre, &w.rstd_q, &w.rstd_k, &w.o_sub, &w.h_sub];
         let caches = self.k_cache.iter().chain(&self.v_cache);
         fixed.into_iter().map(GpuBuffer::bytes).sum::<u64>()
-            + extra.into_iter().flatten().map(GpuBuffer::bytes).sum::<u64>()
+            + extra
+                .into_iter()
+                .flatten()
+                .map(GpuBuffer::bytes)
+                .sum::<u64>()
             + caches.map(GpuBuffer::bytes).sum::<u64>()
             + self.ids_gpu.bytes()
             + w.token.bytes()
