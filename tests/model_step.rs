@@ -853,7 +853,8 @@ fn kv_cache_logits_match_the_full_forward_for_every_family() {
 
 /// Greedy generation over the cache (`Generator::generate`) gives exactly the tokens of the
 /// full forward's argmax at every step (`Generator::next_logits`), for 30 tokens, every family;
-/// and a second generation reuses the cache from position 0.
+/// a second generation reuses the cache from position 0; and (Llama) the model's context ends
+/// a longer one.
 #[test]
 fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
     let g = gpu();
@@ -880,6 +881,9 @@ fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
                 .generate(g, &model, &gpu_adapters, &prompt, 30, greedy, &[], |_| {})
                 .unwrap();
             assert_eq!(got, want, "{family:?}, generation {round}");
+        }
+        if family != Family::Llama {
+            continue;
         }
         // The context ends it: 64 − 6 positions left.
         let mut rng = Rng::new(0);

@@ -12,6 +12,10 @@
 //! so a handful of shapes serve any prompt: the buffers and pipelines of a length are made once,
 //! the first time a sequence reaches it. The tests check the cache's logits against it.
 
+// In a web page the GPU is read asynchronously: `next_logits` and `generate`, which wait for
+// it, are native only (a page records `KvCache::record_append` itself).
+#![cfg_attr(target_arch = "wasm32", allow(dead_code, unused_imports))]
+
 use hesper_exec::Gpu;
 
 use super::activations::{LogitsBuffers, StepBuffers, StepShape};
@@ -162,6 +166,7 @@ impl Generator {
     /// forward over all of them (no cache: the reference [`Generator::generate`]'s cached
     /// decoding is tested against). An error when `tokens` is empty or longer than the model's
     /// context.
+    #[cfg(not(target_arch = "wasm32"))]
     pub fn next_logits(
         &mut self,
         gpu: &Gpu,
@@ -212,6 +217,7 @@ impl Generator {
     /// (to stream it). Returns the new tokens. Decodes over a [`KvCache`]: the prompt's forward
     /// once, then one token's per new token (no pipeline is compiled after the first). It stops
     /// early at the model's context; a prompt that fills it gives no token.
+    #[cfg(not(target_arch = "wasm32"))]
     #[allow(clippy::too_many_arguments)]
     pub fn generate(
         &mut self,
