@@ -418,6 +418,17 @@ fn tensor_size(dims: &[u64], ty: GgmlType) -> Result<u64, (String, String)> {
         let expected = format!("a first dim that is a multiple of {}'s block", ty.name);
         return Err((expected, format!("dims {dims:?}")));
     }
+    // The element count too, without its zero dims: with a dim of 0 the size is 0 whatever the
+    // others are, and the product of the others (or of any of them, in any order) must not
+    // overflow either.
+    let mut nonzero = dims.iter().filter(|&&d| d != 0);
+    let elements = nonzero.try_fold(1u64, |acc, &d| acc.checked_mul(d));
+    if elements.is_none_or(|n| usize::try_from(n).is_err()) {
+        return Err((
+            "a size that fits in memory".into(),
+            format!("dims {dims:?}"),
+        ));
+    }
     dims[1..]
         .iter()
         .try_fold(

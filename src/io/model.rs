@@ -68,6 +68,12 @@ fn read_config(file: &GgufFile, arch: &str, family: Family) -> Result<ModelConfi
             return Err(file.invalid(item, expected, dim));
         }
     };
+    // The projections are `heads · head_dim` rows: a product that overflows is no model.
+    if heads.checked_mul(head_dim).is_none() {
+        let item = format!("metadata key {:?}", key("attention.head_count"));
+        let expected = format!("a count of heads of {head_dim} that fits in memory");
+        return Err(file.invalid(item, expected, heads));
+    }
     let rope_key = key("rope.dimension_count");
     if file.metadata(&rope_key).is_some() && size(file, &rope_key)? != head_dim {
         let expected = format!("the head dim {head_dim} (partial RoPE is not supported)");
@@ -146,7 +152,9 @@ fn read_weights(file: &GgufFile, config: &ModelConfig) -> Result<Weights, GgufEr
         }
     };
     let embed = t.get("token_embd.weight", &[config.vocab, d])?;
-    let mut layers = Vec::with_capacity(config.layers);
+    // Not `with_capacity(config.layers)`: the count is the file's claim (`block_count`), backed
+    // by the file only as each layer's tensors are found.
+    let mut layers = Vec::new();
     for l in 0..config.layers {
         let name = |n: &str| format!("blk.{l}.{n}");
         layers.push(LayerWeights {
