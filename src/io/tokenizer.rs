@@ -220,9 +220,9 @@ mod native {
             // The vocabulary: each token as the BPE model spells it (in the byte alphabet), and
             // the control and user-defined ones to match whole in text.
             let alphabet = ByteLevel::alphabet();
-            // Room for every token only once each is a string (of at least 9 bytes in the
-            // file): for an array of as many u8s (a byte each), the table would take 75 times
-            // the file before the first token is found not to be a string.
+            // Room for every token only once each is a string (8 bytes of the file at least):
+            // for an array of as many u8s (a byte each), the table would take 75 times the
+            // file before the first token is found not to be a string.
             let strings = tokens.iter().all(|v| v.as_str().is_some());
             let mut vocab = Vocab::with_capacity(if strings { vocab_size } else { 0 });
             let mut added = Vec::new();
