@@ -228,14 +228,7 @@ impl StepBuffers {
         shape: StepShape,
     ) -> Result<StepBuffers, ModelError> {
         let c = model.config();
-        if adapters.config() != c {
-            return Err(ModelError::invalid(
-                "GpuAdapters",
-                "config",
-                format!("the model's ({c:?})"),
-                format!("{:?}", adapters.config()),
-            ));
-        }
+        adapters.check_model(model)?;
         shape.check(c)?;
         let t = shape.tokens();
         let (d, i, r) = (c.dim, c.ffn_dim, adapters.lora().rank);

@@ -96,14 +96,7 @@ impl KvCache {
         capacity: usize,
     ) -> Result<KvCache, ModelError> {
         let c = model.config();
-        if adapters.config() != c {
-            return Err(ModelError::invalid(
-                "GpuAdapters",
-                "config",
-                format!("the model's ({c:?})"),
-                format!("{:?}", adapters.config()),
-            ));
-        }
+        adapters.check_model(model)?;
         if capacity == 0 || capacity > c.max_seq {
             let expected = format!("1 to max_seq = {}", c.max_seq);
             return Err(ModelError::invalid(

@@ -236,6 +236,21 @@ impl GpuAdapters {
         &self.lora
     }
 
+    /// `Ok` when the adapters were made for `model`'s config (what every buffer set of a model
+    /// and its adapters checks first).
+    pub(crate) fn check_model(&self, model: &GpuModel) -> Result<(), ModelError> {
+        let c = model.config();
+        if &self.config != c {
+            return Err(ModelError::invalid(
+                "GpuAdapters",
+                "config",
+                format!("the model's ({c:?})"),
+                format!("{:?}", self.config),
+            ));
+        }
+        Ok(())
+    }
+
     /// The model config the adapters were made for.
     pub fn config(&self) -> &ModelConfig {
         &self.config
