@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::{Rng, gpu, gpu_with_cache_file};
 use hesper::dsl::prelude::*;
-use hesper::exec::{Args, DriverCacheStatus, ExecError, Gpu, GpuOptions, Grid};
+use hesper::exec::{Args, DriverCacheStatus, ExecError, Gpu, GpuOptions, Grid, LaunchCache};
 
 /// `x[i] = x[i] * 3 + step` over u32 (exact, so 1000 chained launches can be checked exactly).
 fn mul_add_key(features: Features, wg: u32) -> KernelKey {
@@ -87,6 +87,77 @@ fn runtime_scalars_do_not_make_pipelines_and_1000_launches_are_right() {
             "{mode:?}: {wrong} of {n} elements differ after 1000 launches"
         );
     }
+}
+
+/// Recorders reusing one `LaunchCache` run each launch with its own params (the params chunk is
+/// shared, its bytes written at each submit), while the bind groups are made once: for
+/// launches of the same kernel on the same buffers at the same params offsets. Another buffer
+/// is another bind group; two recorders alive at once, submitted in the other order, each
+/// get their own params; past `MAX_BIND_GROUPS` it starts again.
+#[test]
+fn a_launch_cache_makes_bind_groups_once_and_keeps_every_launch_its_params() {
+    let g = &Gpu::new().unwrap();
+    let kernel = g.kernel(&mul_add_key(Features::NONE, 64), mul_add).unwrap();
+    let n = 300usize;
+    let mut rng = Rng::new(9);
+    let start: Vec<u32> = (0..n).map(|_| rng.next_u32()).collect();
+    let (x, y) = (g.upload(&start).unwrap(), g.upload(&start).unwrap());
+    let cache = LaunchCache::new();
+    let launch = |rec: &mut hesper::exec::Recorder<'_>, buf, step: u32| {
+        let args = Args::new()
+            .buffer("x", buf)
+            .param("step", step)
+            .param("n", n as u32);
+        rec.launch(&kernel, &args, Grid::Threads(n as u64)).unwrap();
+    };
+    let apply = |v: &mut Vec<u32>, steps: &[u32]| {
+        for e in v.iter_mut() {
+            *e = steps
+                .iter()
+                .fold(*e, |a, s| a.wrapping_mul(3).wrapping_add(*s));
+        }
+    };
+    let (mut want_x, mut want_y) = (start.clone(), start.clone());
+    for round in 0..4u32 {
+        let steps: Vec<u32> = (0..5).map(|i| 1000 * round + 7 * i + 1).collect();
+        let mut rec = g.recorder_reusing(&cache);
+        for &s in &steps {
+            launch(&mut rec, &x, s);
+        }
+        rec.submit().unwrap();
+        apply(&mut want_x, &steps);
+        assert_eq!(cache.len(), 5, "round {round}: five launches, five offsets");
+    }
+    assert_eq!(x.read(g).unwrap(), want_x);
+    // Another buffer at the same offsets: new bind groups beside the old.
+    let mut rec = g.recorder_reusing(&cache);
+    launch(&mut rec, &y, 5);
+    rec.submit().unwrap();
+    apply(&mut want_y, &[5]);
+    assert_eq!(cache.len(), 6);
+    // Two alive at once, the later submitted first: each launch still sees its own step.
+    let mut first = g.recorder_reusing(&cache);
+    let mut second = g.recorder_reusing(&cache);
+    launch(&mut first, &x, 11);
+    launch(&mut second, &y, 22);
+    second.submit().unwrap();
+    first.submit().unwrap();
+    apply(&mut want_x, &[11]);
+    apply(&mut want_y, &[22]);
+    assert_eq!(x.read(g).unwrap(), want_x);
+    assert_eq!(y.read(g).unwrap(), want_y);
+    // Many launches in one recorder: each at its own offset, until the cache starts again.
+    let mut rec = g.recorder_reusing(&cache);
+    let steps: Vec<u32> = (0..LaunchCache::MAX_BIND_GROUPS as u32 + 10).collect();
+    for &s in &steps {
+        launch(&mut rec, &y, s);
+    }
+    rec.submit().unwrap();
+    apply(&mut want_y, &steps);
+    assert_eq!(y.read(g).unwrap(), want_y);
+    assert!(cache.len() <= LaunchCache::MAX_BIND_GROUPS);
+    cache.clear();
+    assert!(cache.is_empty());
 }
 
 #[test]

@@ -2,10 +2,10 @@
 //! is dispatched, runtime scalars, dispatch sizes (2-D past 65535 groups), and a [`Recorder`]
 //! that takes many launches into one compute pass and submits them at once.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::num::NonZeroU64;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 
 use hesper_dsl::{Access, Kernel, Scalar, Ty};
 
@@ -241,6 +241,67 @@ struct Timing {
     names: Vec<String>,
 }
 
+/// Bind groups and params buffers kept from one recorder to the next, for work that repeats
+/// the same launches on the same buffers (decoding: every token runs the same kernels): a
+/// recorder made by [`Gpu::recorder_reusing`] takes a launch's bind group from here when the
+/// same kernel ran on the same buffers at the same params offset before, rather than creating
+/// one (about half of a small launch's recording time on the H200's host and here).
+///
+/// What it holds keeps the buffers it bound alive (a wgpu bind group refers to them), so keep
+/// one beside the buffers it serves, not for all of a program's work; past
+/// [`LaunchCache::MAX_BIND_GROUPS`] it starts again empty. Cloning shares it.
+#[derive(Clone, Default)]
+pub struct LaunchCache {
+    inner: Arc<Mutex<LaunchCacheInner>>,
+}
+
+#[derive(Default)]
+struct LaunchCacheInner {
+    /// The params chunks, in the order a recorder fills them.
+    uniforms: Vec<wgpu::Buffer>,
+    bind_groups: HashMap<BindKey, wgpu::BindGroup>,
+}
+
+/// A bind group's identity: its layout (wgpu compares layouts by identity), its buffers by id
+/// in binding order (ids are never reused), and its params chunk and offset.
+#[derive(Hash, PartialEq, Eq)]
+struct BindKey {
+    layout: wgpu::BindGroupLayout,
+    buffers: Vec<u64>,
+    uniform: Option<(usize, u64)>,
+}
+
+impl LaunchCache {
+    /// The most bind groups it keeps before it starts again empty (a recorder of many
+    /// launches at growing params offsets would otherwise add a bind group per launch).
+    pub const MAX_BIND_GROUPS: usize = 8192;
+
+    pub fn new() -> LaunchCache {
+        LaunchCache::default()
+    }
+
+    /// Bind groups it holds now.
+    pub fn len(&self) -> usize {
+        self.lock().bind_groups.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drop every bind group and params buffer (and so its hold on the buffers they bound).
+    pub fn clear(&self) {
+        let mut inner = self.lock();
+        inner.bind_groups.clear();
+        inner.uniforms.clear();
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LaunchCacheInner> {
+        // Nothing panics while holding it; a poisoned lock still holds consistent maps.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Records launches into one compute pass (wgpu orders dependent dispatches inside a pass) and
 /// submits them in one command buffer. One recorder per training step, one submit.
 ///
@@ -260,6 +321,7 @@ pub struct Recorder<'g> {
     /// The buffers the recorded launches use, each counted once in its `pending`.
     uses: Vec<Arc<BufferTracking>>,
     used_ids: HashSet<u64>,
+    reuse: Option<LaunchCache>,
 }
 
 impl Gpu {
@@ -274,7 +336,17 @@ impl Gpu {
             timing: None,
             uses: vec![],
             used_ids: HashSet::new(),
+            reuse: None,
         }
+    }
+
+    /// A recorder whose launches take their bind groups and params buffers from `cache` where
+    /// it has them (and leave theirs there): for work that records the same launches again
+    /// and again, such as decoding one token after another ([`LaunchCache`]).
+    pub fn recorder_reusing(&self, cache: &LaunchCache) -> Recorder<'_> {
+        let mut rec = self.recorder();
+        rec.reuse = Some(cache.clone());
+        rec
     }
 
     /// A recorder that times each of up to `capacity` launches with timestamp queries.
@@ -479,14 +551,44 @@ impl<'g> Recorder<'g> {
                 }),
             });
         }
-        let bind_group = self
-            .gpu
-            .device
-            .create_bind_group(&wgpu::BindGroupDescriptor {
-                label: None,
-                layout: &compiled.layout,
-                entries: &entries,
-            });
+        let create = || {
+            self.gpu
+                .device
+                .create_bind_group(&wgpu::BindGroupDescriptor {
+                    label: None,
+                    layout: &compiled.layout,
+                    entries: &entries,
+                })
+        };
+        let bind_group = match &self.reuse {
+            Some(cache) if self.timing.is_none() => {
+                let key = BindKey {
+                    layout: compiled.layout.clone(),
+                    buffers: kernel
+                        .bindings()
+                        .iter()
+                        .map(|b| {
+                            let a = args.buffers.iter().find(|a| a.name == b.name);
+                            a.expect("checked above").tracking.id
+                        })
+                        .collect(),
+                    uniform: uniform.map(|(_, (chunk, offset))| (chunk, offset)),
+                };
+                let mut inner = cache.lock();
+                match inner.bind_groups.get(&key) {
+                    Some(group) => group.clone(),
+                    None => {
+                        if inner.bind_groups.len() >= LaunchCache::MAX_BIND_GROUPS {
+                            inner.bind_groups.clear();
+                        }
+                        let group = create();
+                        inner.bind_groups.insert(key, group.clone());
+                        group
+                    }
+                }
+            }
+            _ => create(),
+        };
 
         if let Some(t) = &mut self.timing {
             // A pass per launch, so each one's time is its own.
@@ -537,12 +639,27 @@ impl<'g> Recorder<'g> {
             c.bytes.len().next_multiple_of(align) + params.len() <= UNIFORM_CHUNK as usize
         };
         if !self.uniforms.last().is_some_and(fits) {
-            let buffer = self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
-                label: Some("hesper params"),
-                size: UNIFORM_CHUNK,
-                usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-                mapped_at_creation: false,
-            });
+            let create = || {
+                self.gpu.device.create_buffer(&wgpu::BufferDescriptor {
+                    label: Some("hesper params"),
+                    size: UNIFORM_CHUNK,
+                    usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+                    mapped_at_creation: false,
+                })
+            };
+            // A reusing recorder's chunk `i` is its cache's chunk `i`: its bytes are written
+            // at each submit, before that submit's launches (and after earlier submits').
+            let buffer = match &self.reuse {
+                Some(cache) => {
+                    let mut inner = cache.lock();
+                    let i = self.uniforms.len();
+                    if inner.uniforms.len() <= i {
+                        inner.uniforms.push(create());
+                    }
+                    inner.uniforms[i].clone()
+                }
+                None => create(),
+            };
             self.uniforms.push(UniformChunk {
                 buffer,
                 bytes: vec![],

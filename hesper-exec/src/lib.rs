@@ -33,7 +33,7 @@ pub use buffer::{Element, GpuBuffer, HostElement, PendingRead};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
-pub use launch::{Args, Grid, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
+pub use launch::{Args, Grid, LaunchCache, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
 pub use pool::{PooledDevices, pooled_devices};
 /// The wgpu this crate is built on (its types appear in `GpuOptions` and `Gpu::device`).
 pub use wgpu;

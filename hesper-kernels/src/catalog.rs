@@ -686,7 +686,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 38] = [
+static ENTRIES: [Entry; 39] = [
     // attention::decode
     Entry {
         name: "apply_backward",
@@ -878,6 +878,29 @@ static ENTRIES: [Entry; 38] = [
             GEMM_ACCUMULATE_ON,
         ],
         build: |s| gemm(s, (Product::Nn, true)),
+    },
+    Entry {
+        name: "gemv",
+        module: "linear",
+        summary: "y (+)= x·Wᵀ over a few rows (decoding's one token): a workgroup per output",
+        params: &[
+            u32_param(
+                "depth",
+                "36",
+                "the contraction: the weight's columns k (a multiple of 4 goes as vec4s)",
+            ),
+            GEMM_ACCUMULATE,
+            SUBGROUPS,
+        ],
+        build: |s| {
+            let (depth, accumulate) = (s.u32("depth"), s.bool("accumulate"));
+            Ok(linear::gemv::build(
+                depth,
+                accumulate,
+                s.features(),
+                s.limits(),
+            )?)
+        },
     },
     Entry {
         name: "matmul_nn",

@@ -133,6 +133,28 @@ fn dense_products_match_reference() {
     check_all(false);
 }
 
+/// `·Wᵀ` over at most `gemv::MAX_ROWS` rows goes to `gemv`: depths that are and are not
+/// multiples of 4, one that needs several steps of the workgroup, more outputs than a
+/// dimension of workgroups holds (a 2-D grid), and every row count up to the limit.
+#[test]
+fn few_rows_match_reference() {
+    let shapes = [
+        (1, 1, 1),
+        (1, 53, 29),
+        (2, 100, 44),
+        (3, 37, 576),
+        (4, 19, 1537),
+        (1, 70_001, 8),
+    ];
+    assert_eq!(linear::gemv::MAX_ROWS, 4);
+    for (i, &(m, n, k)) in shapes.iter().enumerate() {
+        for accumulate in [false, true] {
+            let gemm = Gemm::new(Product::Nt, (m, n, k), accumulate);
+            check(&gemm, false, 100 + 2 * i as u64 + accumulate as u64);
+        }
+    }
+}
+
 #[test]
 fn ternary_products_match_reference() {
     check_all(true);
@@ -406,6 +428,8 @@ fn wgsl_snapshots() {
         "matmul_nn_cols32_depth64_tile16x16x4_4x4_accumulate",
         "bitlinear_forward_cols64_depth32_tile16x16x4_4x4",
         "bitlinear_transpose_cols32_depth64_tile16x16x4_4x4_accumulate",
+        "gemv_depth36_subgroups",
+        "gemv_depth29_accumulate",
     ];
     let kernels = linear::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -16,7 +16,7 @@
 //! The prompt is filled token by token through the same path (one recorder for all of it): the
 //! caches then hold exactly what the decoding of each position would have written.
 
-use hesper_exec::{Gpu, GpuBuffer, Recorder};
+use hesper_exec::{Gpu, GpuBuffer, LaunchCache, Recorder};
 use hesper_kernels::attention::{DecodeShape, execute_decode_attention, execute_kv_cache_append};
 use hesper_kernels::elementwise::{execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{execute_relu_sqr_mul_forward, execute_swiglu_forward};
@@ -33,10 +33,9 @@ use super::gpu::{GpuAdapters, GpuModel};
 struct TokenBuffers {
     /// The token id `[1]`, copied from [`KvCache`]'s ids.
     token: GpuBuffer<u32>,
-    /// The residual stream `[D]`: a block's input, then its output.
+    /// The residual stream `[D]`: a block's input, the attention's and then the FFN's outputs
+    /// added into it in place (nothing reads a block's input after its residual).
     x: GpuBuffer<f32>,
-    /// After the attention's residual `[D]`.
-    x1: GpuBuffer<f32>,
     /// A norm's output `[D]` and the `rstd` of a norm of one row.
     n: GpuBuffer<f32>,
     rstd: GpuBuffer<f32>,
@@ -83,6 +82,8 @@ pub struct KvCache {
     v_cache: Vec<GpuBuffer<f32>>,
     work: TokenBuffers,
     logits: LogitsBuffers,
+    /// The bind groups of one token's launches, the same for every token.
+    launches: LaunchCache,
 }
 
 impl KvCache {
@@ -112,7 +113,6 @@ impl KvCache {
         let work = TokenBuffers {
             token: gpu.zeros(1)?,
             x: buf(d)?,
-            x1: buf(d)?,
             n: buf(d)?,
             rstd: buf(1)?,
             q_pre: opt(qwen3, hq)?,
@@ -141,6 +141,7 @@ impl KvCache {
             v_cache: (0..c.layers).map(cache).collect::<Result<_, _>>()?,
             work,
             logits: LogitsBuffers::new(gpu, c, 1)?,
+            launches: LaunchCache::new(),
         })
     }
 
@@ -195,6 +196,18 @@ impl KvCache {
         adapters: &GpuAdapters,
         tokens: &[u32],
     ) -> Result<(), ModelError> {
+        self.record_positions(rec, model, adapters, tokens)?;
+        self.record_logits(rec, model)
+    }
+
+    /// The model and adapters those the cache was made for, at least one token, each in the
+    /// vocabulary, room for them.
+    fn check(
+        &self,
+        model: &GpuModel,
+        adapters: &GpuAdapters,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
         if !self.fits(model, adapters) {
             return Err(ModelError::invalid(
                 "KvCache",
@@ -234,6 +247,19 @@ impl KvCache {
                 t,
             ));
         }
+        Ok(())
+    }
+
+    /// [`KvCache::record_append`] without the logits.
+    fn record_positions(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        model: &GpuModel,
+        adapters: &GpuAdapters,
+        tokens: &[u32],
+    ) -> Result<(), ModelError> {
+        self.check(model, adapters, tokens)?;
+        let start = self.ids.len();
         let mut ids = self.ids.clone();
         ids.extend_from_slice(tokens);
         let mut padded = ids.clone();
@@ -243,6 +269,16 @@ impl KvCache {
         for pos in start..self.ids.len() {
             self.record_position(rec, model, adapters, pos)?;
         }
+        Ok(())
+    }
+
+    /// The final norm and the lm-head of the last recorded position's output.
+    fn record_logits(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        model: &GpuModel,
+    ) -> Result<(), ModelError> {
+        let c = model.config();
         let (d, eps) = (c.dim, c.norm_eps as f32);
         let TokenBuffers { x, rstd, .. } = &mut self.work;
         let out = &mut self.logits;
@@ -252,8 +288,10 @@ impl KvCache {
         Ok(())
     }
 
-    /// Record [`KvCache::record_append`] of `tokens`, submit it and read the logits after
-    /// them back (`[V]`; waits for the GPU).
+    /// Run `tokens` through the model as [`KvCache::record_append`] does and read the logits
+    /// after them back (`[V]`; waits for the GPU). Each token goes in a recorder of its own
+    /// that reuses the cache's bind groups (the same launches every token), submitted without
+    /// waiting; only the last records the logits.
     #[cfg(not(target_arch = "wasm32"))]
     pub fn append(
         &mut self,
@@ -262,8 +300,15 @@ impl KvCache {
         adapters: &GpuAdapters,
         tokens: &[u32],
     ) -> Result<Vec<f32>, ModelError> {
-        let mut rec = gpu.recorder();
-        self.record_append(&mut rec, model, adapters, tokens)?;
+        self.check(model, adapters, tokens)?;
+        let (last, before) = tokens.split_last().expect("checked: at least one token");
+        for t in before {
+            let mut rec = gpu.recorder_reusing(&self.launches);
+            self.record_positions(&mut rec, model, adapters, std::slice::from_ref(t))?;
+            rec.submit()?;
+        }
+        let mut rec = gpu.recorder_reusing(&self.launches);
+        self.record_append(&mut rec, model, adapters, std::slice::from_ref(last))?;
         rec.submit()?;
         Ok(self.logits().read(gpu)?)
     }
@@ -335,11 +380,10 @@ impl KvCache {
             if let (Some(o_sub), Some(gamma)) = (&mut a.o_sub, &w.attn_sub_norm) {
                 execute_rms_norm_forward(rec, &a.o, gamma, o_sub, &mut a.rstd, eps)?;
             }
-            rec.copy(&a.x, &a.x1)?;
             let o_in = a.o_sub.as_ref().unwrap_or(&a.o);
-            project(rec, Projection::O, o_in, &mut a.x1, &mut a.lora_h, true)?;
+            project(rec, Projection::O, o_in, &mut a.x, &mut a.lora_h, true)?;
 
-            execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n, &mut a.rstd, eps)?;
+            execute_rms_norm_forward(rec, &a.x, &w.ffn_norm, &mut a.n, &mut a.rstd, eps)?;
             project(
                 rec,
                 Projection::Gate,
@@ -356,7 +400,6 @@ impl KvCache {
                 }
                 _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
             }
-            rec.copy(&a.x1, &a.x)?;
             let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
             project(rec, Projection::Down, h_in, &mut a.x, &mut a.lora_h, true)?;
         }
@@ -367,8 +410,7 @@ impl KvCache {
     pub fn memory_bytes(&self) -> u64 {
         let w = &self.work;
         let fixed = [
-            &w.x, &w.x1, &w.n, &w.rstd, &w.q, &w.k, &w.v, &w.o, &w.attn, &w.gate, &w.up, &w.h,
-            &w.lora_h,
+            &w.x, &w.n, &w.rstd, &w.q, &w.k, &w.v, &w.o, &w.attn, &w.gate, &w.up, &w.h, &w.lora_h,
         ];
         let extra = [&w.q_pre, &w.k_pre, &w.rstd_q, &w.rstd_k, &w.o_sub, &w.h_sub];
         let caches = self.k_cache.iter().chain(&self.v_cache);

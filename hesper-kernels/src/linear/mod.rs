@@ -27,12 +27,18 @@
 //! read and written as `vec4`s when `cols` is a multiple of 4. Reads past the last row or column
 //! are clamped into the buffer rather than zeroed: they only feed outputs that are never stored.
 //! Reads past the depth are zeroed, since they would feed every output.
+//!
+//! ## Few rows
+//! `·Wᵀ` through a dense weight over at most [`gemv::MAX_ROWS`] rows (decoding's one token) runs
+//! [`gemv`] instead: a workgroup per output, its invocations along the depth.
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::{bad_tile, expect_len, expect_u32};
+
+pub mod gemv;
 
 /// Ternary weights per packed `u32` (2 bits each).
 pub const TERNARY_PER_WORD: usize = 16;
@@ -664,6 +670,8 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         build(Product::Nn, false, (32, 64), true)?,
         build(Product::Nt, true, (64, 32), false)?,
         build(Product::Nn, true, (32, 64), true)?,
+        Kernel::build(&gemv::key(36, false, Features::SUBGROUPS), gemv::body)?,
+        Kernel::build(&gemv::key(29, true, Features::NONE), gemv::body)?,
     ])
 }
 
@@ -710,8 +718,9 @@ pub fn execute_gemm(
     let m = expect_u32(name, "m", gemm.m)?;
     expect_u32(name, "n", gemm.n)?;
     expect_u32(name, "k", gemm.k)?;
-    // Ternary weights are indexed by their flat position.
+    // Ternary weights, and dense ones in `gemv`, are indexed by their flat position.
     expect_u32(name, "n·k", gemm.n * gemm.k)?;
+    expect_u32(name, "m·n", gemm.m * gemm.n)?;
     let tile = gemm.tile.within(&rec.gpu().kernel_limits());
     tile.check(name)?;
     expect_len(name, input_name, input, gemm.m * depth, in_dims)?;
@@ -738,6 +747,13 @@ pub fn execute_gemm(
         } else {
             rec.fill(output, 0.0)
         };
+    }
+    if let (Product::Nt, Weights::Dense(w)) = (product, &weights)
+        && gemm.m <= gemv::MAX_ROWS
+    {
+        // n·k and m·n are checked above to fit u32; m·k is the length of `x`.
+        let dims = (m, gemm.n as u32, gemm.k as u32);
+        return gemv::record(rec, dims, (input, w, output), gemm.accumulate);
     }
     let shape = (cols as u32, depth as u32);
     let key = gemm_key(product, ternary, shape, tile, gemm.accumulate);
