@@ -882,6 +882,27 @@ fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
                 .unwrap();
             assert_eq!(got, want, "{family:?}, generation {round}");
         }
+        // The cache itself, pipelined on the GPU's choices: it holds the prompt and every new
+        // token but the last, and goes on from there as the full forward does.
+        let mut cache = KvCache::new(g, &model, &gpu_adapters, 64).unwrap();
+        let got = cache
+            .generate_greedy(g, &model, &gpu_adapters, &prompt, 30, &[], |_| {})
+            .unwrap();
+        assert_eq!(got, want, "{family:?}: generate_greedy");
+        assert_eq!(cache.tokens(), [&prompt[..], &want[..29]].concat());
+        let z = cache.append(g, &model, &gpu_adapters, &want[29..]).unwrap();
+        let all = [&prompt[..], &want[..]].concat();
+        let full = generator.next_logits(g, &model, &gpu_adapters, &all).unwrap();
+        let f64s = |v: &[f32]| v.iter().map(|&z| z as f64).collect::<Vec<_>>();
+        assert_matches(&format!("{family:?}: after it"), &f64s(&z), &f64s(&full), 1e-5);
+        // A stop token ends it with the token, the speculated position dropped.
+        cache.clear();
+        let first = want.iter().position(|&t| t == want[4]).unwrap();
+        let got = cache
+            .generate_greedy(g, &model, &gpu_adapters, &prompt, 30, &[want[4]], |_| {})
+            .unwrap();
+        assert_eq!(got, want[..=first], "{family:?}: stopped");
+        assert_eq!(cache.tokens(), [&prompt[..], &want[..first]].concat());
         if family != Family::Llama {
             continue;
         }

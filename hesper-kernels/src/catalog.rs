@@ -46,7 +46,7 @@ use hesper_exec::ExecError;
 use crate::attention::SeqTile;
 use crate::attention::sequence::build::Blocked;
 use crate::linear::{Product, Tile};
-use crate::{attention, elementwise, ffn, linear, lora, loss, norm, optim, rope};
+use crate::{argmax, attention, elementwise, ffn, linear, lora, loss, norm, optim, rope};
 
 /// One kernel family, which a user can build at any shape.
 pub struct Entry {
@@ -686,7 +686,15 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 39] = [
+static ENTRIES: [Entry; 40] = [
+    // argmax
+    Entry {
+        name: "argmax",
+        module: "argmax",
+        summary: "greedy decoding's choice: out[offset + r] = the first maximum's index of row r",
+        params: &[SUBGROUPS],
+        build: |s| Ok(argmax::build(s.features(), s.limits())?),
+    },
     // attention::decode
     Entry {
         name: "apply_backward",

@@ -12,6 +12,7 @@
 //!
 //! The math contract is `../shared/KERNELS.md`.
 
+pub mod argmax;
 pub mod attention;
 pub mod catalog;
 pub mod elementwise;

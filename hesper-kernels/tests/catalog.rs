@@ -7,11 +7,12 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 
 use hesper_dsl::{Features, Kernel, KernelKey, Limits};
 use hesper_kernels::catalog::{self, CatalogError, Entry, Kind};
-use hesper_kernels::{attention, elementwise, ffn, linear, lora, loss, norm, optim, rope};
+use hesper_kernels::{argmax, attention, elementwise, ffn, linear, lora, loss, norm, optim, rope};
 
 /// Every module's `kernels()`, in order.
 fn all_kernels() -> Vec<Kernel> {
     let lists = [
+        argmax::kernels,
         attention::kernels,
         elementwise::kernels,
         ffn::kernels,
@@ -46,7 +47,7 @@ fn error(name: &str, pairs: &[(&str, &str)]) -> (CatalogError, String) {
 #[test]
 fn entries_are_sorted_by_module_then_name_with_unique_names() {
     let entries = catalog::entries();
-    assert_eq!(entries.len(), 39);
+    assert_eq!(entries.len(), 40);
     for pair in entries.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         assert!(

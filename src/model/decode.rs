@@ -17,6 +17,7 @@
 //! caches then hold exactly what the decoding of each position would have written.
 
 use hesper_exec::{Gpu, GpuBuffer, LaunchCache, Recorder};
+use hesper_kernels::argmax::execute_argmax;
 use hesper_kernels::attention::{DecodeShape, execute_decode_attention, execute_kv_cache_append};
 use hesper_kernels::elementwise::{execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{execute_relu_sqr_mul_forward, execute_swiglu_forward};
@@ -31,7 +32,7 @@ use super::gpu::{GpuAdapters, GpuModel};
 
 /// One token's activations, reused by every block and every token.
 struct TokenBuffers {
-    /// The token id `[1]`, copied from [`KvCache`]'s ids.
+    /// The token id `[1]`: copied from [`KvCache`]'s ids, or left by `argmax` (greedy decoding).
     token: GpuBuffer<u32>,
     /// The residual stream `[D]`: a block's input, the attention's and then the FFN's outputs
     /// added into it in place (nothing reads a block's input after its residual).
@@ -267,9 +268,85 @@ impl KvCache {
         self.ids_gpu.write(rec.gpu(), &padded)?;
         self.ids = ids;
         for pos in start..self.ids.len() {
-            self.record_position(rec, model, adapters, pos)?;
+            self.record_position(rec, model, adapters, pos, Source::Ids)?;
         }
         Ok(())
+    }
+
+    /// The logits of the last recorded position and their argmax into `work.token`.
+    fn record_choice(
+        &mut self,
+        rec: &mut Recorder<'_>,
+        model: &GpuModel,
+    ) -> Result<(), ModelError> {
+        self.record_logits(rec, model)?;
+        let vocab = model.config().vocab;
+        execute_argmax(rec, &self.logits.logits, vocab, &mut self.work.token, 0)?;
+        Ok(())
+    }
+
+    /// Greedy decoding of up to `max_new` tokens after `prompt` (appended to the cached
+    /// positions first), with each choice made on the GPU (`argmax`, the first maximum, as
+    /// [`Sampling::Greedy`](super::Sampling) on the host): the forward of a token is recorded
+    /// and submitted before the host has read it back, so the host's recording of one token
+    /// overlaps the GPU's run of the one before. Stops after a token of `stop`, at the model's
+    /// context, or when the cache is full; `on_token` sees each new token as it comes. The
+    /// last new token is not cached (as after [`Generator::generate`](super::Generator)).
+    #[cfg(not(target_arch = "wasm32"))]
+    #[allow(clippy::too_many_arguments)]
+    pub fn generate_greedy(
+        &mut self,
+        gpu: &Gpu,
+        model: &GpuModel,
+        adapters: &GpuAdapters,
+        prompt: &[u32],
+        max_new: usize,
+        stop: &[u32],
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Vec<u32>, ModelError> {
+        self.check(model, adapters, prompt)?;
+        if max_new == 0 || self.len() + prompt.len() >= self.config.max_seq {
+            return Ok(vec![]);
+        }
+        let (last, before) = prompt.split_last().expect("checked: at least one token");
+        for t in before {
+            let mut rec = gpu.recorder_reusing(&self.launches);
+            self.record_positions(&mut rec, model, adapters, std::slice::from_ref(t))?;
+            rec.submit()?;
+        }
+        let mut rec = gpu.recorder_reusing(&self.launches);
+        self.record_positions(&mut rec, model, adapters, std::slice::from_ref(last))?;
+        self.record_choice(&mut rec, model)?;
+        rec.submit()?;
+        let mut pending = self.work.token.read_start(gpu)?;
+        let mut new = Vec::with_capacity(max_new);
+        loop {
+            // The forward of the token not yet read (at position `len`) goes in first, unless
+            // no token after it could be wanted.
+            let len = self.ids.len();
+            let more =
+                new.len() + 1 < max_new && len + 1 < self.config.max_seq && len < self.capacity;
+            let next = if more {
+                let mut rec = gpu.recorder_reusing(&self.launches);
+                self.record_position(&mut rec, model, adapters, len, Source::Chosen)?;
+                self.record_choice(&mut rec, model)?;
+                rec.submit()?;
+                Some(self.work.token.read_start(gpu)?)
+            } else {
+                None
+            };
+            let token = pending.wait(gpu)?[0];
+            new.push(token);
+            on_token(token);
+            match next {
+                Some(next) if !stop.contains(&token) => {
+                    // Position `len` now holds this token's keys and values.
+                    self.ids.push(token);
+                    pending = next;
+                }
+                _ => return Ok(new),
+            }
+        }
     }
 
     /// The final norm and the lm-head of the last recorded position's output.
@@ -313,19 +390,22 @@ impl KvCache {
         Ok(self.logits().read(gpu)?)
     }
 
-    /// Every block's forward of the token at `pos` (its id already in `ids_gpu`), the last
-    /// block's output left in `work.x`.
+    /// Every block's forward of the token at `pos` (its id in `ids_gpu`, or already in
+    /// `work.token`), the last block's output left in `work.x`.
     fn record_position(
         &mut self,
         rec: &mut Recorder<'_>,
         model: &GpuModel,
         adapters: &GpuAdapters,
         pos: usize,
+        source: Source,
     ) -> Result<(), ModelError> {
         let c = model.config();
         let eps = c.norm_eps as f32;
         let a = &mut self.work;
-        rec.copy_range(&self.ids_gpu, pos, &a.token, 0, 1)?;
+        if source == Source::Ids {
+            rec.copy_range(&self.ids_gpu, pos, &a.token, 0, 1)?;
+        }
         execute_embedding(rec, &model.embed, &a.token, c.dim, &mut a.x)?;
         let positions = Positions {
             seq_len: 1,
@@ -426,6 +506,15 @@ impl KvCache {
             + self.logits.n.bytes()
             + self.logits.logits.bytes()
     }
+}
+
+/// Where a position's token id comes from.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Source {
+    /// [`KvCache`]'s ids, written from the host.
+    Ids,
+    /// `work.token`, where the last `argmax` left it.
+    Chosen,
 }
 
 /// `y (+)= x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for one token's row: the training forward's

@@ -215,8 +215,9 @@ impl Generator {
     /// Append up to `max_new` tokens to `prompt`, each chosen by `sampling` (drawing from
     /// `rng`), stopping after any token of `stop`; `on_token` sees each new token as it comes
     /// (to stream it). Returns the new tokens. Decodes over a [`KvCache`]: the prompt's forward
-    /// once, then one token's per new token (no pipeline is compiled after the first). It stops
-    /// early at the model's context; a prompt that fills it gives no token.
+    /// once, then one token's per new token (no pipeline is compiled after the first); greedy
+    /// choices are made on the GPU, one token ahead of the host ([`KvCache::generate_greedy`]).
+    /// It stops early at the model's context; a prompt that fills it gives no token.
     #[cfg(not(target_arch = "wasm32"))]
     #[allow(clippy::too_many_arguments)]
     pub fn generate(
@@ -247,6 +248,9 @@ impl Generator {
         }
         let cache = self.cache.as_mut().expect("made above");
         cache.clear();
+        if sampling == Sampling::Greedy {
+            return cache.generate_greedy(gpu, model, adapters, prompt, max_new, stop, on_token);
+        }
         let mut logits = cache.append(gpu, model, adapters, prompt)?;
         let mut new = Vec::with_capacity(max_new);
         loop {
