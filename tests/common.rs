@@ -81,18 +81,44 @@ impl Meta {
         items.iter().for_each(|x| v.extend(x.to_le_bytes()));
         self.set(key, 9, v)
     }
+    pub fn f32(&mut self, key: &str, v: f32) -> &mut Meta {
+        self.set(key, 6, v.to_le_bytes().to_vec())
+    }
     /// A GGUF v3 file of this metadata and no tensors.
     pub fn file(&self) -> hesper::io::GgufFile {
+        hesper::io::GgufFile::parse(self.bytes(&[]), "test.gguf").unwrap()
+    }
+    /// The bytes of a GGUF v3 file of this metadata and F32 `tensors` (name, PyTorch shape,
+    /// values), their data at 32-byte aligned offsets.
+    pub fn bytes(&self, tensors: &[(String, Vec<usize>, Vec<f32>)]) -> Vec<u8> {
+        const ALIGN: usize = 32;
         let mut out = b"GGUF".to_vec();
         out.extend(3u32.to_le_bytes());
-        out.extend(0u64.to_le_bytes());
+        out.extend((tensors.len() as u64).to_le_bytes());
         out.extend((self.0.len() as u64).to_le_bytes());
         for (key, ty, value) in &self.0 {
             out.extend(str_bytes(key));
             out.extend(ty.to_le_bytes());
             out.extend(value);
         }
-        hesper::io::GgufFile::parse(out, "test.gguf").unwrap()
+        let mut offset = 0;
+        for (name, shape, values) in tensors {
+            assert_eq!(shape.iter().product::<usize>(), values.len(), "{name}");
+            out.extend(str_bytes(name));
+            out.extend((shape.len() as u32).to_le_bytes());
+            shape
+                .iter()
+                .rev()
+                .for_each(|&d| out.extend((d as u64).to_le_bytes()));
+            out.extend(0u32.to_le_bytes());
+            out.extend((offset as u64).to_le_bytes());
+            offset = (offset + 4 * values.len()).next_multiple_of(ALIGN);
+        }
+        for (_, _, values) in tensors {
+            out.resize(out.len().next_multiple_of(ALIGN), 0);
+            values.iter().for_each(|v| out.extend(v.to_le_bytes()));
+        }
+        out
     }
     pub fn tokenizer(&self) -> Result<hesper::io::Tokenizer, hesper::io::TokenizerError> {
         hesper::io::Tokenizer::from_gguf(&self.file())

@@ -892,9 +892,16 @@ fn greedy_generation_with_the_kv_cache_matches_the_full_forward() {
         assert_eq!(cache.tokens(), [&prompt[..], &want[..29]].concat());
         let z = cache.append(g, &model, &gpu_adapters, &want[29..]).unwrap();
         let all = [&prompt[..], &want[..]].concat();
-        let full = generator.next_logits(g, &model, &gpu_adapters, &all).unwrap();
+        let full = generator
+            .next_logits(g, &model, &gpu_adapters, &all)
+            .unwrap();
         let f64s = |v: &[f32]| v.iter().map(|&z| z as f64).collect::<Vec<_>>();
-        assert_matches(&format!("{family:?}: after it"), &f64s(&z), &f64s(&full), 1e-5);
+        assert_matches(
+            &format!("{family:?}: after it"),
+            &f64s(&z),
+            &f64s(&full),
+            1e-5,
+        );
         // A stop token ends it with the token, the speculated position dropped.
         cache.clear();
         let first = want.iter().position(|&t| t == want[4]).unwrap();

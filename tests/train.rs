@@ -504,7 +504,7 @@ fn bad_data_is_an_error_naming_the_file_and_line() {
             "{\"messages\": [{\"role\": \"user\"}]}",
             "\"messages\"[0] must be an object",
         ),
-        ("", "data.jsonl:0: no example with a token to train on"),
+        ("", "data.jsonl: no example with a token to train on"),
         (
             "{\"input_ids\": [4]}",
             "no example with a token to train on",

@@ -85,7 +85,7 @@ pub enum TrainError {
     #[error("{file}: {message}")]
     Checkpoint { file: String, message: String },
     /// A data file's line (1-based; 0: the file as a whole) that is not training data.
-    #[error("{file}:{line}: {message}")]
+    #[error("{file}{}: {message}", at_line(*line))]
     Data {
         file: String,
         line: usize,
@@ -120,5 +120,13 @@ impl From<crate::io::PeftError> for TrainError {
 impl From<hesper_exec::ExecError> for TrainError {
     fn from(e: hesper_exec::ExecError) -> Self {
         TrainError::Gpu(Box::new(e))
+    }
+}
+
+/// `:N` after a data file's name, nothing for the file as a whole (line 0).
+fn at_line(line: usize) -> String {
+    match line {
+        0 => String::new(),
+        n => format!(":{n}"),
     }
 }
