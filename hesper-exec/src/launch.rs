@@ -502,9 +502,7 @@ impl<'g> Recorder<'g> {
                 why: format!("it was made for {} launches", t.capacity),
             });
         }
-        let what = || format!("kernel `{}`: recording a launch", kernel.name());
-        let gpu = self.gpu;
-        gpu.scoped(&what, || self.record(compiled, args, &params, groups))?;
+        self.record(compiled, args, &params, groups)?;
         for a in &args.buffers {
             if self.used_ids.insert(a.tracking.id) {
                 a.tracking.pending.fetch_add(1, Ordering::AcqRel);
@@ -515,18 +513,24 @@ impl<'g> Recorder<'g> {
         Ok(())
     }
 
-    /// The wgpu side of a checked launch: its params, bind group and dispatch.
+    /// The wgpu side of a checked launch: its params, bind group and dispatch. Only what wgpu
+    /// checks at once (a new params buffer, a bind group) runs inside error scopes: a pass's
+    /// commands are checked when the pass ends, at submit, which has scopes of its own (a
+    /// launch whose bind group is reused pushes none, half its recording time here).
     fn record(
         &mut self,
         compiled: &CompiledKernel,
         args: &Args<'_>,
         params: &[u8],
         groups: [u32; 3],
-    ) {
+    ) -> Result<(), ExecError> {
         let kernel = compiled.kernel();
-        let uniform = kernel
-            .params_binding()
-            .map(|binding| (binding, self.push_uniform(params)));
+        let what = || format!("kernel `{}`: recording a launch", kernel.name());
+        let gpu = self.gpu;
+        let uniform = match kernel.params_binding() {
+            Some(binding) => Some((binding, gpu.scoped(&what, || self.push_uniform(params))?)),
+            None => None,
+        };
 
         let mut entries: Vec<wgpu::BindGroupEntry> =
             Vec::with_capacity(kernel.bindings().len() + 1);
@@ -552,13 +556,13 @@ impl<'g> Recorder<'g> {
             });
         }
         let create = || {
-            self.gpu
-                .device
-                .create_bind_group(&wgpu::BindGroupDescriptor {
+            gpu.scoped(&what, || {
+                gpu.device.create_bind_group(&wgpu::BindGroupDescriptor {
                     label: None,
                     layout: &compiled.layout,
                     entries: &entries,
                 })
+            })
         };
         let bind_group = match &self.reuse {
             Some(cache) if self.timing.is_none() => {
@@ -581,13 +585,13 @@ impl<'g> Recorder<'g> {
                         if inner.bind_groups.len() >= LaunchCache::MAX_BIND_GROUPS {
                             inner.bind_groups.clear();
                         }
-                        let group = create();
+                        let group = create()?;
                         inner.bind_groups.insert(key, group.clone());
                         group
                     }
                 }
             }
-            _ => create(),
+            _ => create()?,
         };
 
         if let Some(t) = &mut self.timing {
@@ -616,6 +620,7 @@ impl<'g> Recorder<'g> {
             pass.set_immediates(0, params);
         }
         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
+        Ok(())
     }
 
     fn pass(&mut self) -> &mut wgpu::ComputePass<'static> {

@@ -13,8 +13,13 @@
 //! attention's length), so after the first token no token compiles a pipeline, and nothing is
 //! allocated per token.
 //!
-//! The prompt is filled token by token through the same path (one recorder for all of it): the
-//! caches then hold exactly what the decoding of each position would have written.
+//! The prompt is filled token by token through the same path: the caches then hold exactly
+//! what the decoding of each position would have written. [`KvCache::append`] records each
+//! token in a recorder of its own that reuses the cache's bind groups ([`LaunchCache`]: every
+//! token binds the same buffers), submitted without waiting; the residual stream is added to
+//! in place. [`KvCache::generate_greedy`] makes the greedy choice on the GPU and records the
+//! next token's forward before the host has read the token, so the host's recording of one
+//! token overlaps the GPU's run of the one before.
 
 use hesper_exec::{Gpu, GpuBuffer, LaunchCache, Recorder};
 use hesper_kernels::argmax::execute_argmax;
