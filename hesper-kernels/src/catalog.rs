@@ -686,7 +686,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 40] = [
+static ENTRIES: [Entry; 41] = [
     // argmax
     Entry {
         name: "argmax",
@@ -903,7 +903,39 @@ static ENTRIES: [Entry; 40] = [
         build: |s| {
             let (depth, accumulate) = (s.u32("depth"), s.bool("accumulate"));
             Ok(linear::gemv::build(
-                depth,
+                (depth, 0),
+                accumulate,
+                s.features(),
+                s.limits(),
+            )?)
+        },
+    },
+    Entry {
+        name: "gemv_lora",
+        module: "linear",
+        summary: "y (+)= x·Wᵀ + s·(x·Aᵀ)·Bᵀ over a few rows in one launch (decoding's LoRA \
+                  projection): a workgroup per output",
+        params: &[
+            u32_param(
+                "depth",
+                "36",
+                "the contraction: the weight's columns k (a multiple of 4 goes as vec4s)",
+            ),
+            u32_param("rank", "2", "the adapter's rank r, 1 to 32"),
+            GEMM_ACCUMULATE,
+            SUBGROUPS,
+        ],
+        build: |s| {
+            let (depth, rank) = (s.u32("depth"), s.u32("rank"));
+            if !(1..=linear::gemv::MAX_RANK as u32).contains(&rank) {
+                return Err(Failure::rule(
+                    format!("rank = {rank}"),
+                    "the rank must be 1 to 32".into(),
+                ));
+            }
+            let accumulate = s.bool("accumulate");
+            Ok(linear::gemv::build(
+                (depth, rank),
                 accumulate,
                 s.features(),
                 s.limits(),

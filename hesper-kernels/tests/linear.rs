@@ -133,6 +133,95 @@ fn dense_products_match_reference() {
     check_all(false);
 }
 
+/// `gemv_lora` against `x·Wᵀ + s·(x·Aᵀ)·Bᵀ` in f64: depths that are and are not multiples of
+/// 4, ranks from 1 to the largest, a 2-D grid, every row count up to the limit; the output
+/// poisoned (or random, accumulating) first. Then the checks of its arguments.
+#[test]
+fn gemv_lora_matches_reference() {
+    use hesper_kernels::linear::gemv::{Adapter, MAX_RANK, execute_gemv_lora};
+    use hesper_kernels::lora::reference::lora_forward;
+    let g = gpu();
+    let shapes = [
+        (1, 53, 29, 3),
+        (2, 100, 44, 8),
+        (4, 19, 576, 16),
+        (1, 70_001, 8, 1),
+        (3, 37, 1537, MAX_RANK),
+    ];
+    for (i, &(m, n, k, rank)) in shapes.iter().enumerate() {
+        for accumulate in [false, true] {
+            let mut rng = Rng::new(200 + 2 * i as u64 + accumulate as u64);
+            let (x, w) = (rng.vec(m * k, 1.0), rng.vec(n * k, 1.0));
+            let (a, b) = (rng.vec(rank * k, 1.0), rng.vec(n * rank, 1.0));
+            let start = if accumulate {
+                rng.vec(m * n, 1.0)
+            } else {
+                vec![f32::NAN; m * n]
+            };
+            let up = |v: &[f32]| g.upload(v).unwrap();
+            let (xb, wb, ab, bb, mut y) = (up(&x), up(&w), up(&a), up(&b), up(&start));
+            let adapter = Adapter {
+                a: &ab,
+                b: &bb,
+                rank,
+                scale: SCALE,
+            };
+            let mut rec = g.recorder();
+            execute_gemv_lora(&mut rec, (&xb, &wb), adapter, &mut y, (m, n, k), accumulate)
+                .unwrap();
+            rec.submit().unwrap();
+            let mut base = reference::matmul_nt(&f64s(&x), &f64s(&w), m, n, k);
+            if accumulate {
+                base.iter_mut()
+                    .zip(&start)
+                    .for_each(|(v, s)| *v += *s as f64);
+            }
+            let (_, want) =
+                lora_forward(&f64s(&x), &f64s(&a), &f64s(&b), &base, rank, SCALE as f64);
+            let (rtol, atol) = tolerance(k * (rank + 1));
+            let what = format!("gemv_lora {m}×{n}×{k} r={rank} accumulate={accumulate}");
+            assert_close(&what, &y.read(g).unwrap(), &want, rtol, atol);
+        }
+    }
+    let buf = |n: usize| g.upload(&vec![0.5f32; n]).unwrap();
+    let (x, w, a, b, mut y) = (buf(8), buf(24), buf(8), buf(3), buf(6));
+    let mut rec = g.recorder();
+    let adapter = |rank| Adapter {
+        a: &a,
+        b: &b,
+        rank,
+        scale: 1.0,
+    };
+    let err = |r: Result<(), hesper_exec::ExecError>| r.unwrap_err().to_string();
+    let too_many = execute_gemv_lora(&mut rec, (&x, &w), adapter(1), &mut y, (5, 3, 8), false);
+    assert!(err(too_many).contains("1 to 4 rows"));
+    let no_rank = execute_gemv_lora(&mut rec, (&x, &w), adapter(0), &mut y, (1, 3, 8), false);
+    assert!(err(no_rank).contains("a rank of 1 to 32"));
+    assert_eq!(
+        err(execute_gemv_lora(
+            &mut rec,
+            (&x, &w),
+            adapter(1),
+            &mut y,
+            (2, 3, 4),
+            false
+        )),
+        "kernel `gemv_lora`, binding `w`: expected 12 elements ([n, k]), given 24 elements"
+    );
+    assert_eq!(
+        err(execute_gemv_lora(
+            &mut rec,
+            (&x, &w),
+            adapter(2),
+            &mut y,
+            (1, 3, 8),
+            false
+        )),
+        "kernel `gemv_lora`, binding `a`: expected 16 elements ([rank, k]), given 8 elements"
+    );
+    assert!(rec.is_empty());
+}
+
 /// `·Wᵀ` over at most `gemv::MAX_ROWS` rows goes to `gemv`: depths that are and are not
 /// multiples of 4, one that needs several steps of the workgroup, more outputs than a
 /// dimension of workgroups holds (a 2-D grid), and every row count up to the limit.
@@ -430,6 +519,8 @@ fn wgsl_snapshots() {
         "bitlinear_transpose_cols32_depth64_tile16x16x4_4x4_accumulate",
         "gemv_depth36_subgroups",
         "gemv_depth29_accumulate",
+        "gemv_lora_depth36_rank2_subgroups",
+        "gemv_lora_depth29_rank3_accumulate",
     ];
     let kernels = linear::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -27,13 +27,14 @@ use hesper_kernels::attention::{DecodeShape, execute_decode_attention, execute_k
 use hesper_kernels::elementwise::{execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{execute_relu_sqr_mul_forward, execute_swiglu_forward};
 use hesper_kernels::linear::execute_matmul_nt;
+use hesper_kernels::linear::gemv::{self, Adapter, execute_gemv_lora};
 use hesper_kernels::lora::execute_lora_forward;
 use hesper_kernels::norm::execute_rms_norm_forward;
 use hesper_kernels::rope::{Positions, execute_rope_forward};
 
 use super::activations::LogitsBuffers;
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
-use super::gpu::{GpuAdapters, GpuModel};
+use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
 
 /// One token's activations, reused by every block and every token.
 struct TokenBuffers {
@@ -523,7 +524,8 @@ enum Source {
 }
 
 /// `y (+)= x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for one token's row: the training forward's
-/// projection at `T = 1`.
+/// projection at `T = 1`, with the adapter in the same launch (`gemv_lora`) up to its largest
+/// rank.
 #[allow(clippy::too_many_arguments)]
 fn project(
     rec: &mut Recorder<'_>,
@@ -537,15 +539,24 @@ fn project(
     let weights = &model.layers[layer];
     let (out, input) = projection.shape(model.config());
     let w = weights.projection(projection);
-    execute_matmul_nt(rec, x, w, y, 1, out, input, accumulate)?;
+    let lora = adapters.lora();
+    let (rank, scale) = (lora.rank, lora.scale() as f32);
+    match adapters.index(layer, projection) {
+        Some(i) if rank <= gemv::MAX_RANK => {
+            let GpuAdapter { a, b, .. } = &adapters.adapters[i];
+            let adapter = Adapter { a, b, rank, scale };
+            execute_gemv_lora(rec, (x, w), adapter, y, (1, out, input), accumulate)?;
+        }
+        index => {
+            execute_matmul_nt(rec, x, w, y, 1, out, input, accumulate)?;
+            if let Some(i) = index {
+                let GpuAdapter { a, b, .. } = &adapters.adapters[i];
+                execute_lora_forward(rec, x, a, b, rank, scale, lora_h, y)?;
+            }
+        }
+    }
     if let Some(bias) = weights.bias(projection) {
         execute_add_bias(rec, y, bias)?;
-    }
-    if let Some(i) = adapters.index(layer, projection) {
-        let adapter = &adapters.adapters[i];
-        let lora = adapters.lora();
-        let (rank, scale) = (lora.rank, lora.scale() as f32);
-        execute_lora_forward(rec, x, &adapter.a, &adapter.b, rank, scale, lora_h, y)?;
     }
     Ok(())
 }

@@ -670,9 +670,10 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         build(Product::Nn, false, (32, 64), true)?,
         build(Product::Nt, true, (64, 32), false)?,
         build(Product::Nn, true, (32, 64), true)?,
-        Kernel::build(&gemv::key(36, false, Features::SUBGROUPS), gemv::body)?,
-        Kernel::build(&gemv::key(29, true, Features::NONE), gemv::body)?,
-    ])
+    ]
+    .into_iter()
+    .chain(gemv::kernels()?)
+    .collect())
 }
 
 /// The GEMM kernels at any shape and tile, within `limits`, for [`crate::catalog`].
