@@ -17,7 +17,7 @@ use hesper::io::{
 };
 use hesper::kernels::catalog;
 use hesper::model::config::{LoraConfig, ModelConfig, Projection};
-use hesper::model::reference::Adapters;
+use hesper::model::reference::{Adapters, loss_and_grads};
 use hesper::model::{
     Generator, GpuAdapters, GpuModel, Optimizer, Rng, Sampling, StepBuffers, StepShape,
     record_forward_backward,
@@ -243,6 +243,10 @@ struct GradArgs {
     targets: Vec<String>,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Also compute the loss and gradients with the f64 model on the CPU (minutes for a real
+    /// model) and print how far the GPU's are from them.
+    #[arg(long)]
+    check_f64: bool,
 }
 
 #[derive(Args)]
@@ -763,6 +767,45 @@ fn grad(args: GradArgs) -> Result<()> {
         grads.iter().count(),
         args.out.display()
     );
+    if args.check_f64 {
+        let (_, weights) = load_model(&GgufFile::open(&args.model.model)?)?;
+        let (loss64, want) = loss_and_grads(c, &lora, &weights, &adapters, &batch)?;
+        // Per matrix: the largest difference over the largest f64 magnitude (matrices whose
+        // f64 gradient is exactly 0, as q and k's are over one position, apart: their largest
+        // GPU value).
+        let (mut errors, mut zero): (Vec<(f64, String)>, f64) = (vec![], 0.0);
+        for (layer, p, w) in want.lora.iter() {
+            let g = grads.get(layer, p).expect("the same config");
+            for (which, got, want) in [("lora_A", &g.a, &w.a), ("lora_B", &g.b, &w.b)] {
+                let largest = |v: &[f64]| v.iter().fold(0f64, |m, v| m.max(v.abs()));
+                let diff = got
+                    .iter()
+                    .zip(want)
+                    .fold(0f64, |m, (a, b)| m.max((a - b).abs()));
+                match largest(want) {
+                    0.0 => zero = zero.max(largest(got)),
+                    scale => {
+                        let name = format!("{}.{which}", Adapters::peft_key(layer, p));
+                        errors.push((diff / scale, name));
+                    }
+                }
+            }
+        }
+        errors.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let loss_error = ((f64::from(loss) - loss64) / loss64).abs();
+        println!("f64 model: loss {loss64:.9} (the GPU's relative error {loss_error:.2e})");
+        if let Some((worst, name)) = errors.last() {
+            let median = errors[errors.len() / 2].0;
+            println!(
+                "gradients of {} matrices: median relative error {median:.2e}, worst \
+                 {worst:.2e} ({name})",
+                errors.len()
+            );
+        }
+        if zero > 0.0 {
+            println!("gradients 0 in f64: at most {zero:.2e} on the GPU");
+        }
+    }
     Ok(())
 }
 
