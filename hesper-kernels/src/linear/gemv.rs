@@ -35,11 +35,12 @@ pub(super) fn key(depth: u32, accumulate: bool, features: Features) -> KernelKey
         .features(features & Features::SUBGROUPS)
 }
 
-/// `gemv_lora`'s key: `gemv`'s and the rank, at most 128 invocations (each of its `r + 1`
-/// reductions takes a float of workgroup memory per invocation: 16.5 KiB at rank 32).
+/// `gemv_lora`'s key: `gemv`'s and the rank, at most 128 invocations and few enough that its
+/// `r + 1` reductions (a float of workgroup memory per invocation each) fit WebGPU's 16 KiB.
 fn lora_key(depth: u32, rank: u32, accumulate: bool, features: Features) -> KernelKey {
+    let fits = (4096 / (rank + 1) / 32 * 32).max(32);
     KernelKey::new(NAME_LORA)
-        .workgroup_size(invocations(depth).min(128))
+        .workgroup_size(invocations(depth).min(128).min(fits))
         .shape("depth", depth)
         .shape("rank", rank)
         .shape("accumulate", accumulate)
