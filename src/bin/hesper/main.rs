@@ -288,7 +288,15 @@ fn main() -> std::process::ExitCode {
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e}");
+            // One line, whatever the error: wgpu's messages (an allocation that failed, say)
+            // come over several.
+            let text = e.to_string();
+            let lines: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .filter(|l| !l.is_empty())
+                .collect();
+            eprintln!("error: {}", lines.join(" "));
             std::process::ExitCode::FAILURE
         }
     }
