@@ -10,8 +10,6 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use common::Meta;
-
 /// A fresh directory under the system's temp dir.
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("hesper-cli-{name}-{}", std::process::id()));
@@ -20,17 +18,11 @@ fn temp_dir(name: &str) -> PathBuf {
     dir
 }
 
-/// The tokenizer of `tests/train.rs`' char_tokenizer, and a Llama of one block over its 32
+/// `common::char_tokenizer_meta`'s tokenizer, and a Llama of one block over its 32
 /// tokens (`d = 8`, two heads of 4, one KV head, context 64), weights from a fixed sine.
 fn tiny_gguf(arch: &str) -> Vec<u8> {
-    let mut tokens = vec!["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-    let letters: Vec<String> = ('a'..='z').map(String::from).collect();
-    tokens.extend(letters.iter().map(String::as_str));
-    tokens.extend(["Ġ", "Ċ", "ĊĊ"]);
-    let mut types = vec![3; 3];
-    types.resize(tokens.len(), 1);
-    let (vocab, d, i, hd) = (tokens.len(), 8, 12, 4);
-    let mut meta = Meta::default();
+    let (vocab, d, i, hd) = (32, 8, 12, 4);
+    let mut meta = common::char_tokenizer_meta();
     meta.string("general.architecture", arch)
         .u32(&format!("{arch}.embedding_length"), d as u32)
         .u32(&format!("{arch}.feed_forward_length"), i as u32)
@@ -39,15 +31,7 @@ fn tiny_gguf(arch: &str) -> Vec<u8> {
         .u32(&format!("{arch}.attention.head_count_kv"), 1)
         .f32(&format!("{arch}.rope.freq_base"), 10000.0)
         .f32(&format!("{arch}.attention.layer_norm_rms_epsilon"), 1e-6)
-        .u32(&format!("{arch}.context_length"), 64)
-        .string("tokenizer.ggml.model", "gpt2")
-        .string("tokenizer.ggml.pre", "smollm")
-        .strings("tokenizer.ggml.tokens", &tokens)
-        .i32s("tokenizer.ggml.token_type", &types)
-        .strings("tokenizer.ggml.merges", &["Ċ Ċ"])
-        .u32("tokenizer.ggml.bos_token_id", 1)
-        .u32("tokenizer.ggml.eos_token_id", 0)
-        .bool("tokenizer.ggml.add_bos_token", false);
+        .u32(&format!("{arch}.context_length"), 64);
     let mut seed = 0.0f32;
     let mut tensor = |name: &str, shape: Vec<usize>| {
         let values = (0..shape.iter().product())

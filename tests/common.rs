@@ -124,3 +124,32 @@ impl Meta {
         hesper::io::Tokenizer::from_gguf(&self.file())
     }
 }
+
+/// A tokenizer of one token per character in GGUF metadata (architecture `llama`):
+/// `<|endoftext|>` (0, end of sequence), `<|im_start|>` (1, the beginning), `<|im_end|>` (2),
+/// then `a`–`z` (3–28), a space (29), a newline (30), and one merge ("ĊĊ", 31); a ChatML
+/// template.
+pub fn char_tokenizer_meta() -> Meta {
+    let mut tokens = vec!["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
+    let letters: Vec<String> = ('a'..='z').map(String::from).collect();
+    tokens.extend(letters.iter().map(String::as_str));
+    tokens.extend(["Ġ", "Ċ", "ĊĊ"]);
+    let mut types = vec![3; 3];
+    types.resize(tokens.len(), 1);
+    let mut meta = Meta::default();
+    meta.string("general.architecture", "llama")
+        .string("tokenizer.ggml.model", "gpt2")
+        .string("tokenizer.ggml.pre", "smollm")
+        .strings("tokenizer.ggml.tokens", &tokens)
+        .i32s("tokenizer.ggml.token_type", &types)
+        .strings("tokenizer.ggml.merges", &["Ċ Ċ"])
+        .u32("tokenizer.ggml.bos_token_id", 1)
+        .u32("tokenizer.ggml.eos_token_id", 0)
+        .bool("tokenizer.ggml.add_bos_token", false)
+        .string(
+            "tokenizer.chat_template",
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
+             {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+        );
+    meta
+}

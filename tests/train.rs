@@ -310,32 +310,9 @@ fn bad_runs_are_refused_before_they_start() {
 
 // --- Data: every form into rows ---------------------------------------------------------------
 
-/// One token per character: `<|endoftext|>` (0, end of sequence), `<|im_start|>` (1, the
-/// beginning), `<|im_end|>` (2), then `a`–`z` (3–28), a space (29), a newline (30), and one
-/// merge ("ĊĊ", 31) that the texts below never make.
+/// `common::char_tokenizer_meta`'s tokenizer: one token per character.
 fn char_tokenizer() -> Tokenizer {
-    let mut tokens = vec!["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
-    let letters: Vec<String> = ('a'..='z').map(String::from).collect();
-    tokens.extend(letters.iter().map(String::as_str));
-    tokens.extend(["Ġ", "Ċ", "ĊĊ"]);
-    let mut types = vec![3; 3];
-    types.resize(tokens.len(), 1);
-    let mut meta = common::Meta::default();
-    meta.string("general.architecture", "llama")
-        .string("tokenizer.ggml.model", "gpt2")
-        .string("tokenizer.ggml.pre", "smollm")
-        .strings("tokenizer.ggml.tokens", &tokens)
-        .i32s("tokenizer.ggml.token_type", &types)
-        .strings("tokenizer.ggml.merges", &["Ċ Ċ"])
-        .u32("tokenizer.ggml.bos_token_id", 1)
-        .u32("tokenizer.ggml.eos_token_id", 0)
-        .bool("tokenizer.ggml.add_bos_token", false)
-        .string(
-            "tokenizer.chat_template",
-            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n\
-             {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-        );
-    meta.tokenizer().unwrap()
+    common::char_tokenizer_meta().tokenizer().unwrap()
 }
 
 /// The ids of `text` in [`char_tokenizer`]'s vocabulary, worked out by hand.

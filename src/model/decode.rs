@@ -314,16 +314,7 @@ impl KvCache {
         if max_new == 0 || self.len() + prompt.len() >= self.config.max_seq {
             return Ok(vec![]);
         }
-        let (last, before) = prompt.split_last().expect("checked: at least one token");
-        for t in before {
-            let mut rec = gpu.recorder_reusing(&self.launches);
-            self.record_positions(&mut rec, model, adapters, std::slice::from_ref(t))?;
-            rec.submit()?;
-        }
-        let mut rec = gpu.recorder_reusing(&self.launches);
-        self.record_positions(&mut rec, model, adapters, std::slice::from_ref(last))?;
-        self.record_choice(&mut rec, model)?;
-        rec.submit()?;
+        self.submit_tokens(gpu, (model, adapters), prompt, KvCache::record_choice)?;
         let mut pending = self.work.token.read_start(gpu)?;
         let mut new = Vec::with_capacity(max_new);
         loop {
@@ -383,17 +374,32 @@ impl KvCache {
         adapters: &GpuAdapters,
         tokens: &[u32],
     ) -> Result<Vec<f32>, ModelError> {
+        self.submit_tokens(gpu, (model, adapters), tokens, KvCache::record_logits)?;
+        Ok(self.logits().read(gpu)?)
+    }
+
+    /// Check `tokens`, then run them through the model a recorder each (reusing the cache's
+    /// bind groups, submitted without waiting), `then` recording after the last one's forward
+    /// what the caller wants of it.
+    #[cfg(not(target_arch = "wasm32"))]
+    fn submit_tokens(
+        &mut self,
+        gpu: &Gpu,
+        (model, adapters): (&GpuModel, &GpuAdapters),
+        tokens: &[u32],
+        then: fn(&mut KvCache, &mut Recorder<'_>, &GpuModel) -> Result<(), ModelError>,
+    ) -> Result<(), ModelError> {
         self.check(model, adapters, tokens)?;
-        let (last, before) = tokens.split_last().expect("checked: at least one token");
-        for t in before {
+        let count = tokens.len();
+        for (i, t) in tokens.iter().enumerate() {
             let mut rec = gpu.recorder_reusing(&self.launches);
             self.record_positions(&mut rec, model, adapters, std::slice::from_ref(t))?;
+            if i + 1 == count {
+                then(self, &mut rec, model)?;
+            }
             rec.submit()?;
         }
-        let mut rec = gpu.recorder_reusing(&self.launches);
-        self.record_append(&mut rec, model, adapters, std::slice::from_ref(last))?;
-        rec.submit()?;
-        Ok(self.logits().read(gpu)?)
+        Ok(())
     }
 
     /// Every block's forward of the token at `pos` (its id in `ids_gpu`, or already in
