@@ -89,7 +89,9 @@ pub struct KvCache {
     v_cache: Vec<GpuBuffer<f32>>,
     work: TokenBuffers,
     logits: LogitsBuffers,
-    /// The bind groups of one token's launches, the same for every token.
+    /// The bind groups of one token's launches, the same for every token (used by the
+    /// native-only loops that wait for the GPU: `append`, `generate_greedy`).
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     launches: LaunchCache,
 }
 
@@ -280,6 +282,7 @@ impl KvCache {
     }
 
     /// The logits of the last recorded position and their argmax into `work.token`.
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     fn record_choice(
         &mut self,
         rec: &mut Recorder<'_>,
@@ -525,7 +528,8 @@ impl KvCache {
 enum Source {
     /// [`KvCache`]'s ids, written from the host.
     Ids,
-    /// `work.token`, where the last `argmax` left it.
+    /// `work.token`, where the last `argmax` left it (`generate_greedy`, native only).
+    #[cfg_attr(target_arch = "wasm32", allow(dead_code))]
     Chosen,
 }
 
