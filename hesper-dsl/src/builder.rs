@@ -5,17 +5,18 @@
 //! returns the first error, naming the kernel and the item.
 
 use std::cell::Cell;
-use std::collections::BTreeSet;
 use std::marker::PhantomData;
 use std::panic::Location;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::error::{DslError, ErrorKind, Origin};
-use crate::expr::{AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Node, VarId, node};
+use crate::expr::{
+    AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Major, Node, VarId, node,
+};
 use crate::kernel::{
     Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
 };
-use crate::ty::{Access, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType};
+use crate::ty::{Access, CoopMatrixType, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType};
 use crate::{check, names, wgsl};
 
 /// A statement block.
@@ -102,6 +103,13 @@ pub(crate) enum Stmt {
     Return,
     WorkgroupBarrier,
     StorageBarrier,
+    /// `coopStoreT(value, &place, stride);` (row-major) or `coopStore(…)` (column-major).
+    CoopStore {
+        value: Node,
+        place: Node,
+        stride: Node,
+        major: Major,
+    },
     Comment(String),
 }
 
@@ -116,6 +124,12 @@ impl Stmt {
             Stmt::For {
                 init, cond, step, ..
             } => vec![init, cond, step],
+            Stmt::CoopStore {
+                value,
+                place,
+                stride,
+                ..
+            } => vec![value, place, stride],
             Stmt::Loop { .. }
             | Stmt::Break
             | Stmt::Continue
@@ -252,6 +266,13 @@ impl<T: WgslType> Indexable<T> for LocalArray<T> {
 impl<T: WgslType> Writable<T> for RwBuffer<T> {}
 impl<T: WgslType> Writable<T> for WorkgroupArray<T> {}
 impl<T: WgslType> Writable<T> for LocalArray<T> {}
+
+/// Memory cooperative matrices load from and store to: storage buffers and workgroup arrays
+/// (Vulkan allows no other; a function's `var` array is not one).
+pub trait CoopMemory<T: WgslType>: Indexable<T> {}
+impl<T: WgslType> CoopMemory<T> for ReadBuffer<T> {}
+impl<T: WgslType> CoopMemory<T> for RwBuffer<T> {}
+impl<T: WgslType> CoopMemory<T> for WorkgroupArray<T> {}
 
 macro_rules! buffer_common {
     ($t:ident) => {
@@ -526,9 +547,12 @@ impl KernelBuilder {
             }
         }
         debug_assert_eq!(self.scopes.len(), 1, "scopes are balanced by construction");
-        let body = self.scopes.pop().unwrap_or_default();
+        let mut body = self.scopes.pop().unwrap_or_default();
         let found = check::check(&self, &body).map_err(|e| e.into_error(&name))?;
         crate::uniform::check(&self, &body).map_err(|e| e.into_error(&name))?;
+        if let Some(ty) = &found.coop_type {
+            self.declare_coop_capability(&mut body, ty);
+        }
         let mut kernel = Kernel {
             key: self.key,
             bindings: self.bindings,
@@ -538,17 +562,22 @@ impl KernelBuilder {
             var_names: vec![],
             functions: self.functions,
             fn_names: vec![],
+            global_names: vec![],
             builtins: found.builtins,
             helpers: found.helpers,
             body,
             uses_f16: found.uses_f16,
+            uses_coop: found.coop_type.is_some(),
+            coop_multiplies: found.coop_multiplies,
             indexes_by_workgroup: self
                 .workgroup_indexed
                 .get()
                 .filter(|_| !self.invocation_indexed.get()),
             wgsl: String::new(),
         };
-        (kernel.var_names, kernel.fn_names) = names::assign(&kernel);
+        let names = names::assign(&kernel);
+        (kernel.var_names, kernel.fn_names, kernel.global_names) =
+            (names.vars, names.fns, names.globals);
         kernel.workgroup_vars = kernel
             .locals
             .iter()
@@ -572,6 +601,32 @@ impl KernelBuilder {
             )
         })?;
         Ok(kernel)
+    }
+
+    /// naga declares SPIR-V's `VulkanMemoryModel` capability, which cooperative matrices need,
+    /// only for a cooperative-matrix type a variable declares: a kernel whose matrices all live
+    /// in `let`s fails in the driver. Such a kernel gets one `var` of the first type it uses.
+    fn declare_coop_capability(&mut self, body: &mut Block, ty: &Ty) {
+        let declared = self
+            .locals
+            .iter()
+            .any(|l| l.kind == VarKind::Var && matches!(l.ty, Ty::CoopMatrix { .. }));
+        if declared {
+            return;
+        }
+        let id = self.new_local("coop_capability", ty.clone(), VarKind::Var);
+        let zero = node(ExprKind::Construct(vec![]), ty.clone());
+        let at = body.first().map(|s| s.at).unwrap_or_else(|| self.origin());
+        body.insert(
+            0,
+            Placed {
+                stmt: Stmt::Var {
+                    id,
+                    init: Some(zero),
+                },
+                at,
+            },
+        );
     }
 
     // ------------------------------------------------------------ shape parameters
@@ -841,6 +896,93 @@ impl KernelBuilder {
         self.subgroup_op(Func::SubgroupBroadcast, args)
     }
 
+    // ------------------------------------------------------------ cooperative matrices
+
+    #[track_caller]
+    fn require_coop(&mut self, op: &str) {
+        if !self.has_feature(Features::COOPERATIVE_MATRIX) {
+            self.error(ErrorKind::CoopNotRequested { op: op.into() });
+        }
+    }
+
+    /// `coopLoadT<M>(&array[index], stride)` (`Major::Row`) or `coopLoad<M>(…)`
+    /// (`Major::Column`): the `N × N` matrix whose first element is `array[index]`, with `stride`
+    /// elements of `array` between consecutive rows (columns). `array` holds the matrix's
+    /// element type, alone or in vectors: through an `array<vec4<f16>>` the index and the stride
+    /// count vec4s. Subgroup-wide, like every cooperative operation: every invocation of the
+    /// subgroup must reach it together, with the same index and stride. Bound with `let` where
+    /// it is called.
+    ///
+    /// f16 tiles through a `vec4<u32>` view (which naga passes and the driver fails silently)
+    /// do not compile:
+    ///
+    /// ```compile_fail
+    /// use hesper_dsl::prelude::*;
+    /// Kernel::build(&KernelKey::new("view").features(Features::COOPERATIVE_MATRIX), |k| {
+    ///     let packed = k.storage::<Vec4<u32>>("packed");
+    ///     k.coop_load::<CoopMat<F16, CoopA>, _>(&packed, 0u32, 2u32, Major::Row);
+    /// });
+    /// ```
+    #[track_caller]
+    pub fn coop_load<M: CoopMatrixType, T: Numeric<Elem = M::Scalar>>(
+        &mut self,
+        array: &impl CoopMemory<T>,
+        index: impl IntoExpr<u32>,
+        stride: impl IntoExpr<u32>,
+        major: Major,
+    ) -> Expr<M> {
+        self.require_coop(major.wgsl().0);
+        let load = node(
+            ExprKind::CoopLoad {
+                place: array.at(index).node,
+                stride: stride.into_expr().node,
+                major,
+            },
+            M::ty(),
+        );
+        self.let_library_named("tile", Expr::<M>::wrap(load))
+    }
+
+    /// `coopStoreT(value, &array[index], stride);` (`Major::Row`) or `coopStore(…)`
+    /// (`Major::Column`): the inverse of [`KernelBuilder::coop_load`], into a read-write storage
+    /// buffer or a workgroup array of the matrix's element type.
+    #[track_caller]
+    pub fn coop_store<M: CoopMatrixType, T: Numeric<Elem = M::Scalar>, A>(
+        &mut self,
+        array: &A,
+        index: impl IntoExpr<u32>,
+        stride: impl IntoExpr<u32>,
+        major: Major,
+        value: impl IntoExpr<M>,
+    ) where
+        A: CoopMemory<T> + Writable<T>,
+    {
+        self.require_coop(major.wgsl().1);
+        // naga's SPIR-V writer does not emit expressions computed inside a cooperative store's
+        // arguments (it panics: "Expression [n] is not cached"): name them first.
+        let value = self.named("tile", value.into_expr());
+        let index = self.named("at", index.into_expr());
+        let stride = self.named("stride", stride.into_expr());
+        self.push(Stmt::CoopStore {
+            value: value.node,
+            place: array.at(index).node,
+            stride: stride.node,
+            major,
+        });
+    }
+
+    /// `e` itself when it is a name or a literal, else bound to a fresh `let`.
+    #[track_caller]
+    fn named<T: WgslType>(&mut self, hint: &str, e: Expr<T>) -> Expr<T> {
+        match e.node.kind {
+            ExprKind::Local(_)
+            | ExprKind::Literal(_)
+            | ExprKind::Const(_)
+            | ExprKind::Builtin(_) => e,
+            _ => self.let_library_named(hint, e),
+        }
+    }
+
     // ------------------------------------------------------------ statements
 
     #[track_caller]
@@ -967,6 +1109,14 @@ impl KernelBuilder {
                 item: format!("local array `{hint}`"),
                 expected: "at least one element".into(),
                 found: "0".into(),
+            });
+        }
+        if T::ty().contains_coop_matrix() {
+            self.error(ErrorKind::TypeMismatch {
+                item: format!("local array `{hint}`"),
+                expected: "an element type held in memory (hold cooperative matrices in `var`s)"
+                    .into(),
+                found: T::ty().to_string(),
             });
         }
         let bytes = T::ty().stride().saturating_mul(len);
@@ -1330,20 +1480,9 @@ pub(crate) struct Found {
     pub builtins: Vec<Builtin>,
     pub helpers: Vec<Func>,
     pub uses_f16: bool,
-}
-
-impl Found {
-    pub(crate) fn new(
-        builtins: BTreeSet<Builtin>,
-        helpers: BTreeSet<Func>,
-        uses_f16: bool,
-    ) -> Self {
-        Found {
-            builtins: builtins.into_iter().collect(),
-            helpers: helpers.into_iter().collect(),
-            uses_f16,
-        }
-    }
+    /// The first cooperative-matrix type in the body, if any.
+    pub coop_type: Option<Ty>,
+    pub coop_multiplies: Vec<crate::kernel::CoopMultiply>,
 }
 
 /// Whether `c op= step` leaves a loop counter as it was, for a literal `step` (`+= 0`, `-= 0`,

@@ -9,8 +9,8 @@ use crate::builder::{Block, Found, KernelBuilder, Placed, Stmt, VarKind};
 use crate::consteval;
 use crate::error::{ErrorKind, PlacedError};
 use crate::expr::{Builtin, ExprKind, Func, Literal, Node, VarId};
-use crate::kernel::Features;
-use crate::ty::{Access, Ty};
+use crate::kernel::{CoopMultiply, Features};
+use crate::ty::{Access, Scalar, Ty};
 
 struct Checker<'a> {
     k: &'a KernelBuilder,
@@ -20,6 +20,9 @@ struct Checker<'a> {
     builtins: BTreeSet<Builtin>,
     helpers: BTreeSet<Func>,
     uses_f16: bool,
+    /// The first cooperative-matrix type seen, and every kind of multiply-add.
+    coop_type: Option<Ty>,
+    coop_multiplies: BTreeSet<CoopMultiply>,
     /// Every `let` seen so far and its value, for constant evaluation.
     lets: HashMap<VarId, Node>,
     memo: RefCell<HashMap<VarId, Option<consteval::Eval>>>,
@@ -33,6 +36,8 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, PlacedErro
         builtins: BTreeSet::new(),
         helpers: BTreeSet::new(),
         uses_f16: false,
+        coop_type: None,
+        coop_multiplies: BTreeSet::new(),
         lets: HashMap::new(),
         memo: RefCell::new(HashMap::new()),
     };
@@ -60,7 +65,13 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<Found, PlacedErro
     if c.helpers.contains(&Func::Bf16Pack) {
         c.helpers.insert(Func::Bf16Round);
     }
-    Ok(Found::new(c.builtins, c.helpers, c.uses_f16))
+    Ok(Found {
+        builtins: c.builtins.into_iter().collect(),
+        helpers: c.helpers.into_iter().collect(),
+        uses_f16: c.uses_f16,
+        coop_type: c.coop_type,
+        coop_multiplies: c.coop_multiplies.into_iter().collect(),
+    })
 }
 
 impl Checker<'_> {
@@ -145,6 +156,23 @@ impl Checker<'_> {
                 self.block(body)?;
             }
             Stmt::Loop { body } => self.block(body)?,
+            Stmt::CoopStore {
+                value,
+                place,
+                stride,
+                major,
+            } => {
+                self.expr(value)?;
+                if !matches!(value.ty, Ty::CoopMatrix { .. }) {
+                    return Err(ErrorKind::TypeMismatch {
+                        item: major.wgsl().1.into(),
+                        expected: "a cooperative matrix".into(),
+                        found: value.ty.to_string(),
+                    }
+                    .into());
+                }
+                self.coop_memory(major.wgsl().1, &value.ty, place, stride, true)?;
+            }
             Stmt::Break
             | Stmt::Continue
             | Stmt::Return
@@ -178,6 +206,80 @@ impl Checker<'_> {
     fn condition(&mut self, item: &str, cond: &Node) -> Result<(), ErrorKind> {
         self.expr(cond)?;
         self.same_type(item, &Ty::BOOL, &cond.ty)
+    }
+
+    /// The place and stride of a cooperative load or store: an element of a storage buffer
+    /// (read-write for a store) or workgroup array holding the matrix's element type, and a
+    /// `u32` stride.
+    fn coop_memory(
+        &mut self,
+        op: &str,
+        matrix: &Ty,
+        place: &Node,
+        stride: &Node,
+        store: bool,
+    ) -> Result<(), ErrorKind> {
+        self.expr(place)?;
+        self.expr(stride)?;
+        self.same_type(&format!("stride of `{op}`"), &Ty::U32, &stride.ty)?;
+        let memory = match &place.kind {
+            ExprKind::Index(base, _) => match &base.kind {
+                ExprKind::Global(name) => {
+                    let writable = self
+                        .k
+                        .bindings
+                        .iter()
+                        .any(|b| &b.name == name && b.access == Access::ReadWrite);
+                    if store && !writable {
+                        return Err(ErrorKind::StoreToReadOnly {
+                            binding: name.clone(),
+                        });
+                    }
+                    true
+                }
+                ExprKind::Local(id) => self.k.locals[id.index as usize].kind == VarKind::Workgroup,
+                _ => false,
+            },
+            _ => false,
+        };
+        if !memory {
+            return Err(ErrorKind::TypeMismatch {
+                item: format!("memory of `{op}`"),
+                expected: "an element of a storage buffer or workgroup array".into(),
+                found: format!("{:?}", place.kind),
+            });
+        }
+        let element = &place.ty;
+        if !element.is_scalar_or_vector() || element.scalar() != matrix.scalar() {
+            // A `vec4<u32>` view of f16 data passes naga and fails in the driver, silently.
+            return Err(ErrorKind::TypeMismatch {
+                item: format!("memory of `{op}` ({matrix})"),
+                expected: format!(
+                    "an array of {} (or of vectors of it)",
+                    matrix.scalar().wgsl()
+                ),
+                found: format!("an array of {element}"),
+            });
+        }
+        Ok(())
+    }
+
+    /// A cooperative-matrix type: allowed by the key, of a size WGSL spells.
+    fn coop_type(&mut self, op: &str, ty: &Ty) -> Result<(), ErrorKind> {
+        if !self.k.has_feature(Features::COOPERATIVE_MATRIX) {
+            return Err(ErrorKind::CoopNotRequested { op: op.into() });
+        }
+        if let Ty::CoopMatrix { size, scalar, .. } = ty {
+            if !matches!(size, 8 | 16) || !matches!(scalar, Scalar::F16 | Scalar::F32) {
+                return Err(ErrorKind::TypeMismatch {
+                    item: "cooperative matrix".into(),
+                    expected: "8×8 or 16×16 (what WGSL spells) of f16 or f32".into(),
+                    found: ty.to_string(),
+                });
+            }
+            self.coop_type.get_or_insert_with(|| ty.clone());
+        }
+        Ok(())
     }
 
     fn assignable(&self, target: &Node) -> Result<(), ErrorKind> {
@@ -222,6 +324,9 @@ impl Checker<'_> {
     fn expr_parts(&mut self, n: &Node) -> Result<(), ErrorKind> {
         if n.ty.contains_f16() {
             self.uses_f16 = true;
+        }
+        if n.ty.contains_coop_matrix() {
+            self.coop_type("a cooperative matrix", &n.ty)?;
         }
         match &n.kind {
             ExprKind::Error(message) => {
@@ -310,6 +415,20 @@ impl Checker<'_> {
                 self.expr(a)?;
                 self.expr(b)?;
                 self.expr(c)?;
+                if n.ty.contains_coop_matrix() {
+                    return Err(ErrorKind::InvalidExpression {
+                        message: format!("`select` between cooperative matrices ({})", n.ty),
+                    });
+                }
+            }
+            ExprKind::CoopLoad {
+                place,
+                stride,
+                major,
+            } => {
+                let op = major.wgsl().0;
+                self.coop_type(op, &n.ty)?;
+                self.coop_memory(op, &n.ty, place, stride, false)?;
             }
             ExprKind::Call(f, args) => {
                 if f.is_subgroup() && !self.k.has_feature(Features::SUBGROUPS) {
@@ -322,6 +441,16 @@ impl Checker<'_> {
                 }
                 for a in args {
                     self.expr(a)?;
+                }
+                if let (Func::CoopMultiplyAdd, [a, _, c]) = (f, args.as_slice())
+                    && let (Ty::CoopMatrix { size, scalar, .. }, Ty::CoopMatrix { scalar: sc, .. }) =
+                        (&a.ty, &c.ty)
+                {
+                    self.coop_multiplies.insert(CoopMultiply {
+                        size: *size as u32,
+                        ab: *scalar,
+                        c: *sc,
+                    });
                 }
             }
             ExprKind::Construct(args) => {

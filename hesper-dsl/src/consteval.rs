@@ -173,6 +173,8 @@ fn eval(n: &Node, key: &Scope) -> Option<Eval> {
                 Err(e) => Err(e),
             }
         }
+        // A cooperative matrix is never a constant (naga refuses to evaluate one).
+        ExprKind::Construct(_) if matches!(n.ty, Ty::CoopMatrix { .. }) => return None,
         ExprKind::Construct(parts) => {
             let refs: Vec<&Node> = parts.iter().collect();
             match args(&refs)? {
@@ -573,6 +575,7 @@ fn construct(ty: &Ty, parts: Vec<Value>) -> Eval {
             ))
         }
         Ty::Array(..) => Err("unsupported constant array".into()),
+        Ty::CoopMatrix { .. } => Err("a cooperative matrix is not a constant".into()),
     }
 }
 

@@ -87,6 +87,9 @@ pub enum ErrorKind {
     InvalidExpression { message: String },
     /// A subgroup operation in a kernel whose key did not ask for `Features::SUBGROUPS`.
     SubgroupsNotRequested { op: String },
+    /// A cooperative-matrix type or operation in a kernel whose key did not ask for
+    /// `Features::COOPERATIVE_MATRIX`.
+    CoopNotRequested { op: String },
     /// A shape parameter the kernel reads but its key does not hold (or holds with another type).
     MissingShape { name: String, expected: String },
     /// A local used outside the scope that declared it, or a name from another kernel.
@@ -159,6 +162,11 @@ impl fmt::Display for DslError {
             ErrorKind::SubgroupsNotRequested { op } => write!(
                 f,
                 "`{op}` needs subgroups, but the kernel key does not ask for Features::SUBGROUPS"
+            ),
+            ErrorKind::CoopNotRequested { op } => write!(
+                f,
+                "`{op}` needs cooperative matrices, but the kernel key does not ask for \
+                 Features::COOPERATIVE_MATRIX"
             ),
             ErrorKind::MissingShape { name, expected } => write!(
                 f,

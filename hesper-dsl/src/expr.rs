@@ -12,7 +12,10 @@ use std::marker::PhantomData;
 use std::ops;
 use std::sync::Arc;
 
-use crate::ty::{F16, FloatType, Numeric, Scalar, ScalarType, Ty, Vec2, Vec3, Vec4, WgslType};
+use crate::ty::{
+    CoopA, CoopB, CoopC, CoopMat, CoopRole, CoopScalar, F16, FloatType, Numeric, Scalar,
+    ScalarType, Ty, Vec2, Vec3, Vec4, WgslType,
+};
 
 pub(crate) type Node = Arc<ExprNode>;
 
@@ -48,7 +51,13 @@ impl ExprKind {
             | ExprKind::ArrayLength(_)
             | ExprKind::Error(_) => 0,
             ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => a.depth,
-            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => a.depth.max(b.depth),
+            ExprKind::Binary(_, a, b)
+            | ExprKind::Index(a, b)
+            | ExprKind::CoopLoad {
+                place: a,
+                stride: b,
+                ..
+            } => a.depth.max(b.depth),
             ExprKind::Select(a, b, c) => a.depth.max(b.depth).max(c.depth),
             ExprKind::Call(_, args)
             | ExprKind::Construct(args)
@@ -60,7 +69,13 @@ impl ExprKind {
     fn take_children(&mut self, into: &mut Vec<Node>) {
         match std::mem::replace(self, ExprKind::Error(String::new())) {
             ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => into.push(a),
-            ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => into.extend([a, b]),
+            ExprKind::Binary(_, a, b)
+            | ExprKind::Index(a, b)
+            | ExprKind::CoopLoad {
+                place: a,
+                stride: b,
+                ..
+            } => into.extend([a, b]),
             ExprKind::Select(a, b, c) => into.extend([a, b, c]),
             ExprKind::Call(_, args)
             | ExprKind::Construct(args)
@@ -287,6 +302,8 @@ pub enum Func {
     Bf16Low,
     /// hesper helper: the high bf16 of a u32 → f32.
     Bf16High,
+    /// `coopMultiplyAdd(a, b, c)`: `a·b + c` on cooperative matrices.
+    CoopMultiplyAdd,
 }
 
 impl Func {
@@ -324,6 +341,7 @@ impl Func {
             Bf16Pack => "bf16_pack",
             Bf16Low => "bf16_low",
             Bf16High => "bf16_high",
+            CoopMultiplyAdd => "coopMultiplyAdd",
         }
     }
     pub fn is_subgroup(self) -> bool {
@@ -335,6 +353,11 @@ impl Func {
                 | Func::SubgroupShuffleXor
                 | Func::SubgroupBroadcast
         )
+    }
+    /// Whether every invocation of the subgroup must reach it together: the subgroup
+    /// operations and `coopMultiplyAdd`.
+    pub fn is_subgroup_wide(self) -> bool {
+        self.is_subgroup() || self == Func::CoopMultiplyAdd
     }
     pub fn is_helper(self) -> bool {
         matches!(
@@ -367,11 +390,38 @@ pub enum ExprKind {
     Select(Node, Node, Node),
     /// `arrayLength(&name)`
     ArrayLength(String),
+    /// `coopLoadT<T>(&place, stride)` (row-major) or `coopLoad<T>(&place, stride)`
+    /// (column-major): a cooperative matrix (the node's type) read from memory starting at
+    /// `place`, an element of a storage buffer or workgroup array; `stride` elements of that
+    /// array between rows (columns).
+    CoopLoad {
+        place: Node,
+        stride: Node,
+        major: Major,
+    },
     /// A call of a WGSL function the kernel declared ([`crate::KernelBuilder::function`]),
     /// by its index in the kernel.
     CallFunction(VarId, Vec<Node>),
     /// Misuse found while building the expression; reported by the builder.
     Error(String),
+}
+
+/// How a cooperative matrix lies in memory: row by row (WGSL's `coopLoadT` / `coopStoreT`) or
+/// column by column (`coopLoad` / `coopStore`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Major {
+    Row,
+    Column,
+}
+
+impl Major {
+    /// The WGSL load and store functions of this layout.
+    pub fn wgsl(self) -> (&'static str, &'static str) {
+        match self {
+            Major::Row => ("coopLoadT", "coopStoreT"),
+            Major::Column => ("coopLoad", "coopStore"),
+        }
+    }
 }
 
 pub(crate) fn node(kind: ExprKind, ty: Ty) -> Node {
@@ -406,6 +456,24 @@ fn fold_integer_identity(op: BinaryOp, a: &Node, b: &Node, result: &Ty) -> Optio
 
 pub(crate) fn binary_type(op: BinaryOp, a: &Ty, b: &Ty) -> Result<Ty, String> {
     let bad = || format!("`{}` is not defined for {a} and {b}", op.wgsl());
+    // Cooperative matrices add and subtract their own type and scale by their element type
+    // (what SPIR-V's cooperative-matrix extension defines); nothing else.
+    match (op, a, b) {
+        (BinaryOp::Add | BinaryOp::Sub, Ty::CoopMatrix { .. }, _) if a == b => {
+            return Ok(a.clone());
+        }
+        (BinaryOp::Mul, Ty::CoopMatrix { scalar, .. }, Ty::Scalar(s))
+        | (BinaryOp::Mul, Ty::Scalar(s), Ty::CoopMatrix { scalar, .. })
+            if scalar == s =>
+        {
+            return Ok(if matches!(a, Ty::CoopMatrix { .. }) {
+                a.clone()
+            } else {
+                b.clone()
+            });
+        }
+        _ => {}
+    }
     if !a.is_scalar_or_vector() || !b.is_scalar_or_vector() {
         return Err(bad());
     }
@@ -464,7 +532,7 @@ pub(crate) fn call_type(f: Func, args: &[&Ty]) -> Result<Ty, String> {
     use Func::*;
     let arity = match f {
         Min | Max | Pow | Dot | SubgroupShuffleXor | SubgroupBroadcast | Bf16Pack => 2,
-        Clamp | Fma | Mix => 3,
+        Clamp | Fma | Mix | CoopMultiplyAdd => 3,
         _ => 1,
     };
     if args.len() != arity {
@@ -499,6 +567,28 @@ pub(crate) fn call_type(f: Func, args: &[&Ty]) -> Result<Ty, String> {
         SubgroupShuffleXor | SubgroupBroadcast if numeric && *args[1] == Ty::U32 => Ok(a.clone()),
         Bf16Round | Bf16Pack if same(arity) && *a == Ty::F32 => Ok(Ty::U32),
         Bf16Low | Bf16High if *a == Ty::U32 => Ok(Ty::F32),
+        CoopMultiplyAdd => match (args[0], args[1], args[2]) {
+            (
+                Ty::CoopMatrix {
+                    size: n,
+                    scalar: ab,
+                    role: CoopRole::A,
+                },
+                Ty::CoopMatrix {
+                    size: n2,
+                    scalar: ab2,
+                    role: CoopRole::B,
+                },
+                c @ Ty::CoopMatrix {
+                    size: n3,
+                    role: CoopRole::C,
+                    ..
+                },
+            ) if n == n2 && n == n3 && ab == ab2 => Ok(c.clone()),
+            _ => Err(format!(
+                "`coopMultiplyAdd` takes matrices A, B (one element type) and C of one size, got ({shown})"
+            )),
+        },
         _ => Err(bad()),
     }
 }
@@ -1206,6 +1296,49 @@ pub fn select<T: WgslType>(
     if_false: impl IntoExpr<T>,
 ) -> Expr<T> {
     cond.into_expr().select(if_true, if_false)
+}
+
+// ---------------------------------------------------------------- cooperative matrices
+
+impl<S: CoopScalar, R: crate::ty::CoopRoleType, const N: u32> Expr<CoopMat<S, R, N>> {
+    /// `coop_matNxN<S, R>()`: the matrix of zeros (WGSL has no other constructor).
+    pub fn zero() -> Self {
+        Expr::typed(ExprKind::Construct(vec![]))
+    }
+}
+
+/// `coopMultiplyAdd(a, b, c)` = `a·b + c` on the tensor cores: `a` is `N × N` in role A, `b`
+/// in role B (of the same element type), `c` the accumulator. Subgroup-wide: every
+/// invocation of the subgroup must reach it together.
+pub fn coop_multiply_add<S: CoopScalar, T: CoopScalar, const N: u32>(
+    a: impl IntoExpr<CoopMat<S, CoopA, N>>,
+    b: impl IntoExpr<CoopMat<S, CoopB, N>>,
+    c: impl IntoExpr<CoopMat<T, CoopC, N>>,
+) -> Expr<CoopMat<T, CoopC, N>> {
+    let args = vec![a.into_expr().node, b.into_expr().node, c.into_expr().node];
+    Expr::call(Func::CoopMultiplyAdd, args)
+}
+
+impl<S: CoopScalar, R: crate::ty::CoopRoleType, const N: u32> ops::Add for Expr<CoopMat<S, R, N>> {
+    type Output = Self;
+    fn add(self, rhs: Self) -> Self {
+        Expr::<CoopMat<S, R, N>>::binary(BinaryOp::Add, self.node, rhs.node)
+    }
+}
+impl<S: CoopScalar, R: crate::ty::CoopRoleType, const N: u32> ops::Sub for Expr<CoopMat<S, R, N>> {
+    type Output = Self;
+    fn sub(self, rhs: Self) -> Self {
+        Expr::<CoopMat<S, R, N>>::binary(BinaryOp::Sub, self.node, rhs.node)
+    }
+}
+/// Every element times a scalar of the matrix's element type.
+impl<S: CoopScalar, R: crate::ty::CoopRoleType, const N: u32, E: IntoExpr<S>> ops::Mul<E>
+    for Expr<CoopMat<S, R, N>>
+{
+    type Output = Self;
+    fn mul(self, rhs: E) -> Self {
+        Expr::<CoopMat<S, R, N>>::binary(BinaryOp::Mul, self.node, rhs.into_expr().node)
+    }
 }
 
 /// Packed bf16 (two per `u32`): WGSL has no bf16 type, so bf16 data lives in `u32` buffers.

@@ -18,6 +18,9 @@ impl Features {
     /// Runtime scalars as immediates (`var<immediate>`, wgpu `Features::IMMEDIATES`) rather than a
     /// uniform buffer.
     pub const IMMEDIATES: Features = Features(2);
+    /// Cooperative matrices: tiles held by a whole subgroup and multiplied on the tensor cores
+    /// (wgpu `Features::EXPERIMENTAL_COOPERATIVE_MATRIX`, WGSL `enable wgpu_cooperative_matrix;`).
+    pub const COOPERATIVE_MATRIX: Features = Features(4);
 
     pub fn contains(self, other: Features) -> bool {
         self.0 & other.0 == other.0
@@ -56,6 +59,9 @@ impl fmt::Display for Features {
         }
         if self.contains(Features::IMMEDIATES) {
             names.push("immediates");
+        }
+        if self.contains(Features::COOPERATIVE_MATRIX) {
+            names.push("cooperative_matrix");
         }
         f.write_str(&names.join("+"))
     }
@@ -239,6 +245,29 @@ pub struct Param {
     pub offset: u32,
 }
 
+/// One kind of `coopMultiplyAdd` a kernel makes: `size × size` tiles, `A` and `B` of `ab`,
+/// accumulated in `c`. A device multiplies only the kinds it reports (hesper-exec checks the
+/// kernel's against them before it compiles).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CoopMultiply {
+    pub size: u32,
+    pub ab: Scalar,
+    pub c: Scalar,
+}
+
+impl fmt::Display for CoopMultiply {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let s = self.size;
+        write!(
+            f,
+            "{s}x{s}x{s} {}·{} + {}",
+            self.ab.wgsl(),
+            self.ab.wgsl(),
+            self.c.wgsl()
+        )
+    }
+}
+
 /// A `var<workgroup>` array.
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkgroupVar {
@@ -281,10 +310,16 @@ pub struct Kernel {
     pub(crate) functions: Vec<FunctionDef>,
     /// The emitted name of each function, by index.
     pub(crate) fn_names: Vec<String>,
+    /// Bindings and shape constants emitted under another name (see `names::Names::globals`).
+    pub(crate) global_names: Vec<(String, String)>,
     pub(crate) builtins: Vec<Builtin>,
     pub(crate) helpers: Vec<Func>,
     pub(crate) body: Block,
     pub(crate) uses_f16: bool,
+    /// Whether the body holds a cooperative matrix (`enable wgpu_cooperative_matrix;`).
+    pub(crate) uses_coop: bool,
+    /// Every kind of cooperative multiply-add the kernel makes (sorted, without repeats).
+    pub(crate) coop_multiplies: Vec<CoopMultiply>,
     pub(crate) indexes_by_workgroup: Option<crate::Origin>,
     pub(crate) wgsl: String,
 }
@@ -339,6 +374,15 @@ impl Kernel {
     }
     pub fn uses_f16(&self) -> bool {
         self.uses_f16
+    }
+    /// Whether the kernel's body holds a cooperative matrix (which its key must allow with
+    /// [`Features::COOPERATIVE_MATRIX`]): the device then needs the feature.
+    pub fn uses_cooperative_matrix(&self) -> bool {
+        self.uses_coop
+    }
+    /// The kinds of cooperative multiply-add the kernel makes, which the device must offer.
+    pub fn coop_multiplies(&self) -> &[CoopMultiply] {
+        &self.coop_multiplies
     }
     pub fn uses_subgroups(&self) -> bool {
         self.key.features.contains(Features::SUBGROUPS)

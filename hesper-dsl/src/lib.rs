@@ -122,6 +122,35 @@
 //! assert!(wgsl.contains("let row_max = ") && wgsl.contains("for (var c: u32 = local_index;"));
 //! ```
 //!
+//! ## Tensor cores: cooperative matrices
+//!
+//! A kernel whose key asks for [`Features::COOPERATIVE_MATRIX`] can hold `16 × 16` (or `8 × 8`)
+//! tiles that a whole subgroup shares ([`CoopMat`], in role [`CoopA`], [`CoopB`] or
+//! [`CoopC`]), load and store them in either major from storage buffers or workgroup arrays,
+//! and multiply them on the tensor cores with [`coop_multiply_add`]. The emitter enables the
+//! WGSL extensions, keeps the role names `A`, `B`, `C` free and declares what naga's SPIR-V
+//! needs; hesper-exec runs such a kernel only on a device that offers its tile kinds.
+//!
+//! ```
+//! use hesper_dsl::prelude::*;
+//!
+//! // c[16, 16] = a[16, 16] · b[16, 16], f16 inputs accumulated in f32, by one subgroup.
+//! let key = KernelKey::new("tile_product")
+//!     .workgroup_size(32)
+//!     .features(Features::COOPERATIVE_MATRIX);
+//! let kernel = Kernel::build(&key, |k| {
+//!     let a = k.storage::<F16>("a");
+//!     let b = k.storage::<F16>("b");
+//!     let c = k.storage_rw::<f32>("c");
+//!     let left = k.coop_load::<CoopMat<F16, CoopA>, _>(&a, 0u32, 16u32, Major::Row);
+//!     let right = k.coop_load::<CoopMat<F16, CoopB>, _>(&b, 0u32, 16u32, Major::Row);
+//!     let product = coop_multiply_add(left, right, Expr::<CoopMat<f32, CoopC>>::zero());
+//!     k.coop_store(&c, 0u32, 16u32, Major::Row, product);
+//! })
+//! .unwrap();
+//! assert!(kernel.wgsl().contains("enable wgpu_cooperative_matrix;"));
+//! ```
+//!
 //! Storing into a read-only buffer does not compile:
 //!
 //! ```compile_fail
@@ -149,26 +178,31 @@ pub mod validate;
 mod wgsl;
 
 pub use builder::{
-    AnyBuffer, Indexable, KernelBuilder, LocalArray, LoopCounter, MAX_LOCAL_ARRAY_BYTES,
-    MAX_NESTING, MAX_STATEMENTS, ParamType, ReadBuffer, RwBuffer, ShapeType, Var, WorkgroupArray,
-    Writable,
+    AnyBuffer, CoopMemory, Indexable, KernelBuilder, LocalArray, LoopCounter,
+    MAX_LOCAL_ARRAY_BYTES, MAX_NESTING, MAX_STATEMENTS, ParamType, ReadBuffer, RwBuffer, ShapeType,
+    Var, WorkgroupArray, Writable,
 };
 pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind, Origin};
 pub use expr::{
-    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, MAX_EXPRESSION_DEPTH, UnaryOp, VarId, bf16, lit,
-    select, vec2, vec3, vec4,
+    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, MAX_EXPRESSION_DEPTH, Major, UnaryOp, VarId, bf16,
+    coop_multiply_add, lit, select, vec2, vec3, vec4,
 };
 pub use function::{FnArgs, Function};
 pub use hesper_dsl_macros::{kernel, kernel_fn};
-pub use kernel::{Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar};
-pub use ty::{Access, Array, F16, Scalar, Ty, Vec2, Vec3, Vec4, WgslType};
+pub use kernel::{
+    Binding, CoopMultiply, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
+};
+pub use ty::{
+    Access, Array, CoopA, CoopB, CoopC, CoopMat, CoopRole, F16, Scalar, Ty, Vec2, Vec3, Vec4,
+    WgslType,
+};
 
 /// Everything a kernel author needs, in one `use`.
 pub mod prelude {
     pub use crate::{
-        Access, Array, BinaryOp, Expr, F16, Features, Indexable, IntoExpr, Kernel, KernelBuilder,
-        KernelKey, Limits, Reduce, Scalar, Ty, Vec2, Vec3, Vec4, Writable, bf16, kernel, kernel_fn,
-        lit, select, vec2, vec3, vec4,
+        Access, Array, BinaryOp, CoopA, CoopB, CoopC, CoopMat, Expr, F16, Features, Indexable,
+        IntoExpr, Kernel, KernelBuilder, KernelKey, Limits, Major, Reduce, Scalar, Ty, Vec2, Vec3,
+        Vec4, Writable, bf16, coop_multiply_add, kernel, kernel_fn, lit, select, vec2, vec3, vec4,
     };
 }

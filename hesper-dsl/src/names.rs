@@ -204,6 +204,12 @@ const PREDECLARED: &[&str] = &[
     "select",
     "workgroupBarrier",
     "storageBarrier",
+    "coop_mat8x8",
+    "coop_mat16x16",
+    "coopLoad",
+    "coopLoadT",
+    "coopStore",
+    "coopStoreT",
     "main",
     "params",
     "Params",
@@ -224,7 +230,7 @@ fn is_taken_by_language(name: &str) -> bool {
         || ALL_FUNCS.iter().any(|f| f.wgsl() == name)
 }
 
-const ALL_FUNCS: [Func; 31] = [
+const ALL_FUNCS: [Func; 32] = [
     Func::Abs,
     Func::Min,
     Func::Max,
@@ -256,6 +262,7 @@ const ALL_FUNCS: [Func; 31] = [
     Func::Bf16Pack,
     Func::Bf16Low,
     Func::Bf16High,
+    Func::CoopMultiplyAdd,
 ];
 
 /// Whether `name` may name a binding, runtime scalar or shape parameter (kept as given, since
@@ -273,14 +280,34 @@ pub(crate) fn check_user_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// WGSL's cooperative-matrix roles: predeclared enumerants that a module-scope name of the
+/// same spelling hides, which breaks every `coop_mat16x16<f16, A>` after it.
+const COOP_ROLES: [&str; 3] = ["A", "B", "C"];
+
+/// The emitted names of a kernel's items.
+pub(crate) struct Names {
+    /// Each local and workgroup array, by index.
+    pub vars: Vec<String>,
+    /// Each function, by index.
+    pub fns: Vec<String>,
+    /// Bindings and shape constants emitted under another name than their own (one that would
+    /// hide a cooperative-matrix role): the executor binds by the binding's own name, so only
+    /// the WGSL text changes.
+    pub globals: Vec<(String, String)>,
+}
+
 /// Names for every local and workgroup array, and every function, of `kernel`, by index: the
 /// hint when it is free, else `hint_1`, `hint_2`, … Deterministic: depends only on declaration
 /// order. Functions are named first (they are module-scope).
-pub(crate) fn assign(kernel: &Kernel) -> (Vec<String>, Vec<String>) {
+pub(crate) fn assign(kernel: &Kernel) -> Names {
     let mut taken: HashSet<String> = HashSet::new();
     taken.extend(kernel.bindings.iter().map(|b| b.name.clone()));
     taken.extend(kernel.params.iter().map(|p| p.name.clone()));
     taken.extend(kernel.key.shape_params().iter().map(|(n, _)| n.clone()));
+    let coop = kernel.uses_coop;
+    if coop {
+        taken.extend(COOP_ROLES.map(String::from));
+    }
     let mut fresh = |hint: &str| {
         let base = sanitize(hint);
         let mut name = base.clone();
@@ -292,9 +319,17 @@ pub(crate) fn assign(kernel: &Kernel) -> (Vec<String>, Vec<String>) {
         taken.insert(name.clone());
         name
     };
+    let globals = kernel
+        .bindings
+        .iter()
+        .map(|b| b.name.as_str())
+        .chain(kernel.key.shape_params().iter().map(|(n, _)| n.as_str()))
+        .filter(|name| coop && COOP_ROLES.contains(name))
+        .map(|name| (name.to_string(), fresh(name)))
+        .collect();
     let fns = kernel.functions.iter().map(|f| fresh(&f.hint)).collect();
     let vars = kernel.locals.iter().map(|l| fresh(&l.hint)).collect();
-    (vars, fns)
+    Names { vars, fns, globals }
 }
 
 fn sanitize(hint: &str) -> String {

@@ -52,6 +52,35 @@ pub enum Ty {
     Vector(u8, Scalar),
     /// `array<T, N>` with a fixed length (workgroup arrays, private arrays).
     Array(Box<Ty>, u32),
+    /// `coop_matNxN<S, R>`: an `N × N` tile held by a whole subgroup (tensor cores), in one of
+    /// the three roles of `C + A·B`. Not host-shareable: it moves to and from memory only through
+    /// `coopLoad` and `coopStore` ([`crate::KernelBuilder::coop_load`]).
+    CoopMatrix {
+        size: u8,
+        scalar: Scalar,
+        role: CoopRole,
+    },
+}
+
+/// The role of a cooperative matrix in `C + A·B`: WGSL's `A`, `B` and `C`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum CoopRole {
+    /// The left operand, `M × K`.
+    A,
+    /// The right operand, `K × N`.
+    B,
+    /// The accumulator and result, `M × N`.
+    C,
+}
+
+impl CoopRole {
+    pub fn wgsl(self) -> &'static str {
+        match self {
+            CoopRole::A => "A",
+            CoopRole::B => "B",
+            CoopRole::C => "C",
+        }
+    }
 }
 
 impl Ty {
@@ -64,7 +93,7 @@ impl Ty {
     /// The scalar at the bottom of this type (`f32` for `vec4<f32>` or `array<vec4<f32>, 8>`).
     pub fn scalar(&self) -> Scalar {
         match self {
-            Ty::Scalar(s) | Ty::Vector(_, s) => *s,
+            Ty::Scalar(s) | Ty::Vector(_, s) | Ty::CoopMatrix { scalar: s, .. } => *s,
             Ty::Array(e, _) => e.scalar(),
         }
     }
@@ -74,7 +103,7 @@ impl Ty {
         match self {
             Ty::Scalar(_) => Some(1),
             Ty::Vector(n, _) => Some(*n),
-            Ty::Array(..) => None,
+            Ty::Array(..) | Ty::CoopMatrix { .. } => None,
         }
     }
 
@@ -84,11 +113,25 @@ impl Ty {
             Ty::Scalar(_) => Ty::Scalar(s),
             Ty::Vector(n, _) => Ty::Vector(*n, s),
             Ty::Array(e, n) => Ty::Array(Box::new(e.with_scalar(s)), *n),
+            Ty::CoopMatrix { size, role, .. } => Ty::CoopMatrix {
+                size: *size,
+                scalar: s,
+                role: *role,
+            },
         }
     }
 
     pub fn is_scalar_or_vector(&self) -> bool {
-        !matches!(self, Ty::Array(..))
+        matches!(self, Ty::Scalar(_) | Ty::Vector(..))
+    }
+
+    /// Whether this is a cooperative matrix, or an array of them.
+    pub fn contains_coop_matrix(&self) -> bool {
+        match self {
+            Ty::CoopMatrix { .. } => true,
+            Ty::Array(e, _) => e.contains_coop_matrix(),
+            _ => false,
+        }
     }
 
     pub fn contains_f16(&self) -> bool {
@@ -104,6 +147,8 @@ impl Ty {
                 n * s.size()
             }
             Ty::Array(e, _) => e.align(),
+            // Opaque: never in host-shareable or workgroup memory.
+            Ty::CoopMatrix { .. } => 0,
         }
     }
 
@@ -114,13 +159,14 @@ impl Ty {
             Ty::Vector(n, s) => *n as u32 * s.size(),
             // Saturating: an array past 4 GiB is refused by the memory limits, not a panic.
             Ty::Array(e, n) => e.stride().saturating_mul(*n),
+            Ty::CoopMatrix { .. } => 0,
         }
     }
 
     /// Distance between consecutive elements of an array of this type.
     pub fn stride(&self) -> u32 {
         let (size, align) = (self.size(), self.align());
-        size.div_ceil(align) * align
+        size.div_ceil(align.max(1)) * align
     }
 }
 
@@ -130,6 +176,12 @@ impl fmt::Display for Ty {
             Ty::Scalar(s) => f.write_str(s.wgsl()),
             Ty::Vector(n, s) => write!(f, "vec{n}<{}>", s.wgsl()),
             Ty::Array(e, n) => write!(f, "array<{e}, {n}>"),
+            Ty::CoopMatrix { size, scalar, role } => write!(
+                f,
+                "coop_mat{size}x{size}<{}, {}>",
+                scalar.wgsl(),
+                role.wgsl()
+            ),
         }
     }
 }
@@ -209,6 +261,63 @@ impl<T: WgslType, const N: u32> WgslType for Array<T, N> {
     }
 }
 
+/// Marker for a cooperative matrix `coop_matNxN<S, R>`: `N × N` elements of `S` (`F16` or
+/// `f32`) held by a whole subgroup, in role `R` ([`CoopA`], [`CoopB`] or [`CoopC`]). WGSL spells
+/// `N` = 8 and 16; which sizes and element types a device multiplies on its tensor cores, it
+/// reports (hesper-exec's `Gpu::cooperative_matrix_configs`).
+#[derive(Clone, Copy, Debug)]
+pub struct CoopMat<S, R, const N: u32 = 16>(PhantomData<(S, R)>);
+
+/// Role marker: the left operand `A` of `C + A·B`.
+#[derive(Clone, Copy, Debug)]
+pub struct CoopA;
+/// Role marker: the right operand `B` of `C + A·B`.
+#[derive(Clone, Copy, Debug)]
+pub struct CoopB;
+/// Role marker: the accumulator `C` of `C + A·B`.
+#[derive(Clone, Copy, Debug)]
+pub struct CoopC;
+
+/// A cooperative-matrix role marker.
+pub trait CoopRoleType: 'static {
+    const ROLE: CoopRole;
+}
+impl CoopRoleType for CoopA {
+    const ROLE: CoopRole = CoopRole::A;
+}
+impl CoopRoleType for CoopB {
+    const ROLE: CoopRole = CoopRole::B;
+}
+impl CoopRoleType for CoopC {
+    const ROLE: CoopRole = CoopRole::C;
+}
+
+/// The element types a cooperative matrix may hold: `F16` and `f32`.
+pub trait CoopScalar: ScalarType {}
+impl CoopScalar for F16 {}
+impl CoopScalar for f32 {}
+
+impl<S: CoopScalar, R: CoopRoleType, const N: u32> WgslType for CoopMat<S, R, N> {
+    fn ty() -> Ty {
+        Ty::CoopMatrix {
+            // Only 8 and 16 are spellable; another `N` makes a type the builder reports.
+            size: N.min(255) as u8,
+            scalar: S::SCALAR,
+            role: R::ROLE,
+        }
+    }
+}
+
+/// A cooperative-matrix marker type (for the builder's loads and stores).
+pub trait CoopMatrixType: WgslType {
+    type Scalar: CoopScalar;
+    const SIZE: u32;
+}
+impl<S: CoopScalar, R: CoopRoleType, const N: u32> CoopMatrixType for CoopMat<S, R, N> {
+    type Scalar = S;
+    const SIZE: u32 = N;
+}
+
 macro_rules! numeric {
     ($($t:ty => $e:ty),*) => {$(
         impl Numeric for $t { type Elem = $e; }
@@ -260,5 +369,14 @@ mod tests {
             <Array<Vec4<u32>, 8>>::ty().to_string(),
             "array<vec4<u32>, 8>"
         );
+        assert_eq!(
+            <CoopMat<F16, CoopA>>::ty().to_string(),
+            "coop_mat16x16<f16, A>"
+        );
+        assert_eq!(
+            <CoopMat<f32, CoopC, 8>>::ty().to_string(),
+            "coop_mat8x8<f32, C>"
+        );
+        assert!(!<CoopMat<F16, CoopB>>::ty().is_scalar_or_vector());
     }
 }

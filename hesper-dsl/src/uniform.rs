@@ -2,7 +2,7 @@
 //! subgroup) together: in *uniform control flow*. naga does not check this (browsers' Tint
 //! does); a barrier that only some invocations reach hangs or corrupts a GPU. This walk rejects a
 //! barrier or subgroup operation under a condition, loop or early exit that may differ between
-//! invocations.
+//! invocations. Cooperative-matrix operations are subgroup-wide too, and judged the same way.
 //!
 //! It is conservative, after WGSL's own analysis: uniform values are literals, shape constants,
 //! runtime scalars, `workgroup_id`, `num_workgroups`, `num_subgroups`, `subgroup_size`,
@@ -163,6 +163,19 @@ impl Uniformity<'_> {
                 };
                 return Err(non_uniform(op, "workgroup", ctx));
             }
+            Stmt::CoopStore {
+                value,
+                place,
+                stride,
+                major,
+            } => {
+                for e in [value, place, stride] {
+                    self.subgroup_ops(e, &ctx)?;
+                }
+                if ctx.is_some() {
+                    return Err(non_uniform(major.wgsl().1, "subgroup", ctx));
+                }
+            }
             Stmt::WorkgroupBarrier
             | Stmt::StorageBarrier
             | Stmt::Break
@@ -260,7 +273,8 @@ impl Uniformity<'_> {
                 };
                 base_cause.or_else(|| self.expr(index))
             }
-            ExprKind::Call(f, _) if f.is_subgroup() => culprit(format!("`{}(…)`", f.wgsl())),
+            ExprKind::Call(f, _) if f.is_subgroup_wide() => culprit(format!("`{}(…)`", f.wgsl())),
+            ExprKind::CoopLoad { major, .. } => culprit(format!("`{}(…)`", major.wgsl().0)),
             ExprKind::Call(_, args) | ExprKind::Construct(args) => {
                 args.iter().find_map(|a| self.expr(a))
             }
@@ -325,9 +339,11 @@ fn contains_return(b: &Block) -> bool {
     })
 }
 
+/// The first subgroup-wide operation in `n`: a subgroup builtin or cooperative-matrix operation.
 fn find_subgroup_op(n: &Node) -> Option<&'static str> {
     let children: Vec<&Node> = match &n.kind {
-        ExprKind::Call(f, _) if f.is_subgroup() => return Some(f.wgsl()),
+        ExprKind::Call(f, _) if f.is_subgroup_wide() => return Some(f.wgsl()),
+        ExprKind::CoopLoad { major, .. } => return Some(major.wgsl().0),
         ExprKind::Call(_, args) | ExprKind::CallFunction(_, args) | ExprKind::Construct(args) => {
             args.iter().collect()
         }
@@ -342,7 +358,7 @@ fn find_subgroup_op(n: &Node) -> Option<&'static str> {
 /// Whether an expression reads a buffer or workgroup memory.
 fn touches_memory(n: &Node) -> bool {
     match &n.kind {
-        ExprKind::Global(_) | ExprKind::ArrayLength(_) => true,
+        ExprKind::Global(_) | ExprKind::ArrayLength(_) | ExprKind::CoopLoad { .. } => true,
         ExprKind::Call(_, args) | ExprKind::CallFunction(_, args) | ExprKind::Construct(args) => {
             args.iter().any(touches_memory)
         }
@@ -381,6 +397,7 @@ fn stmt_touches_memory(s: &Placed) -> bool {
         }
         Stmt::While { cond, body } => touches_memory(cond) || body.iter().any(stmt_touches_memory),
         Stmt::Loop { body } => body.iter().any(stmt_touches_memory),
+        Stmt::CoopStore { .. } => true,
         _ => false,
     }
 }

@@ -14,6 +14,9 @@ pub fn capabilities(kernel: &Kernel) -> Capabilities {
     if kernel.uses_f16() {
         caps |= Capabilities::SHADER_FLOAT16;
     }
+    if kernel.uses_cooperative_matrix() {
+        caps |= Capabilities::COOPERATIVE_MATRIX;
+    }
     if kernel.params_as_immediates() && !kernel.params().is_empty() {
         caps |= Capabilities::IMMEDIATES;
     }

@@ -117,7 +117,7 @@ fn ty(t: &Ty) -> String {
     }
 }
 
-impl Writer<'_> {
+impl<'a> Writer<'a> {
     fn line(&mut self, text: &str) {
         for _ in 0..self.indent {
             self.out.push_str("    ");
@@ -132,9 +132,13 @@ impl Writer<'_> {
         if k.uses_f16 {
             self.line("enable f16;");
         }
+        if k.uses_coop {
+            self.line("enable wgpu_cooperative_matrix;");
+        }
         if !k.key.shape_params().is_empty() {
             self.out.push('\n');
             for (name, v) in k.key.shape_params() {
+                let name = self.global(name);
                 self.line(&format!("const {name}: {} = {};", v.ty(), shape_value(v)));
             }
         }
@@ -154,7 +158,7 @@ impl Writer<'_> {
                 "@group(0) @binding({}) var<storage, {}> {}: array<{}>;",
                 b.binding,
                 b.access.wgsl(),
-                b.name,
+                self.global(&b.name),
                 ty(&b.elem)
             ));
         }
@@ -240,6 +244,18 @@ impl Writer<'_> {
         self.indent -= 1;
     }
 
+    /// A binding's or shape constant's name in the WGSL.
+    fn global<'n>(&self, name: &'n str) -> &'n str
+    where
+        'a: 'n,
+    {
+        let kernel: &'a Kernel = self.kernel;
+        match kernel.global_names.iter().find(|(n, _)| n == name) {
+            Some((_, emitted)) => emitted,
+            None => name,
+        }
+    }
+
     fn name(&self, id: crate::expr::VarId) -> &str {
         &self.kernel.var_names[id.index as usize]
     }
@@ -309,6 +325,21 @@ impl Writer<'_> {
             Stmt::Return => self.line("return;"),
             Stmt::WorkgroupBarrier => self.line("workgroupBarrier();"),
             Stmt::StorageBarrier => self.line("storageBarrier();"),
+            Stmt::CoopStore {
+                value,
+                place,
+                stride,
+                major,
+            } => {
+                let text = format!(
+                    "{}({}, &{}, {});",
+                    major.wgsl().1,
+                    self.expr(value),
+                    self.expr(place),
+                    self.expr(stride)
+                );
+                self.line(&text);
+            }
             Stmt::Comment(c) => self.line(&format!("// {c}")),
         }
     }
@@ -375,10 +406,29 @@ impl Writer<'_> {
         match &n.kind {
             ExprKind::Literal(l) => literal(l),
             ExprKind::Local(id) => (self.name(*id).to_string(), Class::Primary),
-            ExprKind::Global(name) | ExprKind::Const(name) => (name.clone(), Class::Primary),
+            ExprKind::Global(name) | ExprKind::Const(name) => {
+                (self.global(name).to_string(), Class::Primary)
+            }
             ExprKind::Builtin(b) => (b.info().1.to_string(), Class::Primary),
             ExprKind::Param(name) => (format!("params.{name}"), Class::Primary),
-            ExprKind::ArrayLength(name) => (format!("arrayLength(&{name})"), Class::Primary),
+            ExprKind::ArrayLength(name) => (
+                format!("arrayLength(&{})", self.global(name)),
+                Class::Primary,
+            ),
+            ExprKind::CoopLoad {
+                place,
+                stride,
+                major,
+            } => (
+                format!(
+                    "{}<{}>(&{}, {})",
+                    major.wgsl().0,
+                    ty(&n.ty),
+                    self.expr(place),
+                    self.expr(stride)
+                ),
+                Class::Primary,
+            ),
             ExprKind::Unary(op, a) => {
                 let sym = match op {
                     UnaryOp::Neg => "-",

@@ -1,10 +1,11 @@
 //! Property: any well-typed program the builder accepts emits WGSL that naga parses and
 //! validates. Programs are drawn from a tape of random choices (shrinking the tape simplifies
 //! the program), covering every expression form, nested scopes, loops, barriers, reductions,
-//! subgroups, f16 and both runtime-scalar paths.
+//! subgroups, f16, cooperative matrices and both runtime-scalar paths. A kernel with
+//! cooperative matrices must also get every SPIR-V capability they need from naga's writer.
 
 use hesper_dsl::prelude::*;
-use hesper_dsl::{ErrorKind, ReadBuffer, RwBuffer, Var};
+use hesper_dsl::{ErrorKind, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use proptest::prelude::*;
 
 struct Scope {
@@ -26,6 +27,17 @@ struct Gen<'t> {
     pf: Option<Expr<f32>>,
     pu: Option<Expr<u32>>,
     subgroups: bool,
+    coop: Option<CoopMemory>,
+}
+
+type C32 = CoopMat<f32, CoopC>;
+
+/// What a program with cooperative matrices loads them from and stores them to.
+struct CoopMemory {
+    half: ReadBuffer<Vec4<F16>>,
+    staged: WorkgroupArray<F16>,
+    staged_f32: WorkgroupArray<f32>,
+    acc: Vec<Var<C32>>,
 }
 
 const FLOATS: [f32; 8] = [
@@ -175,7 +187,7 @@ impl Gen<'_> {
     fn stmt(&mut self, k: &mut KernelBuilder, depth: u32, top: bool) {
         let d = 1 + self.pick(3);
         let last = self.scopes.len() - 1;
-        match self.pick(if depth >= 2 { 7 } else { 11 }) {
+        match self.pick(if depth >= 2 { 7 } else { 12 }) {
             0 => {
                 let e = self.f32(k, d);
                 let e = k.let_("f", e);
@@ -260,6 +272,9 @@ impl Gen<'_> {
                 let r = k.workgroup_reduce(e, op);
                 self.scopes[last].f.push(r);
             }
+            // Cooperative operations too (subgroup-wide): loads from storage or workgroup memory
+            // in either major, a multiply-add into a `var` or a `let`, scaling, sums, a store.
+            11 if top && self.coop.is_some() => self.coop_stmt(k, d),
             10 if top && self.subgroups => {
                 let e = self.f32(k, d);
                 let s = k.subgroup_shuffle_xor(e, 1u32);
@@ -275,6 +290,75 @@ impl Gen<'_> {
     }
 }
 
+impl Gen<'_> {
+    fn major(&mut self) -> Major {
+        [Major::Row, Major::Column][self.pick(2) as usize]
+    }
+
+    fn coop_stmt(&mut self, k: &mut KernelBuilder, d: u32) {
+        let (major_a, major_b, major_c) = (self.major(), self.major(), self.major());
+        let index = self.u32(k, d);
+        let stride = self.u32(k, 1);
+        let mem = self.coop.as_ref().unwrap();
+        let (half, staged) = (mem.half.clone(), mem.staged.clone());
+        let a = if self.pick(2) == 0 {
+            k.coop_load::<CoopMat<F16, CoopA>, _>(&half, &index, &stride, major_a)
+        } else {
+            k.coop_load::<CoopMat<F16, CoopA>, _>(&staged, &index, 16u32, major_a)
+        };
+        let b = k.coop_load::<CoopMat<F16, CoopB>, _>(&staged, 0u32, &stride, major_b);
+        let acc = self.coop.as_ref().unwrap().acc.clone();
+        let c = match (self.pick(3), acc.last()) {
+            (0, Some(v)) => v.get(),
+            (1, _) => {
+                let from = self.coop.as_ref().unwrap().staged_f32.clone();
+                k.coop_load::<C32, _>(&from, 0u32, 16u32, major_c)
+            }
+            _ => Expr::<C32>::zero(),
+        };
+        let product = coop_multiply_add(a, b, c.clone());
+        let value = match self.pick(3) {
+            0 => product * self.f32(k, 1),
+            1 => product - c,
+            _ => product,
+        };
+        match (self.pick(3), acc.last()) {
+            (0, Some(v)) => k.assign(v, value),
+            (1, _) => {
+                let v = k.var("acc", value);
+                self.coop.as_mut().unwrap().acc.push(v);
+            }
+            _ => {
+                let v = k.let_("tile", value);
+                if self.pick(2) == 0 {
+                    let out = self.out_f.clone().unwrap();
+                    k.coop_store(&out, index, stride, major_c, v);
+                } else {
+                    let to = self.coop.as_ref().unwrap().staged_f32.clone();
+                    k.coop_store(&to, 0u32, 16u32, major_c, v);
+                }
+            }
+        }
+    }
+}
+
+/// Whether naga's SPIR-V of `kernel` declares the capabilities cooperative matrices need
+/// (CooperativeMatrixKHR, VulkanMemoryModel).
+fn has_coop_capabilities(kernel: &Kernel) -> bool {
+    let caps = hesper_dsl::validate::capabilities(kernel);
+    let module = hesper_dsl::validate::validate_wgsl(kernel.wgsl(), caps).unwrap();
+    let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
+        .validate(&module)
+        .unwrap();
+    let options = naga::back::spv::Options {
+        lang_version: (1, 3),
+        ..Default::default()
+    };
+    let words = naga::back::spv::write_vec(&module, &info, &options, None).unwrap();
+    let declared = |cap: u32| words.windows(2).any(|w| w == [(2 << 16) | 17, cap]);
+    declared(6022) && declared(5345)
+}
+
 fn program(tape: &[u32]) -> Result<Kernel, hesper_dsl::DslError> {
     let flags = tape.first().copied().unwrap_or(0);
     let mut features = Features::NONE;
@@ -283,6 +367,9 @@ fn program(tape: &[u32]) -> Result<Kernel, hesper_dsl::DslError> {
     }
     if flags & 2 == 2 {
         features = features | Features::IMMEDIATES;
+    }
+    if flags & 1024 == 1024 {
+        features = features | Features::COOPERATIVE_MATRIX;
     }
     let wg = [1u32, 32, 64, 100, 256][(flags >> 2) as usize % 5];
     let key = KernelKey::new("random")
@@ -300,6 +387,14 @@ fn program(tape: &[u32]) -> Result<Kernel, hesper_dsl::DslError> {
             pf: (flags & 256 == 0).then(|| k.param::<f32>("pf")),
             pu: (flags & 512 == 0).then(|| k.param::<u32>("pu")),
             subgroups: features.contains(Features::SUBGROUPS),
+            coop: features
+                .contains(Features::COOPERATIVE_MATRIX)
+                .then(|| CoopMemory {
+                    half: k.storage("half"),
+                    staged: k.workgroup_array("staged", 256),
+                    staged_f32: k.workgroup_array("staged_f32", 256),
+                    acc: vec![],
+                }),
         };
         g.block(k, 0, true);
         // Always write something, so the program is never empty.
@@ -316,7 +411,12 @@ proptest! {
         // constants may overflow or leave a function's domain (`pow(-2.5f, 2.0f)`): the builder
         // must report those itself; naga must never be the one to reject a kernel.
         match program(&tape) {
-            Ok(kernel) => prop_assert!(kernel.wgsl().contains("fn main(")),
+            Ok(kernel) => {
+                prop_assert!(kernel.wgsl().contains("fn main("));
+                if kernel.uses_cooperative_matrix() {
+                    prop_assert!(has_coop_capabilities(&kernel), "{}", kernel.wgsl());
+                }
+            }
             Err(e) => prop_assert!(
                 matches!(&e.kind, ErrorKind::InvalidExpression { message } if message.starts_with("a constant subexpression")),
                 "{e}"
