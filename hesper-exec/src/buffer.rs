@@ -30,6 +30,9 @@ macro_rules! element {
     )*};
 }
 element!(
+    half::f16 => Ty::F16,
+    [half::f16; 2] => Ty::Vector(2, Scalar::F16),
+    [half::f16; 4] => Ty::Vector(4, Scalar::F16),
     f32 => Ty::F32,
     u32 => Ty::U32,
     i32 => Ty::I32,
@@ -55,6 +58,9 @@ macro_rules! host_element {
     )*};
 }
 host_element!(
+    F16 => half::f16,
+    Vec2<F16> => [half::f16; 2],
+    Vec4<F16> => [half::f16; 4],
     f32 => f32,
     u32 => u32,
     i32 => i32,
@@ -162,9 +168,19 @@ impl<T: Element> GpuBuffer<T> {
         if data.is_empty() {
             return Ok(());
         }
+        // Copies move whole 4-byte words: an odd number of f16 goes with two bytes of padding
+        // (the allocation has room: it is padded to 16 bytes).
+        let bytes: &[u8] = bytemuck::cast_slice(data);
+        let padded;
+        let bytes = match bytes.len() % 4 {
+            0 => bytes,
+            r => {
+                padded = [bytes, &[0u8; 4][r..]].concat();
+                &padded
+            }
+        };
         gpu.scoped(&|| format!("writing buffer `{}`", self.label()), || {
-            gpu.queue
-                .write_buffer(&self.raw, 0, bytemuck::cast_slice(data))
+            gpu.queue.write_buffer(&self.raw, 0, bytes)
         })
     }
 
@@ -189,14 +205,17 @@ impl<T: Element> GpuBuffer<T> {
     pub fn read_start(&self, gpu: &Gpu) -> Result<PendingRead<T>, ExecError> {
         self.check_host_access(gpu, "a read to the host")?;
         let what = self.reading();
+        // Whole 4-byte words (an odd number of f16 reads two bytes of padding, dropped).
+        let words = self.bytes().next_multiple_of(4);
         let mapping = if self.len == 0 {
             None
         } else {
-            Some(gpu.start_readback(&self.raw, self.bytes(), &|| what.clone())?)
+            Some(gpu.start_readback(&self.raw, words, &|| what.clone())?)
         };
         Ok(PendingRead {
             mapping,
-            bytes: self.bytes(),
+            bytes: words,
+            len: self.len,
             what,
             _t: PhantomData,
         })
@@ -218,7 +237,9 @@ impl<T: Element> GpuBuffer<T> {
 pub struct PendingRead<T: Element> {
     /// `None` for an empty buffer.
     mapping: Option<Mapping>,
+    /// Bytes copied (whole words), and the elements among them.
     bytes: u64,
+    len: usize,
     what: String,
     _t: PhantomData<T>,
 }
@@ -233,7 +254,7 @@ impl<T: Element> PendingRead<T> {
         };
         let what = || self.what.clone();
         let bytes = gpu.finish_readback_blocking(mapping, self.bytes, &what)?;
-        Ok(bytemuck::cast_slice(&bytes).to_vec())
+        Ok(elements(&bytes, self.len))
     }
 
     /// The values, awaited: in a web page the browser maps the staging buffer from its event
@@ -250,9 +271,15 @@ impl<T: Element> PendingRead<T> {
             let result = mapping.mapped.await;
             gpu.check_alive(&what)?;
             let bytes = gpu.finish_readback(mapping.staging, self.bytes, result, &what)?;
-            Ok(bytemuck::cast_slice(&bytes).to_vec())
+            Ok(elements(&bytes, self.len))
         }
     }
+}
+
+/// The first `len` elements of read-back bytes (copied: a byte vector need not be aligned for
+/// `T`).
+fn elements<T: Element>(bytes: &[u8], len: usize) -> Vec<T> {
+    bytemuck::pod_collect_to_vec(&bytes[..len * size_of::<T>()])
 }
 
 /// A staging buffer whose copy is submitted and whose mapping is asked for.
@@ -587,9 +614,11 @@ fn word_range<T: Element>(
 impl Recorder<'_> {
     /// Record a fill of every element of `buf` with `value`.
     pub fn fill<T: Element>(&mut self, buf: &GpuBuffer<T>, value: T) -> Result<(), ExecError> {
-        let words: &[u32] = bytemuck::cast_slice(std::slice::from_ref(&value));
-        // Element sizes are 4, 8 or 16 bytes: the pattern repeats exactly in a vec4.
-        let w = |i: usize| words[i % words.len()];
+        // Element sizes are 2, 4, 8 or 16 bytes: the pattern repeats exactly in a vec4.
+        let bytes = bytemuck::bytes_of(&value);
+        let w = |i: usize| {
+            u32::from_le_bytes(std::array::from_fn(|b| bytes[(4 * i + b) % bytes.len()]))
+        };
         let n = buf.vec4s();
         let kernel = fill_kernel(self.gpu())?;
         let args = Args::new()

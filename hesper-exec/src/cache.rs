@@ -260,6 +260,29 @@ impl Gpu {
         if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
             return Err(missing("SHADER_F16", wgpu::Features::SHADER_F16));
         }
+        if kernel.uses_cooperative_matrix() {
+            let coop = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
+            if !has(coop) {
+                return Err(missing("EXPERIMENTAL_COOPERATIVE_MATRIX", coop));
+            }
+            let offered = self.coop_multiplies();
+            if let Some(kind) = kernel
+                .coop_multiplies()
+                .iter()
+                .find(|kind| !offered.contains(kind))
+            {
+                let offered: Vec<String> = offered.iter().map(|k| k.to_string()).collect();
+                return Err(ExecError::CoopUnsupported {
+                    kernel: kernel.name().into(),
+                    kind: kind.to_string(),
+                    adapter: self.adapter_info().name.clone(),
+                    offered: match offered.is_empty() {
+                        true => "none".into(),
+                        false => offered.join(", "),
+                    },
+                });
+            }
+        }
         if kernel.params_as_immediates()
             && !kernel.params().is_empty()
             && !has(wgpu::Features::IMMEDIATES)

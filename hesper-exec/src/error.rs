@@ -41,6 +41,16 @@ pub enum ExecError {
     },
     #[error("buffer `{buffer}`: {message}")]
     Buffer { buffer: String, message: String },
+    #[error(
+        "kernel `{kernel}` multiplies {kind} on cooperative matrices, which `{adapter}` does not \
+         offer (it offers: {offered})"
+    )]
+    CoopUnsupported {
+        kernel: String,
+        kind: String,
+        adapter: String,
+        offered: String,
+    },
     #[error("kernel `{kernel}`: wgpu rejected the pipeline: {message}")]
     Pipeline { kernel: String, message: String },
     #[error(

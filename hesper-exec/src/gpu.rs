@@ -6,7 +6,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use hesper_dsl::{Features, Limits};
+use hesper_dsl::{CoopMultiply, Features, Limits, Scalar};
 
 use crate::cache::PipelineCache;
 use crate::error::ExecError;
@@ -38,7 +38,9 @@ pub struct GpuOptions {
     /// Backends to try; `None` reads `WGPU_BACKEND` (e.g. `vulkan`), else tries all.
     pub backends: Option<wgpu::Backends>,
     /// Ask for `EXPERIMENTAL_COOPERATIVE_MATRIX` (tensor cores from WGSL) when the adapter has
-    /// it. Experimental in wgpu: off unless asked for.
+    /// it, with `SHADER_F16`. Experimental in wgpu (off unless asked for); without it the
+    /// kernels that can use tensor cores take their portable paths. The testing kit's devices
+    /// (hesper-kernels' `testing::gpu`) ask for it.
     pub cooperative_matrix: bool,
     /// Keep the driver's pipeline cache in this file (where the device has `PIPELINE_CACHE`):
     /// loaded when the `Gpu` opens if it was written for the same adapter, driver and wgpu
@@ -135,6 +137,8 @@ pub struct Gpu {
     /// Mappable buffers kept for reuse by readbacks.
     pub(crate) staging: Mutex<Vec<wgpu::Buffer>>,
     timestamp_period_ns: f32,
+    /// The adapter's cooperative-matrix configurations, when the device was opened with them.
+    coop_properties: Vec<wgpu::CooperativeMatrixProperties>,
 }
 
 impl Gpu {
@@ -243,6 +247,11 @@ impl Gpu {
             }
         };
         let timestamp_period_ns = pooled.queue.get_timestamp_period();
+        let coop_properties =
+            match features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+                true => adapter.cooperative_matrix_properties(),
+                false => vec![],
+            };
         let mut gpu = Gpu {
             id: NEXT_GPU.fetch_add(1, Ordering::Relaxed),
             device: pooled.device.clone(),
@@ -258,6 +267,7 @@ impl Gpu {
             driver_cache_status: DriverCacheStatus::Off,
             staging: Mutex::new(vec![]),
             timestamp_period_ns,
+            coop_properties,
         };
         gpu.open_driver_cache();
         Ok(gpu)
@@ -445,6 +455,9 @@ impl Gpu {
         if self.features.contains(wgpu::Features::IMMEDIATES) {
             f = f | Features::IMMEDIATES;
         }
+        if !self.coop_multiplies().is_empty() {
+            f = f | Features::COOPERATIVE_MATRIX;
+        }
         f
     }
 
@@ -466,6 +479,41 @@ impl Gpu {
     pub fn supports_cooperative_matrix(&self) -> bool {
         self.features
             .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+    }
+
+    /// Every cooperative-matrix configuration the adapter reports (`M×N×K`, the element types
+    /// of `A`/`B` and of `C`), when this device was opened with the feature
+    /// ([`GpuOptions::cooperative_matrix`]); empty otherwise. The H200 reports 16×16×16,
+    /// 16×8×16 and 16×8×8 with f16 inputs, accumulated in f16 or f32.
+    pub fn cooperative_matrix_properties(&self) -> &[wgpu::CooperativeMatrixProperties] {
+        &self.coop_properties
+    }
+
+    /// The kinds of cooperative multiply-add a kernel can make here: the configurations of
+    /// [`Gpu::cooperative_matrix_properties`] that WGSL spells (square, 8 or 16, of f16 or
+    /// f32). Empty where the device has no tensor cores reachable from WGSL.
+    pub fn coop_multiplies(&self) -> Vec<CoopMultiply> {
+        let scalar = |t: wgpu::CooperativeScalarType| match t {
+            wgpu::CooperativeScalarType::F16 => Some(Scalar::F16),
+            wgpu::CooperativeScalarType::F32 => Some(Scalar::F32),
+            _ => None,
+        };
+        let mut kinds: Vec<CoopMultiply> = self
+            .coop_properties
+            .iter()
+            .filter(|p| p.m_size == p.n_size && p.n_size == p.k_size)
+            .filter(|p| matches!(p.m_size, 8 | 16))
+            .filter_map(|p| {
+                Some(CoopMultiply {
+                    size: p.m_size,
+                    ab: scalar(p.ab_type)?,
+                    c: scalar(p.cr_type)?,
+                })
+            })
+            .collect();
+        kinds.sort();
+        kinds.dedup();
+        kinds
     }
 
     /// Nanoseconds per timestamp tick.

@@ -127,16 +127,21 @@ impl<'a> Args<'a> {
         }
         args
     }
-    /// Bind an f32 buffer as `array<vec4<f32>>` (four elements per load, for bandwidth-bound
-    /// kernels). Its allocation is padded to 16 bytes, so the last vec4 is whole; the kernel must
-    /// not rely on the padding's values, and may write it.
-    pub fn buffer_vec4(mut self, name: &'a str, buffer: &'a GpuBuffer<f32>) -> Self {
+    /// Bind a buffer of scalars (f32, f16, u32, i32) as `array<vec4<…>>` (four elements per
+    /// load, for bandwidth-bound kernels). Its allocation is padded to 16 bytes, so the last
+    /// vec4 is whole; the kernel must not rely on the padding's values, and may write it.
+    pub fn buffer_vec4<T: Element>(mut self, name: &'a str, buffer: &'a GpuBuffer<T>) -> Self {
         let len = buffer.len().div_ceil(4);
+        // A vector buffer's view stays its own type, which the kernel's binding then refuses.
+        let ty = match T::ty() {
+            Ty::Scalar(s) => Ty::Vector(4, s),
+            other => other,
+        };
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
             tracking: &buffer.tracking,
-            ty: Ty::Vector(4, Scalar::F32),
+            ty,
             len,
             min_len: len.max(1),
             rule: None,

@@ -33,6 +33,8 @@ pub use buffer::{Element, GpuBuffer, HostElement, PendingRead};
 pub use cache::{CacheStats, CompiledKernel, PipelineCache};
 pub use error::ExecError;
 pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
+/// The `half` crate's `f16`, the host type of f16 buffers (`GpuBuffer<half::f16>`).
+pub use half;
 pub use launch::{Args, Grid, LaunchCache, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
 pub use pool::{PooledDevices, pooled_devices};
 /// The wgpu this crate is built on (its types appear in `GpuOptions` and `Gpu::device`).

@@ -30,8 +30,9 @@ use hesper_dsl::Kernel;
 #[cfg(not(target_arch = "wasm32"))]
 use hesper_exec::{Gpu, GpuOptions};
 
-/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe). With
-/// `HESPER_WEBGPU_LIMITS=1` it has only what WebGPU guarantees ([`GpuOptions::webgpu_limits`](hesper_exec::GpuOptions::webgpu_limits)),
+/// One device for a whole test binary (device creation costs ~0.3 s on lavapipe), with the
+/// tensor cores where the adapter offers them ([`GpuOptions::cooperative_matrix`](hesper_exec::GpuOptions::cooperative_matrix)).
+/// With `HESPER_WEBGPU_LIMITS=1` it has only what WebGPU guarantees ([`GpuOptions::webgpu_limits`](hesper_exec::GpuOptions::webgpu_limits)),
 /// so the library's tests check that every kernel runs in any browser. Native only: a test in a
 /// web page opens its device with `Gpu::new_async().await`.
 #[cfg(not(target_arch = "wasm32"))]
@@ -45,6 +46,7 @@ fn open(options: GpuOptions) -> Gpu {
     let webgpu_limits = std::env::var("HESPER_WEBGPU_LIMITS").is_ok_and(|v| v == "1");
     let options = GpuOptions {
         webgpu_limits,
+        cooperative_matrix: true,
         ..options
     };
     match Gpu::with_options(options) {

@@ -115,12 +115,8 @@ fn check_all(ternary: bool) {
         for (p, &product) in PRODUCTS.iter().enumerate() {
             for (t, &tile) in TILES.iter().enumerate() {
                 let gemm = Gemm {
-                    product,
-                    m,
-                    n,
-                    k,
-                    accumulate: (i + t) % 2 == 1,
                     tile,
+                    ..Gemm::new(product, (m, n, k), (i + t) % 2 == 1)
                 };
                 check(&gemm, ternary, (i * 6 + p * 3 + t) as u64 + 1);
             }
@@ -486,15 +482,11 @@ fn bad_shapes_name_kernel_and_buffer() {
         "kernel `bitlinear_transpose`, binding `w`: expected 2 elements ([n, k] ternary, 16 per u32), given 1 elements"
     );
     let gemm = Gemm {
-        product: Product::Nt,
-        m: 2,
-        n: 3,
-        k: 5,
-        accumulate: false,
         tile: Tile {
             bn: 96,
             ..Tile::LARGE
         },
+        ..Gemm::new(Product::Nt, (2, 3, 5), false)
     };
     assert!(
         err(linear::execute_gemm(

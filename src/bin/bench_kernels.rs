@@ -299,19 +299,15 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for (label, tile) in tiles {
             for product in [Product::Nt, Product::Nn] {
                 let gemm = Gemm {
-                    product,
-                    m,
-                    n,
-                    k,
-                    accumulate: false,
                     tile,
+                    ..Gemm::new(product, (m, n, k), false)
                 };
                 let (input, out, name) = match product {
                     Product::Nt => (&x, &mut y, "matmul_nt"),
                     Product::Nn => (&dy, &mut dx, "matmul_nn"),
                 };
                 let r = bench(&gpu, name, config, |rec| {
-                    linear::execute_gemm(rec, &gemm, input, Weights::Dense(&w), out)
+                    linear::execute_gemm(rec, &gemm, input, Weights::Dense(&w), &mut *out)
                 });
                 let m_ = match r {
                     Ok(m_) => m_,

@@ -34,10 +34,12 @@
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};
-use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+use hesper_exec::half::f16;
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
 use crate::{bad_tile, expect_len, expect_u32};
 
+pub mod coop;
 pub mod gemv;
 
 /// Ternary weights per packed `u32` (2 bits each).
@@ -69,6 +71,8 @@ pub enum Weights<'a> {
     Dense(&'a GpuBuffer<f32>),
     /// `scale·W`, dense (LoRA's `s·h·Bᵀ` and `s·dh·A`).
     ScaledDense { w: &'a GpuBuffer<f32>, scale: f32 },
+    /// `scale·W`, dense f16 (a frozen weight kept at half the memory).
+    Half { w: &'a GpuBuffer<f16>, scale: f32 },
     /// BitNet's `scale·T`, `T` packed by [`pack_ternary`] (`⌈n·k / 16⌉` words).
     Ternary {
         packed: &'a GpuBuffer<u32>,
@@ -179,8 +183,59 @@ impl Tile {
     }
 }
 
+/// A GEMM's input (`x` or `dy`): f32, or f16 (`half::f16` on the host).
+#[derive(Clone, Copy)]
+pub enum Operand<'a> {
+    F32(&'a GpuBuffer<f32>),
+    F16(&'a GpuBuffer<f16>),
+}
+
+impl<'a> From<&'a GpuBuffer<f32>> for Operand<'a> {
+    fn from(b: &'a GpuBuffer<f32>) -> Self {
+        Operand::F32(b)
+    }
+}
+impl<'a> From<&'a GpuBuffer<f16>> for Operand<'a> {
+    fn from(b: &'a GpuBuffer<f16>) -> Self {
+        Operand::F16(b)
+    }
+}
+impl<'a> From<&'a mut GpuBuffer<f32>> for Operand<'a> {
+    fn from(b: &'a mut GpuBuffer<f32>) -> Self {
+        Operand::F32(b)
+    }
+}
+
+/// A GEMM's output (`y` or `dx`): f32, or f16 (rounded to nearest when stored).
+pub enum OutputBuffer<'a> {
+    F32(&'a mut GpuBuffer<f32>),
+    F16(&'a mut GpuBuffer<f16>),
+}
+
+impl<'a> From<&'a mut GpuBuffer<f32>> for OutputBuffer<'a> {
+    fn from(b: &'a mut GpuBuffer<f32>) -> Self {
+        OutputBuffer::F32(b)
+    }
+}
+impl<'a> From<&'a mut GpuBuffer<f16>> for OutputBuffer<'a> {
+    fn from(b: &'a mut GpuBuffer<f16>) -> Self {
+        OutputBuffer::F16(b)
+    }
+}
+
+/// How a GEMM multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Precision {
+    /// f32 products and sums (f16 buffers are read as f32): the reference.
+    F32,
+    /// f16 inputs (f32 buffers rounded to f16 as they are read) multiplied on the tensor cores
+    /// and summed in f32, where the device offers them (cooperative matrices, opened with
+    /// `GpuOptions::cooperative_matrix`); elsewhere the f32 GEMM, which is at least as exact.
+    F16,
+}
+
 /// One launch of the linear GEMM: the product, its dimensions (`W` is `[n, k]`, `m` rows),
-/// whether it adds into the output, and the tile.
+/// whether it adds into the output, the precision, and the tiles.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Gemm {
     pub product: Product,
@@ -188,11 +243,29 @@ pub struct Gemm {
     pub n: usize,
     pub k: usize,
     pub accumulate: bool,
+    /// The f32 GEMM's tile.
     pub tile: Tile,
+    pub precision: Precision,
+    /// The tensor-core GEMM's tile; `None`: the device's tuned choice for the shape
+    /// ([`coop::choose_tile`]).
+    pub coop_tile: Option<coop::CoopTile>,
+}
+
+/// Which kernel a GEMM runs on a device ([`gemm_path`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GemmPath {
+    /// Nothing to compute (no rows or columns), or a fill of zeros (no depth).
+    Empty,
+    /// [`gemv`]: a workgroup per output (few rows).
+    Gemv,
+    /// The f32 tiled GEMM at this tile.
+    Tiled(Tile),
+    /// The tensor-core GEMM at this tile, laid out for subgroups of `subgroup` invocations.
+    TensorCores { tile: coop::CoopTile, subgroup: u32 },
 }
 
 impl Gemm {
-    /// The GEMM of `product` with `W: [n, k]` over `m` rows, at [`Tile::MEDIUM`].
+    /// The GEMM of `product` with `W: [n, k]` over `m` rows, in f32 at [`Tile::MEDIUM`].
     pub fn new(product: Product, (m, n, k): (usize, usize, usize), accumulate: bool) -> Gemm {
         Gemm {
             product,
@@ -201,7 +274,14 @@ impl Gemm {
             k,
             accumulate,
             tile: Tile::MEDIUM,
+            precision: Precision::F32,
+            coop_tile: None,
         }
+    }
+
+    /// The same GEMM at another precision.
+    pub fn with_precision(self, precision: Precision) -> Gemm {
+        Gemm { precision, ..self }
     }
 
     /// `(cols, depth)` of the output and the contraction.
@@ -227,6 +307,36 @@ fn vec4_columns(cols: u32) -> bool {
     cols.is_multiple_of(4)
 }
 
+/// Which of a GEMM's buffers hold f16 (read as f32; the output rounded to f16 when stored).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct HalfBuffers {
+    pub input: bool,
+    pub weight: bool,
+    pub output: bool,
+}
+
+impl HalfBuffers {
+    pub const NONE: HalfBuffers = HalfBuffers {
+        input: false,
+        weight: false,
+        output: false,
+    };
+    pub fn any(&self) -> bool {
+        self.input || self.weight || self.output
+    }
+}
+
+/// The f16 buffers of a key: shape flags present only when set, so that an all-f32 GEMM keeps
+/// its key (and WGSL).
+fn half_buffers_of(k: &KernelBuilder) -> HalfBuffers {
+    let flag = |name: &str| k.key().get(name) == Some(hesper_dsl::ShapeValue::Bool(true));
+    HalfBuffers {
+        input: flag("input_f16"),
+        weight: flag("weight_f16"),
+        output: flag("output_f16"),
+    }
+}
+
 fn gemm_key(
     product: Product,
     ternary: bool,
@@ -234,8 +344,35 @@ fn gemm_key(
     tile: Tile,
     accumulate: bool,
 ) -> KernelKey {
-    KernelKey::new(kernel_name(product, ternary))
-        .workgroup_size(tile.invocations())
+    gemm_key_with(
+        product,
+        ternary,
+        (cols, depth),
+        tile,
+        accumulate,
+        HalfBuffers::NONE,
+    )
+}
+
+fn gemm_key_with(
+    product: Product,
+    ternary: bool,
+    (cols, depth): (u32, u32),
+    tile: Tile,
+    accumulate: bool,
+    half: HalfBuffers,
+) -> KernelKey {
+    let mut key = KernelKey::new(kernel_name(product, ternary));
+    for (name, set) in [
+        ("input_f16", half.input),
+        ("weight_f16", half.weight),
+        ("output_f16", half.output),
+    ] {
+        if set {
+            key = key.shape(name, true);
+        }
+    }
+    key.workgroup_size(tile.invocations())
         .shape("cols", cols)
         .shape("depth", depth)
         .shape("bm", tile.bm)
@@ -253,6 +390,7 @@ fn gemm_key(
 #[derive(Clone)]
 enum Elements {
     F32(ReadBuffer<f32>),
+    F16(ReadBuffer<F16>),
     /// 2-bit codes, 16 per word, element `i` at bits `2·(i % 16)` of word `i / 16`.
     Ternary(ReadBuffer<u32>),
 }
@@ -261,6 +399,7 @@ impl Elements {
     fn at(&self, k: &mut KernelBuilder, index: Expr<u32>) -> Expr<f32> {
         match self {
             Elements::F32(buf) => buf.at(index),
+            Elements::F16(buf) => buf.at(index).cast::<f32>(),
             Elements::Ternary(words) => {
                 let at = k.let_("at", index);
                 let code = k.let_(
@@ -367,6 +506,7 @@ enum WeightReads {
 enum ColumnSource {
     /// Dense with `cols` a multiple of 4: one vec4 per read.
     Vec4(ReadBuffer<Vec4<f32>>),
+    Vec4F16(ReadBuffer<Vec4<F16>>),
     Scalar(Elements),
 }
 
@@ -395,6 +535,12 @@ fn column_slots(
                     let col4 = k.let_("b_col4", col / 4u32);
                     let w = w.clone();
                     Box::new(move |_, d| w.at(d * (cols / 4) + &col4))
+                }
+                ColumnSource::Vec4F16(w) => {
+                    let col = if guard { col.min(cols - 4) } else { col };
+                    let col4 = k.let_("b_col4", col / 4u32);
+                    let w = w.clone();
+                    Box::new(move |_, d| w.at(d * (cols / 4) + &col4).cast::<Vec4<f32>>())
                 }
                 ColumnSource::Scalar(elements) => {
                     let at: Vec<Expr<u32>> = (0..4)
@@ -468,10 +614,12 @@ fn stage(
     }
 }
 
-/// The output: rows as vec4s when `cols` allows.
+/// The output: rows as vec4s when `cols` allows; f32 or f16.
 enum Output {
     Vec4(RwBuffer<Vec4<f32>>),
     Scalar(RwBuffer<f32>),
+    Vec4F16(RwBuffer<Vec4<F16>>),
+    ScalarF16(RwBuffer<F16>),
 }
 
 /// `out[rows, cols] (+)= s·A[rows, depth]·B[depth, cols]`, `B` read out of `W` as `product` says.
@@ -486,26 +634,35 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
         tn: k.shape("tn"),
     };
     let accumulate = k.shape::<bool>("accumulate");
+    let half = half_buffers_of(k);
     let (input_name, output_name) = product.names();
 
-    let a = Elements::F32(k.storage::<f32>(input_name));
+    let dense = |k: &mut KernelBuilder, name: &str, f16: bool| match f16 {
+        true => Elements::F16(k.storage(name)),
+        false => Elements::F32(k.storage(name)),
+    };
+    let a = dense(k, input_name, half.input);
     let w = match (product, ternary) {
-        (Product::Nt, false) => WeightReads::Rows(Elements::F32(k.storage("w"))),
+        (Product::Nt, false) => WeightReads::Rows(dense(k, "w", half.weight)),
         (Product::Nt, true) => WeightReads::Rows(Elements::Ternary(k.storage("w"))),
+        (Product::Nn, false) if vec4_columns(cols) && half.weight => {
+            WeightReads::Columns(ColumnSource::Vec4F16(k.storage("w")))
+        }
         (Product::Nn, false) if vec4_columns(cols) => {
             WeightReads::Columns(ColumnSource::Vec4(k.storage("w")))
         }
         (Product::Nn, false) => {
-            WeightReads::Columns(ColumnSource::Scalar(Elements::F32(k.storage("w"))))
+            WeightReads::Columns(ColumnSource::Scalar(dense(k, "w", half.weight)))
         }
         (Product::Nn, true) => {
             WeightReads::Columns(ColumnSource::Scalar(Elements::Ternary(k.storage("w"))))
         }
     };
-    let out = if vec4_columns(cols) {
-        Output::Vec4(k.storage_rw(output_name))
-    } else {
-        Output::Scalar(k.storage_rw(output_name))
+    let out = match (vec4_columns(cols), half.output) {
+        (true, false) => Output::Vec4(k.storage_rw(output_name)),
+        (false, false) => Output::Scalar(k.storage_rw(output_name)),
+        (true, true) => Output::Vec4F16(k.storage_rw(output_name)),
+        (false, true) => Output::ScalarF16(k.storage_rw(output_name)),
     };
     let rows = k.param::<u32>("rows");
     // Every product takes a scale (1 for plain dense weights): one multiply in the epilogue.
@@ -633,6 +790,21 @@ fn write_out(
                 put(k);
             }
         }
+        Output::Vec4F16(out) => {
+            let put = |k: &mut KernelBuilder| {
+                let at = k.let_("at", row * (cols / 4) + col / 4u32);
+                let sum = match accumulate {
+                    true => out.at(&at).cast::<Vec4<f32>>() + value.clone(),
+                    false => value.clone(),
+                };
+                k.store(out, &at, sum.cast::<Vec4<F16>>());
+            };
+            if guard {
+                k.if_(col.lt(cols), put);
+            } else {
+                put(k);
+            }
+        }
         Output::Scalar(out) => {
             let value = k.let_("value", value);
             let at = k.let_("at", row * cols + col);
@@ -643,6 +815,19 @@ fn write_out(
                     } else {
                         k.store(out, &at + &c, value.component(&c));
                     }
+                });
+            });
+        }
+        Output::ScalarF16(out) => {
+            let value = k.let_("value", value);
+            let at = k.let_("at", row * cols + col);
+            k.for_range("c", 0u32, 4u32, |k, c| {
+                k.if_((col + &c).lt(cols), |k| {
+                    let sum = match accumulate {
+                        true => out.at(&at + &c).cast::<f32>() + value.component(&c),
+                        false => value.component(&c),
+                    };
+                    k.store(out, &at + &c, sum.cast::<F16>());
                 });
             });
         }
@@ -698,15 +883,42 @@ pub(crate) mod build {
     }
 }
 
+/// The kernel [`execute_gemm`] runs for `gemm` with these weights on `gpu`: the tensor cores
+/// for [`Precision::F16`] where the device offers them, the shape suits a tile and the weights
+/// are dense; [`gemv`] for an all-f32 `·Wᵀ` over few rows; else the f32 tiled GEMM.
+pub fn gemm_path(gpu: &Gpu, gemm: &Gemm, weights: &Weights<'_>, f16_buffers: bool) -> GemmPath {
+    let (cols, depth) = gemm.cols_depth();
+    if gemm.m == 0 || cols == 0 || depth == 0 {
+        return GemmPath::Empty;
+    }
+    let dense = !matches!(weights, Weights::Ternary { .. });
+    if gemm.precision == Precision::F16
+        && dense
+        && let Some(path) = coop::path(gpu, gemm)
+    {
+        return path;
+    }
+    if let (Product::Nt, Weights::Dense(_)) = (gemm.product, weights)
+        && gemm.m <= gemv::MAX_ROWS
+        && !f16_buffers
+    {
+        return GemmPath::Gemv;
+    }
+    GemmPath::Tiled(gemm.tile.within(&gpu.kernel_limits()))
+}
+
 /// Record one GEMM: `output (+)= input·Wᵀ` or `input·W` (times the weights' scale, if any),
 /// with the buffers' lengths and the tile checked first (an error names the kernel and buffer).
-pub fn execute_gemm(
+/// f32 or f16 input, weights and output ([`Operand`], [`Weights::Half`], [`OutputBuffer`]); at
+/// [`Precision::F16`] on the tensor cores where [`gemm_path`] says so.
+pub fn execute_gemm<'a>(
     rec: &mut Recorder<'_>,
     gemm: &Gemm,
-    input: &GpuBuffer<f32>,
+    input: impl Into<Operand<'a>>,
     weights: Weights<'_>,
-    output: &mut GpuBuffer<f32>,
+    output: impl Into<OutputBuffer<'a>>,
 ) -> Result<(), ExecError> {
+    let (input, output) = (input.into(), output.into());
     let ternary = matches!(weights, Weights::Ternary { .. });
     let product = gemm.product;
     let name = kernel_name(product, ternary);
@@ -720,15 +932,32 @@ pub fn execute_gemm(
     expect_u32(name, "n", gemm.n)?;
     expect_u32(name, "k", gemm.k)?;
     // Ternary weights, and dense ones in `gemv`, are indexed by their flat position.
-    expect_u32(name, "n·k", gemm.n * gemm.k)?;
-    expect_u32(name, "m·n", gemm.m * gemm.n)?;
+    expect_u32(
+        name,
+        "n·k",
+        gemm.n.checked_mul(gemm.k).unwrap_or(usize::MAX),
+    )?;
+    expect_u32(
+        name,
+        "m·n",
+        gemm.m.checked_mul(gemm.n).unwrap_or(usize::MAX),
+    )?;
+    expect_u32(
+        name,
+        "m·k",
+        gemm.m.checked_mul(gemm.k).unwrap_or(usize::MAX),
+    )?;
     let tile = gemm.tile.within(&rec.gpu().kernel_limits());
     tile.check(name)?;
-    expect_len(name, input_name, input, gemm.m * depth, in_dims)?;
+    match input {
+        Operand::F32(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
+        Operand::F16(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
+    }
     match weights {
         Weights::Dense(w) | Weights::ScaledDense { w, .. } => {
             expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?
         }
+        Weights::Half { w, .. } => expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?,
         Weights::Ternary { packed, .. } => expect_len(
             name,
             "w",
@@ -737,53 +966,104 @@ pub fn execute_gemm(
             "[n, k] ternary, 16 per u32",
         )?,
     }
-    expect_len(name, output_name, output, gemm.m * cols, out_dims)?;
-    if gemm.m == 0 || cols == 0 {
-        return Ok(());
+    match &output {
+        OutputBuffer::F32(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
+        OutputBuffer::F16(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
     }
-    if depth == 0 {
-        // An empty sum: zero, or nothing to add.
-        return if gemm.accumulate {
-            Ok(())
-        } else {
-            rec.fill(output, 0.0)
-        };
-    }
-    if let (Product::Nt, Weights::Dense(w)) = (product, &weights)
-        && gemm.m <= gemv::MAX_ROWS
-    {
-        // n·k and m·n are checked above to fit u32; m·k is the length of `x`.
-        let dims = (m, gemm.n as u32, gemm.k as u32);
-        return gemv::record(rec, dims, (input, w, output), gemm.accumulate);
-    }
-    let shape = (cols as u32, depth as u32);
-    let key = gemm_key(product, ternary, shape, tile, gemm.accumulate);
-    let kernel = rec
-        .gpu()
-        .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
-    let args = Args::new().buffer(input_name, input);
-    let args = match weights {
-        Weights::Dense(w) | Weights::ScaledDense { w, .. }
-            if product == Product::Nn && vec4_columns(shape.0) =>
-        {
-            args.buffer_vec4("w", w)
-        }
-        Weights::Dense(w) | Weights::ScaledDense { w, .. } => args.buffer("w", w),
-        Weights::Ternary { packed, .. } => args.buffer("w", packed),
-    };
-    let args = if vec4_columns(shape.0) {
-        args.buffer_vec4(output_name, output)
-    } else {
-        args.buffer(output_name, output)
-    };
     let scale = match weights {
         Weights::Dense(_) => 1.0,
-        Weights::ScaledDense { scale, .. } | Weights::Ternary { scale, .. } => scale,
+        Weights::ScaledDense { scale, .. }
+        | Weights::Half { scale, .. }
+        | Weights::Ternary { scale, .. } => scale,
     };
-    let args = args.param("rows", m).param("scale", scale);
-    let Tile { bm, bn, .. } = tile;
-    let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
-    rec.launch(&kernel, &args, Grid::Workgroups(groups))
+    let half = HalfBuffers {
+        input: matches!(input, Operand::F16(_)),
+        weight: matches!(weights, Weights::Half { .. }),
+        output: matches!(output, OutputBuffer::F16(_)),
+    };
+    if half.any() && !rec.gpu().supports_f16() {
+        return Err(ExecError::MissingFeature {
+            kernel: name.into(),
+            feature: "SHADER_F16",
+            why: format!(
+                "f16 buffers are read and written as f16, which `{}` does not have \
+                 (or this Gpu was opened without)",
+                rec.gpu().adapter_info().name
+            ),
+        });
+    }
+    match gemm_path(rec.gpu(), gemm, &weights, half.any()) {
+        GemmPath::Empty if depth == 0 && gemm.m > 0 && cols > 0 && !gemm.accumulate => {
+            // An empty sum: zero.
+            match output {
+                OutputBuffer::F32(out) => rec.fill(out, 0.0),
+                OutputBuffer::F16(out) => rec.fill(out, f16::ZERO),
+            }
+        }
+        GemmPath::Empty => Ok(()),
+        GemmPath::Gemv => {
+            let (Operand::F32(x), Weights::Dense(w), OutputBuffer::F32(y)) =
+                (input, weights, output)
+            else {
+                unreachable!("gemm_path chooses gemv for f32 dense buffers only");
+            };
+            // n·k and m·n are checked above to fit u32; m·k is the length of `x`.
+            let dims = (m, gemm.n as u32, gemm.k as u32);
+            gemv::record(rec, dims, (x, w, y), gemm.accumulate)
+        }
+        GemmPath::TensorCores { tile, subgroup } => {
+            let w = match weights {
+                Weights::Dense(w) | Weights::ScaledDense { w, .. } => Operand::F32(w),
+                Weights::Half { w, .. } => Operand::F16(w),
+                Weights::Ternary { .. } => unreachable!("gemm_path keeps ternary weights tiled"),
+            };
+            let launch = coop::Launch {
+                product,
+                shape: (cols as u32, depth as u32),
+                m,
+                tile,
+                subgroup,
+                accumulate: gemm.accumulate,
+                scale,
+            };
+            coop::record(rec, &launch, input, w, output)
+        }
+        GemmPath::Tiled(tile) => {
+            let shape = (cols as u32, depth as u32);
+            let key = gemm_key_with(product, ternary, shape, tile, gemm.accumulate, half);
+            let kernel = rec
+                .gpu()
+                .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
+            let vec4_cols = vec4_columns(shape.0);
+            let args = match input {
+                Operand::F32(b) => Args::new().buffer(input_name, b),
+                Operand::F16(b) => Args::new().buffer(input_name, b),
+            };
+            let args = match weights {
+                Weights::Dense(w) | Weights::ScaledDense { w, .. }
+                    if product == Product::Nn && vec4_cols =>
+                {
+                    args.buffer_vec4("w", w)
+                }
+                Weights::Half { w, .. } if product == Product::Nn && vec4_cols => {
+                    args.buffer_vec4("w", w)
+                }
+                Weights::Dense(w) | Weights::ScaledDense { w, .. } => args.buffer("w", w),
+                Weights::Half { w, .. } => args.buffer("w", w),
+                Weights::Ternary { packed, .. } => args.buffer("w", packed),
+            };
+            let args = match (&output, vec4_cols) {
+                (OutputBuffer::F32(out), true) => args.buffer_vec4(output_name, &**out),
+                (OutputBuffer::F32(out), false) => args.buffer(output_name, &**out),
+                (OutputBuffer::F16(out), true) => args.buffer_vec4(output_name, &**out),
+                (OutputBuffer::F16(out), false) => args.buffer(output_name, &**out),
+            };
+            let args = args.param("rows", m).param("scale", scale);
+            let Tile { bm, bn, .. } = tile;
+            let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
+            rec.launch(&kernel, &args, Grid::Workgroups(groups))
+        }
+    }
 }
 
 /// `y (+)= x·Wᵀ`: `x: [m, k]`, `w: [n, k]`, `y: [m, n]` (the forward through a frozen weight).

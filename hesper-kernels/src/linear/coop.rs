@@ -1,0 +1,696 @@
+//! The linear GEMM on tensor cores: `out[m, cols] (+)= s·A[m, depth]·B(depth, cols)` with f16
+//! inputs (f16 buffers, or f32 rounded to f16 as they are loaded) multiplied by cooperative
+//! matrices and accumulated in f32, out in f32 or f16. `B` is read out of `W` as the module's
+//! products say (`·Wᵀ`: `W: [cols, depth]`; `·W`: `W: [depth, cols]`).
+//!
+//! ## Tiling
+//! A workgroup computes a `bm × bn` tile of `out`; each of its subgroups a `wm × wn` part of it,
+//! as `(wm/16)·(wn/16)` accumulators of 16×16. A step stages `bk` of the depth: `A`'s `bm × bk`
+//! slice row by row, `B`'s as `W` holds it (rows of `W` along the depth for `·Wᵀ`, so `B` is
+//! loaded column-major; rows along the columns for `·W`, row-major), in workgroup memory as
+//! `vec4<f16>` with 8 halves of padding a row (against bank conflicts). Each invocation reads
+//! the next step's vec4s into registers while the tensor cores work on this one.
+//!
+//! ## Edges
+//! Rows past `m`, columns past `cols` and depth past `depth` are loaded as zeros (from a
+//! clamped index: no read leaves its buffer), so the products there are zero and never stored.
+//! A workgroup whose tile lies inside `out` stores its accumulators straight into it (f32 out,
+//! `cols` a multiple of 4); the others, and every f16 output, go through workgroup memory a
+//! 16×16 tile at a time and store element by element under a bounds check.
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{ReadBuffer, RwBuffer, Var, WorkgroupArray};
+use hesper_exec::{ExecError, Gpu};
+
+use super::Product;
+use crate::bad_tile;
+
+type TileA = CoopMat<F16, CoopA>;
+type TileB = CoopMat<F16, CoopB>;
+type Acc = CoopMat<f32, CoopC>;
+
+/// Halves of padding after each staged row.
+const PAD: u32 = 8;
+
+/// A tensor-core GEMM's tile: `bm × bn` outputs per workgroup, `bk` of the depth per step,
+/// `wm × wn` per subgroup (multiples of 16). [`CoopTile::check`] says which rule a tile breaks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CoopTile {
+    pub bm: u32,
+    pub bn: u32,
+    pub bk: u32,
+    pub wm: u32,
+    pub wn: u32,
+}
+
+impl CoopTile {
+    /// 128×256 outputs, 32 deep, 64×64 a subgroup: 8 subgroups (the reference probe's fastest
+    /// tile, 270 TFLOP/s at 8192³ on the H200).
+    pub const LARGE: CoopTile = CoopTile {
+        bm: 128,
+        bn: 256,
+        bk: 32,
+        wm: 64,
+        wn: 64,
+    };
+    /// 128×128, 32 deep, 64×32 a subgroup: 8 subgroups.
+    pub const MEDIUM: CoopTile = CoopTile {
+        bm: 128,
+        bn: 128,
+        bk: 32,
+        wm: 64,
+        wn: 32,
+    };
+    /// 64×64, 32 deep, 32×32 a subgroup: 4 subgroups (narrow layers: more workgroups).
+    pub const SMALL: CoopTile = CoopTile {
+        bm: 64,
+        bn: 64,
+        bk: 32,
+        wm: 32,
+        wn: 32,
+    };
+
+    /// Subgroups per workgroup.
+    pub fn subgroups(&self) -> u32 {
+        (self.bm / self.wm.max(1)) * (self.bn / self.wn.max(1))
+    }
+
+    /// Bytes of workgroup memory: the staged slices and a 16×16 f32 tile per subgroup.
+    pub fn workgroup_bytes(&self) -> u32 {
+        let a = self.bm * (self.bk + PAD);
+        let b = (self.bn * (self.bk + PAD)).max(self.bk * (self.bn + PAD));
+        2 * (a + b) + 4 * 256 * self.subgroups()
+    }
+
+    /// `Ok` when the kernels can run this tile with `subgroup_size` invocations a subgroup;
+    /// else an error naming `kernel` and the rule.
+    pub fn check(&self, kernel: &str, subgroup_size: u32) -> Result<(), ExecError> {
+        let CoopTile { bm, bn, bk, wm, wn } = *self;
+        let fail = |why: &str| Err(bad_tile(kernel, self, why));
+        let divides = |w: u32, b: u32| w > 0 && w.is_multiple_of(16) && b.is_multiple_of(w);
+        if !divides(wm, bm) || !divides(wn, bn) || bk == 0 || !bk.is_multiple_of(16) {
+            return fail(
+                "wm and wn must be multiples of 16 dividing bm and bn; bk a multiple of 16",
+            );
+        }
+        let threads = self.subgroups() as u64 * subgroup_size as u64;
+        let shared = |vec4s: u64| vec4s > 0 && vec4s.is_multiple_of(threads);
+        if !shared(bm as u64 * bk as u64 / 4) || !shared(bn as u64 * bk as u64 / 4) {
+            return fail(
+                "the invocations must share out the bm·bk/4 and bn·bk/4 vec4s of a step evenly",
+            );
+        }
+        Ok(())
+    }
+}
+
+/// The element types of one GEMM: its input `x` (or `dy`), its weight and its output.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Types {
+    pub input_f16: bool,
+    pub weight_f16: bool,
+    pub output_f16: bool,
+}
+
+pub(crate) fn kernel_name(product: Product) -> &'static str {
+    match product {
+        Product::Nt => "coop_matmul_nt",
+        Product::Nn => "coop_matmul_nn",
+    }
+}
+
+/// The kernel key: the product's widths, the tile, the subgroup size the workgroup is laid out
+/// for, the element types and `accumulate`; `m` and the scale are runtime.
+pub(crate) fn key(
+    product: Product,
+    (cols, depth): (u32, u32),
+    tile: CoopTile,
+    subgroup_size: u32,
+    types: Types,
+    accumulate: bool,
+) -> KernelKey {
+    KernelKey::new(kernel_name(product))
+        .workgroup_size(tile.subgroups() * subgroup_size)
+        .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
+        .shape("cols", cols)
+        .shape("depth", depth)
+        .shape("bm", tile.bm)
+        .shape("bn", tile.bn)
+        .shape("bk", tile.bk)
+        .shape("wm", tile.wm)
+        .shape("wn", tile.wn)
+        .shape("subgroup", subgroup_size)
+        .shape("input_f16", types.input_f16)
+        .shape("weight_f16", types.weight_f16)
+        .shape("output_f16", types.output_f16)
+        .shape("accumulate", accumulate)
+        // Every index is clamped into its buffer or guarded, and tile indices are in range by
+        // construction: no runtime bounds checks (+59% on the probe's tile).
+        .assume_in_bounds()
+}
+
+/// Where a staged operand comes from: f16 or f32 (rounded to f16 as it is read), four elements
+/// at once when its rows are a multiple of 4 long, else one by one.
+enum Source {
+    Vec4F16(ReadBuffer<Vec4<F16>>),
+    Vec4F32(ReadBuffer<Vec4<f32>>),
+    F16(ReadBuffer<F16>),
+    F32(ReadBuffer<f32>),
+}
+
+impl Source {
+    fn declare(k: &mut KernelBuilder, name: &str, f16: bool, vec4: bool) -> Source {
+        match (f16, vec4) {
+            (true, true) => Source::Vec4F16(k.storage(name)),
+            (false, true) => Source::Vec4F32(k.storage(name)),
+            (true, false) => Source::F16(k.storage(name)),
+            (false, false) => Source::F32(k.storage(name)),
+        }
+    }
+
+    /// The four elements from flat index `at` (a multiple of 4 on the vec4 paths) as f16, each
+    /// zero where `valid(q)` fails for it (on the vec4 paths `valid(0)` speaks for all four).
+    /// Indices are clamped to `last`, the buffer's last element: no read leaves the buffer.
+    fn read(
+        &self,
+        k: &mut KernelBuilder,
+        at: &Expr<u32>,
+        valid: &dyn Fn(u32) -> Option<Expr<bool>>,
+        last: &Expr<u32>,
+    ) -> Expr<Vec4<F16>> {
+        let zero = Expr::<F16>::lit(0.0);
+        let guard4 = |v: Expr<Vec4<F16>>| match valid(0) {
+            Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero.clone())),
+            None => v,
+        };
+        match self {
+            Source::Vec4F16(buf) => guard4(buf.at(at.min(last) / 4u32)),
+            Source::Vec4F32(buf) => guard4(buf.at(at.min(last) / 4u32).cast::<Vec4<F16>>()),
+            Source::F16(_) | Source::F32(_) => {
+                let lanes: Vec<Expr<F16>> = (0..4)
+                    .map(|q| {
+                        let i = k.let_("at", super::offset(at, q).min(last));
+                        let v = match self {
+                            Source::F16(buf) => buf.at(i),
+                            Source::F32(buf) => buf.at(i).cast::<F16>(),
+                            _ => unreachable!("vec4 sources are read above"),
+                        };
+                        match valid(q) {
+                            Some(ok) => select(ok, v, zero.clone()),
+                            None => v,
+                        }
+                    })
+                    .collect();
+                vec4(
+                    lanes[0].clone(),
+                    lanes[1].clone(),
+                    lanes[2].clone(),
+                    lanes[3].clone(),
+                )
+            }
+        }
+    }
+}
+
+/// `a && b`, either side possibly absent (known true when the kernel is built).
+fn and(a: Option<Expr<bool>>, b: Option<Expr<bool>>) -> Option<Expr<bool>> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.and(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One vec4 of a step's slice that this invocation stages: row `row` of the staged slice, vec4
+/// `c4` along it, held in `next` between the read and the store.
+struct Slot {
+    row: Expr<u32>,
+    c4: Expr<u32>,
+    next: Var<Vec4<F16>>,
+}
+
+/// The slots of a slice of `rows × width` halves shared by `threads` invocations.
+fn slots(k: &mut KernelBuilder, operand: &str, rows: u32, width: u32, threads: u32) -> Vec<Slot> {
+    let lid = k.local_index();
+    let per_row = width / 4;
+    (0..rows * per_row / threads)
+        .map(|i| {
+            let s = super::offset(&lid, i * threads);
+            Slot {
+                row: k.let_(&format!("{operand}_row"), &s / per_row),
+                c4: k.let_(&format!("{operand}_c4"), &s % per_row),
+                next: k.var(
+                    &format!("{operand}_next"),
+                    Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0)),
+                ),
+            }
+        })
+        .collect()
+}
+
+/// How one operand's slice is read: a matrix `[rows, width]` row-major, the slice `origin`
+/// rows down and `first` along (both runtime), rows past `rows` and elements past `width`
+/// zero. `known_rows` / `known_width`: the slices never pass that edge (no check is made).
+struct Staged<'a> {
+    source: &'a Source,
+    rows: Expr<u32>,
+    width: u32,
+    known_rows: bool,
+    known_width: bool,
+    last: Expr<u32>,
+}
+
+impl Staged<'_> {
+    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], origin: &Expr<u32>, first: &Expr<u32>) {
+        for slot in slots {
+            let row = k.let_("row", origin + &slot.row);
+            let col = k.let_("col", first + &slot.c4 * 4u32);
+            let at = k.let_("at", &row * self.width + &col);
+            let row_ok = (!self.known_rows).then(|| row.lt(&self.rows));
+            let width = self.width;
+            let known_width = self.known_width;
+            let valid = |q: u32| {
+                let col_ok = (!known_width).then(|| super::offset(&col, q).lt(width));
+                and(row_ok.clone(), col_ok)
+            };
+            let value = self.source.read(k, &at, &valid, &self.last);
+            k.assign(&slot.next, value);
+        }
+    }
+}
+
+/// Store each slot's vec4 into `tile`, rows `stride` halves apart.
+fn stage(k: &mut KernelBuilder, slots: &[Slot], tile: &WorkgroupArray<Vec4<F16>>, stride: u32) {
+    for slot in slots {
+        k.store(tile, &slot.row * (stride / 4) + &slot.c4, slot.next.get());
+    }
+}
+
+/// The output buffer: f32 or f16 elements.
+enum Output {
+    F32(RwBuffer<f32>),
+    F16(RwBuffer<F16>),
+}
+
+/// `out[m, cols] (+)= s·A[m, depth]·B(depth, cols)` on cooperative matrices (the module doc).
+pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
+    let cols = k.shape::<u32>("cols");
+    let depth = k.shape::<u32>("depth");
+    let tile = CoopTile {
+        bm: k.shape("bm"),
+        bn: k.shape("bn"),
+        bk: k.shape("bk"),
+        wm: k.shape("wm"),
+        wn: k.shape("wn"),
+    };
+    let subgroup = k.shape::<u32>("subgroup");
+    let types = Types {
+        input_f16: k.shape("input_f16"),
+        weight_f16: k.shape("weight_f16"),
+        output_f16: k.shape("output_f16"),
+    };
+    let accumulate = k.shape::<bool>("accumulate");
+    let (input_name, output_name) = product.names();
+
+    // Rows of `A` (and of `W` through `·Wᵀ`) run along the depth; of `W` through `·W`, along
+    // the columns.
+    let w_width = match product {
+        Product::Nt => depth,
+        Product::Nn => cols,
+    };
+    let a = Source::declare(k, input_name, types.input_f16, depth.is_multiple_of(4));
+    let w = Source::declare(k, "w", types.weight_f16, w_width.is_multiple_of(4));
+    let out = match types.output_f16 {
+        true => Output::F16(k.storage_rw(output_name)),
+        false => Output::F32(k.storage_rw(output_name)),
+    };
+    let rows = k.param::<u32>("rows");
+    let scale = k.param::<f32>("scale");
+
+    let threads = tile.subgroups() * subgroup;
+    let sg = k.let_("sg", k.subgroup_id());
+    let m0 = k.let_("m0", k.workgroup_id().y() * tile.bm);
+    let n0 = k.let_("n0", k.workgroup_id().x() * tile.bn);
+    let across = tile.bn / tile.wn;
+    let wm0 = k.let_("wm0", (&sg / across) * tile.wm);
+    let wn0 = k.let_("wn0", (&sg % across) * tile.wn);
+
+    // Staged slices, `stride` halves a row: A `bm × bk`; B `bn × bk` (·Wᵀ) or `bk × bn` (·W).
+    let a_stride = tile.bk + PAD;
+    let a_tile = k.workgroup_array::<Vec4<F16>>("a_tile", tile.bm * a_stride / 4);
+    let (b_rows, b_width) = match product {
+        Product::Nt => (tile.bn, tile.bk),
+        Product::Nn => (tile.bk, tile.bn),
+    };
+    let b_stride = b_width + PAD;
+    let b_tile = k.workgroup_array::<Vec4<F16>>("b_tile", b_rows * b_stride / 4);
+    let a_slots = slots(k, "a", tile.bm, tile.bk, threads);
+    let b_slots = slots(k, "b", b_rows, b_width, threads);
+
+    let staged_a = Staged {
+        source: &a,
+        rows: rows.clone(),
+        width: depth,
+        known_rows: false,
+        known_width: depth.is_multiple_of(tile.bk),
+        last: k.let_("a_last", &rows * depth - 1u32),
+    };
+    let staged_w = match product {
+        Product::Nt => Staged {
+            source: &w,
+            rows: lit(cols),
+            width: depth,
+            known_rows: cols.is_multiple_of(tile.bn),
+            known_width: depth.is_multiple_of(tile.bk),
+            last: lit(cols * depth - 1),
+        },
+        Product::Nn => Staged {
+            source: &w,
+            rows: lit(depth),
+            width: cols,
+            known_rows: depth.is_multiple_of(tile.bk),
+            known_width: cols.is_multiple_of(tile.bn),
+            last: lit(cols * depth - 1),
+        },
+    };
+    // Where a step's slices start: A at (m0, d0); W at (n0, d0) through ·Wᵀ, (d0, n0) through ·W.
+    let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
+        staged_a.fetch(k, &a_slots, &m0, d0);
+        match product {
+            Product::Nt => staged_w.fetch(k, &b_slots, &n0, d0),
+            Product::Nn => staged_w.fetch(k, &b_slots, d0, &n0),
+        }
+    };
+
+    let (frag_rows, frag_cols) = (tile.wm / 16, tile.wn / 16);
+    let acc: Vec<Var<Acc>> = (0..frag_rows * frag_cols)
+        .map(|_| k.var("acc", Expr::<Acc>::zero()))
+        .collect();
+    let a_base = k.let_("a_base", &wm0 * (a_stride / 4));
+    let b_base = match product {
+        Product::Nt => k.let_("b_base", &wn0 * (b_stride / 4)),
+        Product::Nn => k.let_("b_base", &wn0 / 4u32),
+    };
+
+    k.comment("Stage the first step.");
+    fetch(k, &lit(0u32));
+    stage(k, &a_slots, &a_tile, a_stride);
+    stage(k, &b_slots, &b_tile, b_stride);
+    k.workgroup_barrier();
+    let steps = depth.div_ceil(tile.bk);
+    k.for_range("step", 0u32, steps, |k, step| {
+        let more = k.let_("more", (&step + 1u32).lt(steps));
+        k.comment("Read the next step's slices into registers while this one multiplies.");
+        k.if_(&more, |k| {
+            let d0 = k.let_("d0", (&step + 1u32) * tile.bk);
+            fetch(k, &d0);
+        });
+        for kf in 0..tile.bk / 16 {
+            let a_frags: Vec<Expr<TileA>> = (0..frag_rows)
+                .map(|i| {
+                    let at = super::offset(&a_base, i * 16 * a_stride / 4 + kf * 4);
+                    k.coop_load::<TileA, _>(&a_tile, at, a_stride / 4, Major::Row)
+                })
+                .collect();
+            let b_frags: Vec<Expr<TileB>> = (0..frag_cols)
+                .map(|j| match product {
+                    // B(k, n) = W[n, k]: column n of B is row n of the staged slice.
+                    Product::Nt => {
+                        let at = super::offset(&b_base, j * 16 * b_stride / 4 + kf * 4);
+                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Column)
+                    }
+                    Product::Nn => {
+                        let at = super::offset(&b_base, kf * 16 * b_stride / 4 + j * 4);
+                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Row)
+                    }
+                })
+                .collect();
+            for i in 0..frag_rows {
+                for j in 0..frag_cols {
+                    let c = &acc[(i * frag_cols + j) as usize];
+                    let product = coop_multiply_add(
+                        a_frags[i as usize].clone(),
+                        b_frags[j as usize].clone(),
+                        c.get(),
+                    );
+                    k.assign(c, product);
+                }
+            }
+        }
+        k.workgroup_barrier();
+        k.if_(&more, |k| {
+            stage(k, &a_slots, &a_tile, a_stride);
+            stage(k, &b_slots, &b_tile, b_stride);
+        });
+        k.workgroup_barrier();
+    });
+
+    k.comment("Write the accumulators.");
+    let row0 = k.let_("row0", &m0 + &wm0);
+    let col0 = k.let_("col0", &n0 + &wn0);
+    let c_tile = k.workgroup_array::<f32>("c_tile", tile.subgroups() * 256);
+    let epilogue = Epilogue {
+        out: &out,
+        acc: &acc,
+        frag_cols,
+        origin: (&row0, &col0),
+        rows: &rows,
+        cols,
+        scale: &scale,
+        accumulate,
+    };
+    if let Output::F32(y) = &out
+        && cols.is_multiple_of(4)
+    {
+        let mut inside = (&m0 + tile.bm).le(&rows);
+        if !cols.is_multiple_of(tile.bn) {
+            inside = inside.and((&n0 + tile.bn).le(cols));
+        }
+        k.if_else(
+            inside,
+            |k| epilogue.direct(k, y),
+            |k| epilogue.staged(k, &c_tile, &sg, subgroup),
+        );
+    } else {
+        epilogue.staged(k, &c_tile, &sg, subgroup);
+    }
+}
+
+/// How the accumulators reach `out`.
+struct Epilogue<'a> {
+    out: &'a Output,
+    acc: &'a [Var<Acc>],
+    frag_cols: u32,
+    /// The subgroup's first output row and column.
+    origin: (&'a Expr<u32>, &'a Expr<u32>),
+    rows: &'a Expr<u32>,
+    cols: u32,
+    scale: &'a Expr<f32>,
+    accumulate: bool,
+}
+
+impl Epilogue<'_> {
+    /// Fragment `f`'s first row and column.
+    fn corner(&self, f: u32) -> (Expr<u32>, Expr<u32>) {
+        let (i, j) = (f / self.frag_cols, f % self.frag_cols);
+        (
+            super::offset(self.origin.0, i * 16),
+            super::offset(self.origin.1, j * 16),
+        )
+    }
+
+    /// Every fragment straight into `y` (a tile inside `out`, f32, rows 16-byte aligned).
+    fn direct(&self, k: &mut KernelBuilder, y: &RwBuffer<f32>) {
+        for (f, acc) in self.acc.iter().enumerate() {
+            let (row, col) = self.corner(f as u32);
+            let at = k.let_("at", row * self.cols + col);
+            let mut value = acc.get() * self.scale;
+            if self.accumulate {
+                value = value + k.coop_load::<Acc, _>(y, &at, self.cols, Major::Row);
+            }
+            k.coop_store(y, &at, self.cols, Major::Row, value);
+        }
+    }
+
+    /// Every fragment through the subgroup's 16×16 of `c_tile`, then element by element under
+    /// a bounds check (converted to f16 for an f16 `out`).
+    fn staged(
+        &self,
+        k: &mut KernelBuilder,
+        c_tile: &WorkgroupArray<f32>,
+        sg: &Expr<u32>,
+        subgroup: u32,
+    ) {
+        let mine = k.let_("mine", sg * 256u32);
+        let lane = k.let_("lane", k.subgroup_invocation_id());
+        for (f, acc) in self.acc.iter().enumerate() {
+            let (row, col) = self.corner(f as u32);
+            k.coop_store(c_tile, &mine, 16u32, Major::Row, acc.get());
+            k.workgroup_barrier();
+            for e in 0..256 / subgroup {
+                let idx = k.let_("idx", super::offset(&lane, e * subgroup));
+                let r = k.let_("r", &row + &idx / 16u32);
+                let c = k.let_("c", &col + &idx % 16u32);
+                k.if_(r.lt(self.rows).and(c.lt(self.cols)), |k| {
+                    let at = k.let_("at", &r * self.cols + &c);
+                    let value = k.let_("value", c_tile.at(&mine + &idx) * self.scale);
+                    match self.out {
+                        Output::F32(y) if self.accumulate => {
+                            k.store_op(y, &at, BinaryOp::Add, value)
+                        }
+                        Output::F32(y) => k.store(y, &at, value),
+                        Output::F16(y) if self.accumulate => {
+                            k.store(y, &at, (y.at(&at).cast::<f32>() + value).cast::<F16>())
+                        }
+                        Output::F16(y) => k.store(y, &at, value.cast::<F16>()),
+                    }
+                });
+            }
+            k.workgroup_barrier();
+        }
+    }
+}
+
+/// The tensor-core kernels at small shapes and a small tile (32×32 outputs, 16 deep, 16×16 a
+/// subgroup: the structure of [`CoopTile::LARGE`] in fewer lines), for snapshots and review.
+/// The first has a ragged last column tile and depth step, f32 inputs (rounded in the load) and
+/// an f16 output; the second f16 inputs, accumulating into f32.
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let tile = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 16,
+        wm: 16,
+        wn: 16,
+    };
+    let build = |product, shape, types, accumulate| {
+        Kernel::build(&key(product, shape, tile, 32, types, accumulate), |k| {
+            kernel(k, product)
+        })
+    };
+    let f32_in = Types {
+        input_f16: false,
+        weight_f16: false,
+        output_f16: true,
+    };
+    let f16_in = Types {
+        input_f16: true,
+        weight_f16: true,
+        output_f16: false,
+    };
+    Ok(vec![
+        build(Product::Nt, (60, 36), f32_in, false)?,
+        build(Product::Nn, (64, 32), f16_in, true)?,
+    ])
+}
+
+/// The subgroup size a device lays its tensor-core GEMMs out for, when it can run them: it
+/// offers 16×16 f16·f16 + f32 cooperative matrices and has subgroups of one fixed size.
+pub fn subgroup_size(gpu: &Gpu) -> Option<u32> {
+    let kind = hesper_dsl::CoopMultiply {
+        size: 16,
+        ab: Scalar::F16,
+        c: Scalar::F32,
+    };
+    gpu.coop_multiplies()
+        .contains(&kind)
+        .then(|| gpu.subgroup_size())
+        .flatten()
+}
+
+/// One launch of the tensor-core GEMM, its buffers checked by the caller.
+pub(crate) struct Launch {
+    pub product: Product,
+    /// `(cols, depth)` of the output and the contraction.
+    pub shape: (u32, u32),
+    pub m: u32,
+    pub tile: CoopTile,
+    pub subgroup: u32,
+    pub accumulate: bool,
+    pub scale: f32,
+}
+
+/// The tensor-core path for `gemm` on `gpu`, when the device offers it: the tile asked for, or
+/// the one [`choose_tile`] picks.
+pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm) -> Option<super::GemmPath> {
+    let subgroup = subgroup_size(gpu)?;
+    let tile = gemm
+        .coop_tile
+        .unwrap_or_else(|| choose_tile(gpu, gemm, subgroup));
+    Some(super::GemmPath::TensorCores { tile, subgroup })
+}
+
+/// The standard tiles, largest first.
+pub const TILES: [CoopTile; 3] = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::SMALL];
+
+/// The tile for `gemm` when none is asked for: the largest standard tile that fits the device
+/// and still gives every one of ~132 multiprocessors (the H200's) a workgroup, else the one
+/// with the most workgroups.
+pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
+    let limits = gpu.kernel_limits();
+    let (cols, _) = gemm.cols_depth();
+    let fits = |t: &CoopTile| {
+        t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
+            && t.subgroups() * subgroup <= limits.max_invocations_per_workgroup
+            && t.check("", subgroup).is_ok()
+    };
+    let groups = |t: &CoopTile| gemm.m.div_ceil(t.bm as usize) * cols.div_ceil(t.bn as usize);
+    let usable: Vec<CoopTile> = TILES.into_iter().filter(fits).collect();
+    usable
+        .iter()
+        .copied()
+        .find(|t| groups(t) >= 132)
+        .or_else(|| usable.last().copied())
+        .unwrap_or(CoopTile::SMALL)
+}
+
+/// Record the launch: `output (+)= scale·input·B(W)`.
+pub(crate) fn record(
+    rec: &mut hesper_exec::Recorder<'_>,
+    launch: &Launch,
+    input: super::Operand<'_>,
+    w: super::Operand<'_>,
+    output: super::OutputBuffer<'_>,
+) -> Result<(), ExecError> {
+    use super::{Operand, OutputBuffer};
+    use hesper_exec::{Args, Grid};
+    let Launch {
+        product,
+        shape: (cols, depth),
+        m,
+        tile,
+        subgroup,
+        accumulate,
+        scale,
+    } = *launch;
+    let name = kernel_name(product);
+    tile.check(name, subgroup)?;
+    let types = Types {
+        input_f16: matches!(input, Operand::F16(_)),
+        weight_f16: matches!(w, Operand::F16(_)),
+        output_f16: matches!(output, OutputBuffer::F16(_)),
+    };
+    let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
+    let kernel = rec.gpu().kernel(&key, |k| kernel(k, product))?;
+    let (input_name, output_name) = product.names();
+    let w_width = match product {
+        Product::Nt => depth,
+        Product::Nn => cols,
+    };
+    fn bind<'a>(args: Args<'a>, name: &'a str, operand: Operand<'a>, vec4: bool) -> Args<'a> {
+        match (operand, vec4) {
+            (Operand::F32(b), true) => args.buffer_vec4(name, b),
+            (Operand::F32(b), false) => args.buffer(name, b),
+            (Operand::F16(b), true) => args.buffer_vec4(name, b),
+            (Operand::F16(b), false) => args.buffer(name, b),
+        }
+    }
+    let args = bind(Args::new(), input_name, input, depth.is_multiple_of(4));
+    let args = bind(args, "w", w, w_width.is_multiple_of(4));
+    let args = match &output {
+        OutputBuffer::F32(b) => args.buffer(output_name, &**b),
+        OutputBuffer::F16(b) => args.buffer(output_name, &**b),
+    };
+    let args = args.param("rows", m).param("scale", scale);
+    let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), 1];
+    rec.launch(&kernel, &args, Grid::Workgroups(groups))
+}

@@ -1,0 +1,297 @@
+//! The GEMM at `Precision::F16`: on the tensor cores where the device offers cooperative
+//! matrices (the H200: every test here then runs the cooperative-matrix kernels), else the f32
+//! tiled GEMM (lavapipe, CI). Either way against the f64 reference computed from the values the
+//! path multiplies: f16-rounded inputs on the tensor cores, the buffers' own values on the f32
+//! path. f16 and f32 buffers in every role, ragged shapes, every standard tile, a scale and
+//! accumulation.
+
+use hesper_dsl::prelude::*;
+use hesper_exec::half::f16;
+use hesper_exec::{ExecError, GpuBuffer};
+use hesper_kernels::linear::coop::{self, CoopTile};
+use hesper_kernels::linear::{
+    self, Gemm, GemmPath, Operand, OutputBuffer, Precision, Product, Weights, reference,
+};
+use hesper_kernels::testing::{Rng, compare, gpu};
+
+/// Not a power of two, so that a kernel that drops it cannot pass by luck.
+const SCALE: f32 = 0.37;
+
+fn round_f16(v: f32) -> f32 {
+    f16::from_f32(v).to_f32()
+}
+
+/// Which buffers are f16.
+#[derive(Clone, Copy, Debug)]
+struct Halves {
+    input: bool,
+    weight: bool,
+    output: bool,
+}
+
+/// Run one GEMM at `Precision::F16` and compare with the f64 reference; returns the path.
+fn check(gemm: &Gemm, halves: Halves, seed: u64) -> GemmPath {
+    let g = gpu();
+    let mut rng = Rng::new(seed);
+    let (m, n, k) = (gemm.m, gemm.n, gemm.k);
+    let (in_len, out_len, depth) = match gemm.product {
+        Product::Nt => (m * k, m * n, k),
+        Product::Nn => (m * n, m * k, n),
+    };
+    // f16 buffers hold exactly what is uploaded: round the host copies the same way.
+    let as_stored = |v: Vec<f32>, half: bool| match half {
+        true => v.into_iter().map(round_f16).collect(),
+        false => v,
+    };
+    let input = as_stored(rng.vec(in_len, 1.0), halves.input);
+    let w = as_stored(rng.vec(n * k, 1.0), halves.weight);
+    let start = match gemm.accumulate {
+        true => as_stored(rng.vec(out_len, 1.0), halves.output),
+        false => vec![f32::NAN; out_len],
+    };
+    let to_f16 = |v: &[f32]| v.iter().map(|x| f16::from_f32(*x)).collect::<Vec<_>>();
+    let (in32, in16): (Option<GpuBuffer<f32>>, Option<GpuBuffer<f16>>) = match halves.input {
+        true => (None, Some(g.upload(&to_f16(&input)).unwrap())),
+        false => (Some(g.upload(&input).unwrap()), None),
+    };
+    let (w32, w16) = match halves.weight {
+        true => (None, Some(g.upload(&to_f16(&w)).unwrap())),
+        false => (Some(g.upload(&w).unwrap()), None),
+    };
+    let (mut out32, mut out16) = match halves.output {
+        true => (None, Some(g.upload(&to_f16(&start)).unwrap())),
+        false => (Some(g.upload(&start).unwrap()), None),
+    };
+    let input_op = match (&in32, &in16) {
+        (Some(b), _) => Operand::F32(b),
+        (_, Some(b)) => Operand::F16(b),
+        _ => unreachable!(),
+    };
+    let weights = match (&w32, &w16) {
+        (Some(w), _) => Weights::ScaledDense { w, scale: SCALE },
+        (_, Some(w)) => Weights::Half { w, scale: SCALE },
+        _ => unreachable!(),
+    };
+    let any_half = halves.input || halves.weight || halves.output;
+    let path = linear::gemm_path(g, gemm, &weights, any_half);
+    let output = match (&mut out32, &mut out16) {
+        (Some(b), _) => OutputBuffer::F32(b),
+        (_, Some(b)) => OutputBuffer::F16(b),
+        _ => unreachable!(),
+    };
+    let mut rec = g.recorder();
+    linear::execute_gemm(&mut rec, gemm, input_op, weights, output).unwrap();
+    rec.submit().unwrap();
+    let got: Vec<f32> = match (&out32, &out16) {
+        (Some(b), _) => b.read(g).unwrap(),
+        (_, Some(b)) => b.read(g).unwrap().iter().map(|h| h.to_f32()).collect(),
+        _ => unreachable!(),
+    };
+
+    // What the path multiplies: on the tensor cores every input rounded to f16.
+    let on_tensor_cores = matches!(path, GemmPath::TensorCores { .. });
+    let seen = |v: &[f32]| -> Vec<f64> {
+        v.iter()
+            .map(|x| match on_tensor_cores {
+                true => round_f16(*x) as f64,
+                false => *x as f64,
+            })
+            .collect()
+    };
+    let mut want = match gemm.product {
+        Product::Nt => reference::matmul_nt(&seen(&input), &seen(&w), m, n, k),
+        Product::Nn => reference::matmul_nn(&seen(&input), &seen(&w), m, n, k),
+    };
+    for (i, v) in want.iter_mut().enumerate() {
+        *v *= SCALE as f64;
+        if gemm.accumulate {
+            *v += start[i] as f64;
+        }
+    }
+    // f32 sums of `depth` products: ~1e-6 relative to the result's size, growing like √depth.
+    // An f16 output adds its own rounding, half an ulp: 2⁻¹¹ of each value.
+    let c = compare(&got, &want, 1e-3);
+    let sum_error = c.max_abs / c.scale.max(1e-30);
+    let bound = 2e-6 * (depth as f64).sqrt().max(1.0);
+    let what = format!("{gemm:?} {halves:?} on {path:?}");
+    match halves.output {
+        false => assert!(sum_error < bound, "{what}: {c} (bound {bound:.1e})"),
+        true => {
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(g, w)| (*g as f64 - w).abs() / (w.abs() * 4.9e-4 + bound * c.scale))
+                .fold(0.0f64, f64::max);
+            assert!(worst <= 1.0, "{what}: {c} (f16 output: {worst:.2} of its bound)");
+        }
+    }
+    path
+}
+
+/// (m, n, k) with `m` ragged against every tile: a multiple of everything; `n`, `k` not
+/// multiples of 4 (scalar reads, element-wise stores); multiples of 4 but not of the tiles
+/// (vec4 reads, partial depth steps, edge tiles); one row; the SmolLM2 widths.
+const SHAPES: [(usize, usize, usize); 6] = [
+    (256, 256, 64),
+    (77, 37, 29),
+    (130, 200, 40),
+    (1, 36, 52),
+    (300, 192, 576),
+    (257, 576, 192),
+];
+
+const HALVES: [Halves; 4] = [
+    Halves {
+        input: false,
+        weight: false,
+        output: false,
+    },
+    Halves {
+        input: true,
+        weight: true,
+        output: false,
+    },
+    Halves {
+        input: false,
+        weight: true,
+        output: true,
+    },
+    Halves {
+        input: true,
+        weight: false,
+        output: true,
+    },
+];
+
+#[test]
+fn products_match_reference_on_every_path() {
+    let mut paths = vec![];
+    for (i, &shape) in SHAPES.iter().enumerate() {
+        for (p, product) in [Product::Nt, Product::Nn].into_iter().enumerate() {
+            let halves = HALVES[(i + p) % HALVES.len()];
+            let accumulate = (i + p) % 3 == 1;
+            let gemm = Gemm::new(product, shape, accumulate).with_precision(Precision::F16);
+            paths.push(check(&gemm, halves, (i * 2 + p) as u64 + 1));
+        }
+    }
+    // Which kernels ran (a device with tensor cores runs them all there).
+    let tensor_cores = paths
+        .iter()
+        .filter(|p| matches!(p, GemmPath::TensorCores { .. }))
+        .count();
+    eprintln!(
+        "{}: {tensor_cores} of {} GEMMs on the tensor cores",
+        gpu().describe(),
+        paths.len()
+    );
+    match coop::subgroup_size(gpu()) {
+        Some(_) => assert_eq!(tensor_cores, paths.len()),
+        None => assert_eq!(tensor_cores, 0),
+    }
+}
+
+/// Every standard tile, and a tile with one subgroup a workgroup, at a ragged shape (on a
+/// device without tensor cores: the f32 path, once per tile, which it ignores).
+#[test]
+fn every_tile_matches_reference() {
+    let one_subgroup = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 32,
+        wm: 32,
+        wn: 32,
+    };
+    let tiles = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::SMALL, one_subgroup];
+    for (t, tile) in tiles.into_iter().enumerate() {
+        for (p, product) in [Product::Nt, Product::Nn].into_iter().enumerate() {
+            let gemm = Gemm {
+                coop_tile: Some(tile),
+                ..Gemm::new(product, (200, 272, 96), p == 1)
+            }
+            .with_precision(Precision::F16);
+            let path = check(&gemm, HALVES[(t + p) % HALVES.len()], 100 + t as u64);
+            if coop::subgroup_size(gpu()).is_some() {
+                assert!(matches!(path, GemmPath::TensorCores { tile: used, .. } if used == tile));
+            }
+        }
+    }
+}
+
+/// The f32 precision never takes the tensor cores, and f16 buffers work there too.
+#[test]
+fn f32_precision_stays_f32() {
+    let gemm = Gemm::new(Product::Nt, (70, 48, 33), false);
+    let path = check(&gemm, HALVES[1], 7);
+    assert!(matches!(path, GemmPath::Tiled(_)), "{path:?}");
+}
+
+/// f16 buffers of odd lengths go up and come back whole; a fill writes every element.
+#[test]
+fn f16_buffers_round_trip() {
+    let g = gpu();
+    let values: Vec<f16> = (0..7).map(|i| f16::from_f32(i as f32 * 0.25 - 1.0)).collect();
+    let b = g.upload(&values).unwrap();
+    assert_eq!(b.read(g).unwrap(), values);
+    let filled = g.filled(5, f16::from_f32(2.5)).unwrap();
+    assert_eq!(filled.read(g).unwrap(), vec![f16::from_f32(2.5); 5]);
+}
+
+/// A tile the kernels cannot run is an error naming the kernel; a device without cooperative
+/// matrices refuses a kernel that uses them, and a device with them refuses a kind it does not
+/// offer (8×8 f16 on the H200).
+#[test]
+fn refusals() {
+    let g = gpu();
+    if let Some(subgroup) = coop::subgroup_size(g) {
+        let bad = CoopTile {
+            wm: 48,
+            ..CoopTile::LARGE
+        };
+        let err = bad.check("coop_matmul_nt", subgroup).unwrap_err();
+        assert!(err.to_string().contains("coop_matmul_nt"), "{err}");
+        let x = g.upload(&[0.0f32; 64 * 64]).unwrap();
+        let mut y = g.zeros::<f32>(64 * 64).unwrap();
+        let gemm = Gemm {
+            coop_tile: Some(bad),
+            ..Gemm::new(Product::Nt, (64, 64, 64), false)
+        }
+        .with_precision(Precision::F16);
+        let mut rec = g.recorder();
+        let err = linear::execute_gemm(&mut rec, &gemm, &x, Weights::Dense(&x), &mut y);
+        assert!(matches!(err, Err(ExecError::Dispatch { .. })), "{err:?}");
+    }
+    let key = KernelKey::new("eight")
+        .workgroup_size(32)
+        .features(Features::COOPERATIVE_MATRIX);
+    let kernel = Kernel::build(&key, |k| {
+        let x = k.storage::<F16>("x");
+        let y = k.storage_rw::<f32>("y");
+        let a = k.coop_load::<CoopMat<F16, CoopA, 8>, _>(&x, 0u32, 8u32, Major::Row);
+        let b = k.coop_load::<CoopMat<F16, CoopB, 8>, _>(&x, 0u32, 8u32, Major::Row);
+        let c = coop_multiply_add(a, b, Expr::<CoopMat<f32, CoopC, 8>>::zero());
+        k.coop_store(&y, 0u32, 8u32, Major::Row, c);
+    })
+    .unwrap();
+    let err = g.compile(&kernel).unwrap_err();
+    let offered = g.coop_multiplies();
+    let refused = match &err {
+        ExecError::MissingFeature { feature, .. } => {
+            offered.is_empty() && *feature == "EXPERIMENTAL_COOPERATIVE_MATRIX"
+        }
+        ExecError::CoopUnsupported { kind, .. } => !offered.is_empty() && kind.starts_with("8x8"),
+        _ => false,
+    };
+    assert!(refused, "{err}");
+}
+
+#[test]
+fn wgsl_snapshots() {
+    let names = [
+        "coop_matmul_nt_cols60_depth36_f32_to_f16",
+        "coop_matmul_nn_cols64_depth32_f16_accumulate",
+    ];
+    let kernels = coop::kernels().unwrap();
+    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
+        insta::assert_snapshot!(name, k.wgsl());
+    }
+}

@@ -1,0 +1,179 @@
+//! The GEMM on tensor cores (`Precision::F16`: f16 inputs, f32 accumulation) against the f32
+//! GEMM: TFLOP/s (GPU time from timestamp queries, medians) at 8192³ and at the SmolLM2-135M
+//! step's shapes (T = 4096 tokens), `·Wᵀ` (NT) and `·W` (NN), at each standard tile and the
+//! tile the device's choice makes. f16 input and weight buffers, f32 output; one row also with
+//! the f32 input rounded as it is loaded. Prints markdown for BENCHMARKS.md; PyTorch's figures
+//! for the same products come from `scripts/bench-matmul-torch.py` in the same device run.
+//!
+//! ```sh
+//! scripts/with-gpu cargo run --release --bin bench_matmul              # every shape and tile
+//! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_matmul   # small shapes
+//! ```
+
+use std::time::Duration;
+
+use hesper::exec::half::f16;
+use hesper::exec::profile::{BenchConfig, bench};
+use hesper::exec::{Gpu, GpuBuffer, GpuOptions};
+use hesper::kernels::linear::coop::{self, CoopTile};
+use hesper::kernels::linear::{
+    Gemm, GemmPath, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm, gemm_path,
+};
+use hesper::kernels::testing::Rng;
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+/// The tiles measured beside the standard ones.
+const EXTRA_TILES: [CoopTile; 4] = [
+    CoopTile {
+        bm: 256,
+        bn: 128,
+        bk: 32,
+        wm: 64,
+        wn: 64,
+    },
+    CoopTile {
+        bm: 128,
+        bn: 128,
+        bk: 64,
+        wm: 64,
+        wn: 32,
+    },
+    CoopTile {
+        bm: 128,
+        bn: 256,
+        bk: 16,
+        wm: 64,
+        wn: 64,
+    },
+    CoopTile {
+        bm: 64,
+        bn: 128,
+        bk: 32,
+        wm: 32,
+        wn: 64,
+    },
+];
+
+fn run() -> Result<(), Box<dyn std::error::Error>> {
+    let quick = std::env::var("HESPER_BENCH_QUICK").is_ok_and(|v| v == "1");
+    let gpu = Gpu::with_options(GpuOptions {
+        cooperative_matrix: true,
+        ..Default::default()
+    })?;
+    println!("device: {}", gpu.describe());
+    println!(
+        "cooperative matrices: {:?}",
+        gpu.cooperative_matrix_properties()
+    );
+    let kinds: Vec<String> = gpu.coop_multiplies().iter().map(|k| k.to_string()).collect();
+    println!("kinds a kernel can use: {}", kinds.join(", "));
+    let Some(subgroup) = coop::subgroup_size(&gpu) else {
+        println!("no tensor cores reachable: nothing to measure");
+        return Ok(());
+    };
+    let t = if quick { 512 } else { 4096 };
+    let shapes: Vec<(&str, (usize, usize, usize))> = if quick {
+        vec![("square", (512, 512, 512)), ("q, o", (t, 576, 576))]
+    } else {
+        vec![
+            ("square 8192³", (8192, 8192, 8192)),
+            ("q, o", (t, 576, 576)),
+            ("k, v", (t, 192, 576)),
+            ("gate, up", (t, 1536, 576)),
+            ("down", (t, 576, 1536)),
+            ("lm-head", (t, 49_152, 576)),
+        ]
+    };
+    let mut tiles: Vec<Option<CoopTile>> = vec![None];
+    tiles.extend(coop::TILES.iter().chain(&EXTRA_TILES).map(|t| Some(*t)));
+    let mut first = true;
+    println!();
+    println!("| product | M×N×K | tile (bm×bn×bk, wm×wn) | µs (median) | TFLOP/s |");
+    println!("| --- | --- | --- | --- | --- |");
+    for (label, (m, n, k)) in shapes {
+        let mut rng = Rng::new(1);
+        let half = |len: usize, rng: &mut Rng| -> Vec<f16> {
+            rng.vec(len, 1.0).into_iter().map(f16::from_f32).collect()
+        };
+        let w: GpuBuffer<f16> = gpu.upload(&half(n * k, &mut rng))?;
+        let x: GpuBuffer<f16> = gpu.upload(&half(m * k.max(n), &mut rng))?;
+        let mut out = gpu.zeros::<f32>(m * k.max(n))?;
+        let flops = 2.0 * m as f64 * n as f64 * k as f64;
+        for product in [Product::Nt, Product::Nn] {
+            let (in_len, out_len) = match product {
+                Product::Nt => (m * k, m * n),
+                Product::Nn => (m * n, m * k),
+            };
+            let x = gpu.upload(&half(in_len, &mut rng))?;
+            let mut y = gpu.zeros::<f32>(out_len)?;
+            for tile in &tiles {
+                let gemm = Gemm {
+                    coop_tile: *tile,
+                    ..Gemm::new(product, (m, n, k), false).with_precision(Precision::F16)
+                };
+                let weights = Weights::Half { w: &w, scale: 1.0 };
+                let used = match gemm_path(&gpu, &gemm, &weights, true) {
+                    GemmPath::TensorCores { tile, .. } => tile,
+                    other => return Err(format!("not on the tensor cores: {other:?}").into()),
+                };
+                if used.workgroup_bytes() > gpu.kernel_limits().max_workgroup_storage_bytes
+                    || used.check("", subgroup).is_err()
+                {
+                    continue;
+                }
+                let config = BenchConfig {
+                    warmup: Duration::from_millis(if first { 2000 } else { 300 }),
+                    reps: 20,
+                };
+                first = false;
+                let r = bench(&gpu, "matmul", config, |rec| {
+                    execute_gemm(rec, &gemm, Operand::F16(&x), weights, OutputBuffer::F32(&mut y))
+                });
+                let name = format!(
+                    "{}{}×{}×{}, {}×{}",
+                    if tile.is_none() { "chosen: " } else { "" },
+                    used.bm,
+                    used.bn,
+                    used.bk,
+                    used.wm,
+                    used.wn
+                );
+                match r {
+                    Ok(r) => println!(
+                        "| {label} {product:?} | {m}×{n}×{k} | {name} | {:.1} | {:.1} |",
+                        r.median_ns() / 1e3,
+                        r.tflop_per_s(flops)
+                    ),
+                    Err(e) => println!("| {label} {product:?} | {m}×{n}×{k} | {name} | error: {e} | |"),
+                }
+            }
+        }
+        // The f32 input rounded to f16 as it is loaded, and the f32 GEMM, at the chosen tiles.
+        let x32 = gpu.upload(&rng.vec(m * k, 1.0))?;
+        let w32 = gpu.upload(&rng.vec(n * k, 1.0))?;
+        for precision in [Precision::F16, Precision::F32] {
+            let gemm = Gemm::new(Product::Nt, (m, n, k), false).with_precision(precision);
+            let config = BenchConfig {
+                warmup: Duration::from_millis(300),
+                reps: 10,
+            };
+            let r = bench(&gpu, "matmul", config, |rec| {
+                execute_gemm(rec, &gemm, &x32, Weights::Dense(&w32), &mut out)
+            })?;
+            println!(
+                "| {label} Nt, f32 buffers | {m}×{n}×{k} | {:?} | {:.1} | {:.1} |",
+                gemm_path(&gpu, &gemm, &Weights::Dense(&w32), false),
+                r.median_ns() / 1e3,
+                r.tflop_per_s(flops)
+            );
+        }
+        drop(x);
+    }
+    Ok(())
+}
