@@ -559,3 +559,97 @@ fn async_open_and_readback_run_on_native_too() {
         assert!(b.read_async(&g).await.unwrap().is_empty());
     });
 }
+
+/// Autotuning: measured once per key, the fastest kept, remembered in memory and in the tune
+/// cache file; a damaged line is measured again, a file of another device ignored whole.
+#[test]
+fn autotune_measures_once_and_remembers_in_its_file() {
+    use hesper::exec::TuneFileStatus;
+    let dir = std::env::temp_dir().join(format!("hesper-tune-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("tune.txt");
+    let open = || {
+        Gpu::with_options(GpuOptions {
+            autotune: true,
+            tune_cache_file: Some(path.clone()),
+            ..Default::default()
+        })
+        .unwrap()
+    };
+    let tiles = [16u32, 32, 64];
+    let name = |t: &u32| format!("tile{t}");
+    // 32 is fastest; 64 fails to measure and is skipped.
+    let timing = |t: &u32| match t {
+        16 => Ok(3.0),
+        32 => Ok(1.0),
+        _ => Err(ExecError::Device("too big".into())),
+    };
+    let never = |_: &u32| -> Result<f64, ExecError> { panic!("measured again") };
+
+    let g = open();
+    assert_eq!(*g.tune_file_status(), TuneFileStatus::Empty);
+    assert_eq!(g.tuned("gemm v1 a", &tiles, name, timing).unwrap(), 32);
+    assert_eq!(g.tuned("gemm v1 a", &tiles, name, never).unwrap(), 32);
+    assert_eq!(
+        g.tuned("gemm v1 b", &tiles, name, |t| Ok(*t as f64))
+            .unwrap(),
+        16
+    );
+    assert_eq!(g.autotune_runs(), 2);
+    // Every candidate failing is an error, remembered nowhere.
+    let fail = |_: &u32| -> Result<f64, ExecError> { Err(ExecError::Device("no".into())) };
+    assert!(g.tuned("gemm v1 c", &tiles, name, fail).is_err());
+    g.save_tune_cache().unwrap();
+    drop(g);
+
+    let g = open();
+    assert_eq!(
+        *g.tune_file_status(),
+        TuneFileStatus::Loaded {
+            choices: 2,
+            ignored: 0
+        }
+    );
+    assert_eq!(g.tuned("gemm v1 a", &tiles, name, never).unwrap(), 32);
+    assert_eq!(g.autotune_runs(), 0);
+    // A kernel that no longer has the remembered variant measures again.
+    assert_eq!(
+        g.tuned(
+            "gemm v1 b",
+            &[8, 128],
+            |t| format!("tile{t}"),
+            |t| Ok(*t as f64)
+        )
+        .unwrap(),
+        8
+    );
+    assert_eq!(g.autotune_runs(), 1);
+    drop(g);
+
+    // A damaged line (one value changed): that key alone is measured again.
+    let text = std::fs::read_to_string(&path)
+        .unwrap()
+        .replacen("tile32", "tile64", 1);
+    std::fs::write(&path, text).unwrap();
+    let g = open();
+    assert!(matches!(
+        g.tune_file_status(),
+        TuneFileStatus::Loaded { ignored: 1, .. }
+    ));
+    assert_eq!(g.tuned("gemm v1 a", &tiles, name, timing).unwrap(), 32);
+    assert_eq!(g.autotune_runs(), 1);
+    drop(g);
+
+    // Written for another device: ignored whole.
+    let text = std::fs::read_to_string(&path).unwrap();
+    let mut lines: Vec<&str> = text.lines().collect();
+    lines[1] = "another adapter | driver";
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let g = open();
+    assert!(
+        matches!(g.tune_file_status(), TuneFileStatus::Ignored(why) if why.contains("another adapter")),
+        "{:?}",
+        g.tune_file_status()
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1064,6 +1064,22 @@ impl<T: ScalarType + Numeric> Expr<T> {
     }
 }
 
+/// `self & rhs` on booleans: both sides evaluated, no short-circuit (naga counts the result of
+/// `&&` as varying between invocations, so a cooperative operation under it fails to validate).
+impl<R: IntoExpr<bool>> ops::BitAnd<R> for Expr<bool> {
+    type Output = Expr<bool>;
+    fn bitand(self, rhs: R) -> Expr<bool> {
+        Expr::<bool>::binary(BinaryOp::BitAnd, self.node, rhs.into_expr().node)
+    }
+}
+/// `self | rhs` on booleans: both sides evaluated.
+impl<R: IntoExpr<bool>> ops::BitOr<R> for Expr<bool> {
+    type Output = Expr<bool>;
+    fn bitor(self, rhs: R) -> Expr<bool> {
+        Expr::<bool>::binary(BinaryOp::BitOr, self.node, rhs.into_expr().node)
+    }
+}
+
 impl Expr<bool> {
     /// Short-circuit `self && rhs`.
     pub fn and(&self, rhs: impl IntoExpr<bool>) -> Expr<bool> {

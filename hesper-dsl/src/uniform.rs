@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use crate::builder::{Block, KernelBuilder, Placed, Stmt, VarKind};
 use crate::error::{ErrorKind, Origin, PlacedError};
-use crate::expr::{Builtin, ExprKind, Node, VarId};
+use crate::expr::{BinaryOp, Builtin, ExprKind, Func, Node, VarId};
 use crate::ty::Access;
 
 /// Why control flow may differ between invocations at a point, in words for the error
@@ -56,6 +56,8 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<(), PlacedError> 
         k,
         cause: HashMap::new(),
         pure,
+        lets: HashMap::new(),
+        conditions: vec![],
     };
     for f in &k.functions {
         // A function's barriers are judged as if it were called in uniform control flow with
@@ -75,6 +77,10 @@ struct Uniformity<'a> {
     cause: HashMap<VarId, Cause>,
     /// Whether each function reads no memory (so its result is uniform for uniform arguments).
     pure: Vec<bool>,
+    /// Every `let` seen so far and its value, and the `if` conditions around the statement
+    /// being walked: what naga's own, stricter, analysis of cooperative operations reads.
+    lets: HashMap<VarId, Node>,
+    conditions: Vec<(Node, Origin)>,
 }
 
 impl Uniformity<'_> {
@@ -94,6 +100,7 @@ impl Uniformity<'_> {
                 self.subgroup_ops(value, &ctx)?;
                 let cause = self.expr(value);
                 self.cause.insert(*id, cause);
+                self.lets.insert(*id, value.clone());
             }
             Stmt::Var { init, .. } => {
                 if let Some(init) = init {
@@ -114,8 +121,11 @@ impl Uniformity<'_> {
                     )
                 });
                 let inner = ctx.clone().or(test.clone());
-                let after_then = self.block(then, inner.clone())?;
-                let after_else = self.block(otherwise, inner.clone())?;
+                self.conditions.push((cond.clone(), at));
+                let after_then = self.block(then, inner.clone());
+                let after_else = self.block(otherwise, inner.clone());
+                self.conditions.pop();
+                let (after_then, after_else) = (after_then?, after_else?);
                 return Ok(match (ctx, test) {
                     // Uniform branches: only a non-uniform exit nested inside breaks uniformity.
                     (None, None) => after_then.or(after_else),
@@ -219,14 +229,82 @@ impl Uniformity<'_> {
         })
     }
 
-    /// Subgroup operations need the subgroup's invocations together.
+    /// Subgroup operations need the subgroup's invocations together. naga checks that of
+    /// cooperative loads and multiply-adds itself, with a stricter analysis: every `if` around
+    /// one must test a value naga proves uniform.
     fn subgroup_ops(&self, n: &Node, ctx: &Divergence) -> Result<(), PlacedError> {
         if ctx.is_some()
             && let Some(f) = find_subgroup_op(n)
         {
             return Err(non_uniform(f, "subgroup", ctx.clone()));
         }
+        if let Some(op) = find_coop_op(n) {
+            for (cond, at) in &self.conditions {
+                if let Some(why) = self.varying_to_naga(cond) {
+                    let because = format!(
+                        "the `if` at {} tests a value that depends on {why}, which naga's \
+                         analysis of cooperative operations counts as varying",
+                        place(*at)
+                    );
+                    return Err(non_uniform(op, "subgroup", Some(because)));
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// Why naga's uniformity analysis counts `n` as varying between invocations, if it does:
+    /// besides what [`Uniformity::expr`] finds, loop counters and function parameters (they are
+    /// variables to naga), builtins other than `workgroup_id` and `num_workgroups`, and
+    /// short-circuit `&&` / `||` (naga lowers them to a variable).
+    fn varying_to_naga(&self, n: &Node) -> Option<String> {
+        let any = |nodes: &[&Node]| nodes.iter().find_map(|a| self.varying_to_naga(a));
+        match &n.kind {
+            ExprKind::Literal(_)
+            | ExprKind::Const(_)
+            | ExprKind::Param(_)
+            | ExprKind::ArrayLength(_)
+            | ExprKind::Global(_) => None,
+            ExprKind::Builtin(Builtin::WorkgroupId | Builtin::NumWorkgroups) => None,
+            ExprKind::Builtin(b) => Some(format!("`{}`", b.info().1)),
+            ExprKind::Local(id) => match self.k.locals[id.index as usize].kind {
+                VarKind::Let => match self.lets.get(id) {
+                    Some(value) => self.varying_to_naga(value),
+                    None => Some(format!("`{}`", self.hint(*id))),
+                },
+                VarKind::LoopCounter => Some(format!("the loop counter `{}`", self.hint(*id))),
+                VarKind::Param => Some(format!("the parameter `{}`", self.hint(*id))),
+                VarKind::Var => Some(format!("the `var` `{}`", self.hint(*id))),
+                VarKind::Workgroup => Some(format!("workgroup memory `{}`", self.hint(*id))),
+            },
+            ExprKind::Binary(BinaryOp::And | BinaryOp::Or, ..) => Some(
+                "a short-circuit `&&` or `||` (combine booleans with `&` or `|` instead)".into(),
+            ),
+            ExprKind::Index(base, index) => match &base.kind {
+                ExprKind::Global(name)
+                    if self
+                        .k
+                        .bindings
+                        .iter()
+                        .any(|b| &b.name == name && b.access != Access::Read) =>
+                {
+                    Some(format!("a read of the read-write buffer `{name}`"))
+                }
+                _ => any(&[base, index]),
+            },
+            ExprKind::Call(f, _) if f.is_subgroup_wide() => Some(format!("`{}(…)`", f.wgsl())),
+            ExprKind::CoopLoad { .. } => Some("a cooperative load".into()),
+            ExprKind::CallFunction(..) => Some("a function's result".into()),
+            ExprKind::Call(_, args) | ExprKind::Construct(args) => {
+                args.iter().find_map(|a| self.varying_to_naga(a))
+            }
+            ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => {
+                self.varying_to_naga(a)
+            }
+            ExprKind::Binary(_, a, b) => any(&[a, b]),
+            ExprKind::Select(a, b, c) => any(&[a, b, c]),
+            ExprKind::Error(_) => Some("an invalid expression".into()),
+        }
     }
 
     /// What makes `n` differ between the invocations of the workgroup; `None` when it cannot.
@@ -353,6 +431,22 @@ fn find_subgroup_op(n: &Node) -> Option<&'static str> {
         _ => vec![],
     };
     children.into_iter().find_map(find_subgroup_op)
+}
+
+/// The first cooperative load or multiply-add in `n` (what naga's analysis checks).
+fn find_coop_op(n: &Node) -> Option<&'static str> {
+    let children: Vec<&Node> = match &n.kind {
+        ExprKind::Call(Func::CoopMultiplyAdd, _) => return Some(Func::CoopMultiplyAdd.wgsl()),
+        ExprKind::CoopLoad { major, .. } => return Some(major.wgsl().0),
+        ExprKind::Call(_, args) | ExprKind::CallFunction(_, args) | ExprKind::Construct(args) => {
+            args.iter().collect()
+        }
+        ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => vec![a],
+        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => vec![a, b],
+        ExprKind::Select(a, b, c) => vec![a, b, c],
+        _ => vec![],
+    };
+    children.into_iter().find_map(find_coop_op)
 }
 
 /// Whether an expression reads a buffer or workgroup memory.

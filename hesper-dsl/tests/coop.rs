@@ -309,3 +309,52 @@ fn eight_by_eight() {
         }]
     );
 }
+
+/// naga checks cooperative loads and multiply-adds against its own uniformity analysis, which
+/// counts a short-circuit `&&`, loop counters and per-invocation builtins as varying: the
+/// builder refuses what naga would (never "naga rejected"), and `&` on booleans passes.
+#[test]
+fn conditions_naga_counts_as_varying_are_refused() {
+    let build = |short_circuit: bool| {
+        Kernel::build(&coop_key("inside"), |k| {
+            let y = k.storage_rw::<f32>("y");
+            let n = k.param::<u32>("n");
+            let wid = k.workgroup_id();
+            let inside = match short_circuit {
+                true => wid.x().lt(&n).and(wid.y().lt(&n)),
+                false => wid.x().lt(&n) & wid.y().lt(&n),
+            };
+            k.if_(inside, |k| {
+                let c = k.coop_load::<C32, _>(&y, 0u32, 16u32, Major::Row);
+                k.coop_store(&y, 256u32, 16u32, Major::Row, c);
+            });
+        })
+    };
+    let err = build(true).unwrap_err();
+    assert!(
+        matches!(&err.kind, ErrorKind::NonUniformBarrier { op, .. } if op == "coopLoadT"),
+        "{err}"
+    );
+    assert!(err.to_string().contains("short-circuit"), "{err}");
+    let kernel = build(false).unwrap();
+    assert!(
+        kernel
+            .wgsl()
+            .contains("if (workgroup_id.x < params.n) & (workgroup_id.y < params.n) {"),
+        "{}",
+        kernel.wgsl()
+    );
+    // A loop counter is a variable to naga.
+    let err = build_err(&coop_key("counter"), |k| {
+        let y = k.storage_rw::<f32>("y");
+        let acc = k.var("acc", Expr::<C32>::zero());
+        k.for_range("i", 0u32, 4u32, |k, i| {
+            k.if_(i.lt(2u32), |k| {
+                let c = k.coop_load::<C32, _>(&y, 0u32, 16u32, Major::Row);
+                k.assign(&acc, acc.get() + c);
+            });
+        });
+        k.coop_store(&y, 0u32, 16u32, Major::Row, acc.get());
+    });
+    assert!(err.to_string().contains("loop counter `i`"), "{err}");
+}

@@ -11,6 +11,7 @@ use hesper_dsl::{CoopMultiply, Features, Limits, Scalar};
 use crate::cache::PipelineCache;
 use crate::error::ExecError;
 use crate::pool::{self, AdapterIdentity, DeviceRequest, PooledDevice};
+use crate::tune::{TuneCache, TuneFileStatus};
 
 /// The device features hesper asks for when the adapter has them.
 const WANTED: wgpu::Features = wgpu::Features::SHADER_F16
@@ -46,6 +47,14 @@ pub struct GpuOptions {
     /// loaded when the `Gpu` opens if it was written for the same adapter, driver and wgpu
     /// version (else ignored with a warning), written by [`Gpu::save_pipeline_cache`].
     pub pipeline_cache_file: Option<PathBuf>,
+    /// Measure a kernel's variants (a GEMM's tiles) on this device the first time a shape asks
+    /// for one, and keep the fastest ([`Gpu::tuned`]); off, kernels take their deterministic
+    /// default. Off by default. Native only (measuring needs timestamp queries and waits).
+    pub autotune: bool,
+    /// Keep the tuned choices in this file (read when the `Gpu` opens if it was written for the
+    /// same adapter and driver, else ignored; a damaged line is ignored alone), written by
+    /// [`Gpu::save_tune_cache`].
+    pub tune_cache_file: Option<PathBuf>,
     /// Rebuild the kernel on every pipeline-cache hit and check that its WGSL is unchanged, so a
     /// kernel whose text depends on something outside its key is caught. On in debug builds.
     pub verify_cache_hits: bool,
@@ -80,6 +89,8 @@ impl Default for GpuOptions {
             backends: None,
             cooperative_matrix: false,
             pipeline_cache_file: None,
+            autotune: false,
+            tune_cache_file: None,
             verify_cache_hits: cfg!(debug_assertions),
             subgroups: true,
             force_bounds_checks: false,
@@ -139,6 +150,9 @@ pub struct Gpu {
     timestamp_period_ns: f32,
     /// The adapter's cooperative-matrix configurations, when the device was opened with them.
     coop_properties: Vec<wgpu::CooperativeMatrixProperties>,
+    /// Tuned kernel variants, and what the tune cache file held.
+    pub(crate) tune: TuneCache,
+    pub(crate) tune_status: TuneFileStatus,
 }
 
 impl Gpu {
@@ -268,8 +282,16 @@ impl Gpu {
             staging: Mutex::new(vec![]),
             timestamp_period_ns,
             coop_properties,
+            tune: TuneCache::default(),
+            tune_status: TuneFileStatus::Off,
         };
         gpu.open_driver_cache();
+        if let Some(path) = gpu.options.tune_cache_file.clone() {
+            gpu.tune_status = gpu.tune.load(&path, &gpu.tune_header());
+            if let TuneFileStatus::Ignored(why) = &gpu.tune_status {
+                log::warn!("tune cache file ignored: {why}");
+            }
+        }
         Ok(gpu)
     }
 
@@ -479,6 +501,11 @@ impl Gpu {
     pub fn supports_cooperative_matrix(&self) -> bool {
         self.features
             .contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX)
+    }
+
+    /// Whether autotuning is on ([`GpuOptions::autotune`]; never in a web page).
+    pub fn autotunes(&self) -> bool {
+        self.options.autotune && cfg!(not(target_arch = "wasm32"))
     }
 
     /// Every cooperative-matrix configuration the adapter reports (`M×N×K`, the element types

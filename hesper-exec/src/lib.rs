@@ -20,6 +20,7 @@ mod launch;
 mod pool;
 #[cfg(not(target_arch = "wasm32"))]
 pub mod profile;
+mod tune;
 
 /// `Instant` where `std`'s exists, `performance.now()` in the browser.
 mod time {
@@ -37,5 +38,6 @@ pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
 pub use half;
 pub use launch::{Args, Grid, LaunchCache, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
 pub use pool::{PooledDevices, pooled_devices};
+pub use tune::TuneFileStatus;
 /// The wgpu this crate is built on (its types appear in `GpuOptions` and `Gpu::device`).
 pub use wgpu;

@@ -122,7 +122,10 @@ fn check(gemm: &Gemm, halves: Halves, seed: u64) -> GemmPath {
                 .zip(&want)
                 .map(|(g, w)| (*g as f64 - w).abs() / (w.abs() * 4.9e-4 + bound * c.scale))
                 .fold(0.0f64, f64::max);
-            assert!(worst <= 1.0, "{what}: {c} (f16 output: {worst:.2} of its bound)");
+            assert!(
+                worst <= 1.0,
+                "{what}: {c} (f16 output: {worst:.2} of its bound)"
+            );
         }
     }
     path
@@ -201,7 +204,12 @@ fn every_tile_matches_reference() {
         wm: 32,
         wn: 32,
     };
-    let tiles = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::SMALL, one_subgroup];
+    let tiles = [
+        CoopTile::LARGE,
+        CoopTile::MEDIUM,
+        CoopTile::SMALL,
+        one_subgroup,
+    ];
     for (t, tile) in tiles.into_iter().enumerate() {
         for (p, product) in [Product::Nt, Product::Nn].into_iter().enumerate() {
             let gemm = Gemm {
@@ -229,7 +237,9 @@ fn f32_precision_stays_f32() {
 #[test]
 fn f16_buffers_round_trip() {
     let g = gpu();
-    let values: Vec<f16> = (0..7).map(|i| f16::from_f32(i as f32 * 0.25 - 1.0)).collect();
+    let values: Vec<f16> = (0..7)
+        .map(|i| f16::from_f32(i as f32 * 0.25 - 1.0))
+        .collect();
     let b = g.upload(&values).unwrap();
     assert_eq!(b.read(g).unwrap(), values);
     let filled = g.filled(5, f16::from_f32(2.5)).unwrap();

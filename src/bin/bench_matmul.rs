@@ -1,7 +1,7 @@
 //! The GEMM on tensor cores (`Precision::F16`: f16 inputs, f32 accumulation) against the f32
 //! GEMM: TFLOP/s (GPU time from timestamp queries, medians) at 8192³ and at the SmolLM2-135M
-//! step's shapes (T = 4096 tokens), `·Wᵀ` (NT) and `·W` (NN), at each standard tile and the
-//! tile the device's choice makes. f16 input and weight buffers, f32 output; one row also with
+//! step's shapes (T = 4096 tokens), `·Wᵀ` (NT) and `·W` (NN), at the tile autotuning chooses
+//! and at each standard and extra tile. f16 input and weight buffers, f32 output; one row also with
 //! the f32 input rounded as it is loaded. Prints markdown for BENCHMARKS.md; PyTorch's figures
 //! for the same products come from `scripts/bench-matmul-torch.py` in the same device run.
 //!
@@ -64,6 +64,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var("HESPER_BENCH_QUICK").is_ok_and(|v| v == "1");
     let gpu = Gpu::with_options(GpuOptions {
         cooperative_matrix: true,
+        autotune: true,
         ..Default::default()
     })?;
     println!("device: {}", gpu.describe());
@@ -71,7 +72,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         "cooperative matrices: {:?}",
         gpu.cooperative_matrix_properties()
     );
-    let kinds: Vec<String> = gpu.coop_multiplies().iter().map(|k| k.to_string()).collect();
+    let kinds: Vec<String> = gpu
+        .coop_multiplies()
+        .iter()
+        .map(|k| k.to_string())
+        .collect();
     println!("kinds a kernel can use: {}", kinds.join(", "));
     let Some(subgroup) = coop::subgroup_size(&gpu) else {
         println!("no tensor cores reachable: nothing to measure");
@@ -102,8 +107,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             rng.vec(len, 1.0).into_iter().map(f16::from_f32).collect()
         };
         let w: GpuBuffer<f16> = gpu.upload(&half(n * k, &mut rng))?;
-        let x: GpuBuffer<f16> = gpu.upload(&half(m * k.max(n), &mut rng))?;
-        let mut out = gpu.zeros::<f32>(m * k.max(n))?;
+        let mut out = gpu.zeros::<f32>(m * n)?;
         let flops = 2.0 * m as f64 * n as f64 * k as f64;
         for product in [Product::Nt, Product::Nn] {
             let (in_len, out_len) = match product {
@@ -128,16 +132,22 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     continue;
                 }
                 let config = BenchConfig {
-                    warmup: Duration::from_millis(if first { 2000 } else { 300 }),
+                    warmup: Duration::from_millis(if first { 2000 } else { 800 }),
                     reps: 20,
                 };
                 first = false;
                 let r = bench(&gpu, "matmul", config, |rec| {
-                    execute_gemm(rec, &gemm, Operand::F16(&x), weights, OutputBuffer::F32(&mut y))
+                    execute_gemm(
+                        rec,
+                        &gemm,
+                        Operand::F16(&x),
+                        weights,
+                        OutputBuffer::F32(&mut y),
+                    )
                 });
                 let name = format!(
                     "{}{}×{}×{}, {}×{}",
-                    if tile.is_none() { "chosen: " } else { "" },
+                    if tile.is_none() { "tuned: " } else { "" },
                     used.bm,
                     used.bn,
                     used.bk,
@@ -150,7 +160,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         r.median_ns() / 1e3,
                         r.tflop_per_s(flops)
                     ),
-                    Err(e) => println!("| {label} {product:?} | {m}×{n}×{k} | {name} | error: {e} | |"),
+                    Err(e) => {
+                        println!("| {label} {product:?} | {m}×{n}×{k} | {name} | error: {e} | |")
+                    }
                 }
             }
         }
@@ -160,7 +172,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for precision in [Precision::F16, Precision::F32] {
             let gemm = Gemm::new(Product::Nt, (m, n, k), false).with_precision(precision);
             let config = BenchConfig {
-                warmup: Duration::from_millis(300),
+                warmup: Duration::from_millis(800),
                 reps: 10,
             };
             let r = bench(&gpu, "matmul", config, |rec| {
@@ -173,7 +185,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 r.tflop_per_s(flops)
             );
         }
-        drop(x);
     }
+    println!("\nautotune runs: {}", gpu.autotune_runs());
     Ok(())
 }

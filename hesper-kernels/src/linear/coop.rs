@@ -100,6 +100,9 @@ impl CoopTile {
                 "the invocations must share out the bm·bk/4 and bn·bk/4 vec4s of a step evenly",
             );
         }
+        if !threads.is_multiple_of(bk as u64 / 4) || !threads.is_multiple_of(bn as u64 / 4) {
+            return fail("the invocations must cover whole staged rows: bk/4 and bn/4 divide them");
+        }
         Ok(())
     }
 }
@@ -168,28 +171,33 @@ impl Source {
         }
     }
 
-    /// The four elements from flat index `at` (a multiple of 4 on the vec4 paths) as f16, each
-    /// zero where `valid(q)` fails for it (on the vec4 paths `valid(0)` speaks for all four).
-    /// Indices are clamped to `last`, the buffer's last element: no read leaves the buffer.
+    /// The four elements from flat indices `at` (one index on the vec4 paths, a multiple of
+    /// 4; four otherwise) as f16, zero where `valid(q)` fails (on the vec4 paths `valid(0)`
+    /// speaks for all four). Where a read may pass the buffer, `last` (its last element)
+    /// clamps the index.
     fn read(
         &self,
         k: &mut KernelBuilder,
-        at: &Expr<u32>,
+        at: &[Expr<u32>],
         valid: &dyn Fn(u32) -> Option<Expr<bool>>,
-        last: &Expr<u32>,
+        last: Option<&Expr<u32>>,
     ) -> Expr<Vec4<F16>> {
+        let clamp = |i: &Expr<u32>| match last {
+            Some(last) => i.min(last),
+            None => i.clone(),
+        };
         let zero = Expr::<F16>::lit(0.0);
         let guard4 = |v: Expr<Vec4<F16>>| match valid(0) {
             Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero.clone())),
             None => v,
         };
         match self {
-            Source::Vec4F16(buf) => guard4(buf.at(at.min(last) / 4u32)),
-            Source::Vec4F32(buf) => guard4(buf.at(at.min(last) / 4u32).cast::<Vec4<F16>>()),
+            Source::Vec4F16(buf) => guard4(buf.at(clamp(&at[0]) / 4u32)),
+            Source::Vec4F32(buf) => guard4(buf.at(clamp(&at[0]) / 4u32).cast::<Vec4<F16>>()),
             Source::F16(_) | Source::F32(_) => {
                 let lanes: Vec<Expr<F16>> = (0..4)
                     .map(|q| {
-                        let i = k.let_("at", super::offset(at, q).min(last));
+                        let i = k.let_("at", clamp(&at[q as usize]));
                         let v = match self {
                             Source::F16(buf) => buf.at(i),
                             Source::F32(buf) => buf.at(i).cast::<F16>(),
@@ -210,69 +218,119 @@ impl Source {
             }
         }
     }
-}
 
-/// `a && b`, either side possibly absent (known true when the kernel is built).
-fn and(a: Option<Expr<bool>>, b: Option<Expr<bool>>) -> Option<Expr<bool>> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.and(b)),
-        (a, b) => a.or(b),
+    fn is_vec4(&self) -> bool {
+        matches!(self, Source::Vec4F16(_) | Source::Vec4F32(_))
     }
 }
 
 /// One vec4 of a step's slice that this invocation stages: row `row` of the staged slice, vec4
-/// `c4` along it, held in `next` between the read and the store.
+/// `c4` along it, read from the flat index `base` (+ the step's offset; four indices on the
+/// scalar paths), held in `next` between the read and the store.
 struct Slot {
     row: Expr<u32>,
     c4: Expr<u32>,
+    base: Vec<Expr<u32>>,
     next: Var<Vec4<F16>>,
 }
 
-/// The slots of a slice of `rows × width` halves shared by `threads` invocations.
-fn slots(k: &mut KernelBuilder, operand: &str, rows: u32, width: u32, threads: u32) -> Vec<Slot> {
-    let lid = k.local_index();
-    let per_row = width / 4;
-    (0..rows * per_row / threads)
-        .map(|i| {
-            let s = super::offset(&lid, i * threads);
-            Slot {
-                row: k.let_(&format!("{operand}_row"), &s / per_row),
-                c4: k.let_(&format!("{operand}_c4"), &s % per_row),
-                next: k.var(
-                    &format!("{operand}_next"),
-                    Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0)),
-                ),
-            }
-        })
-        .collect()
+/// Which way an operand's rows run in memory.
+#[derive(Clone, Copy, PartialEq)]
+enum Along {
+    /// `[rows, depth]`: `A`, and `W` read through `·Wᵀ`. A slice is `rows × bk`.
+    Depth,
+    /// `[depth, cols]`: `W` read through `·W`. A slice is `bk × cols`.
+    Columns,
 }
 
-/// How one operand's slice is read: a matrix `[rows, width]` row-major, the slice `origin`
-/// rows down and `first` along (both runtime), rows past `rows` and elements past `width`
-/// zero. `known_rows` / `known_width`: the slices never pass that edge (no check is made).
+/// How one operand's slices are read. The dimension that is not the depth (`A`'s rows, the
+/// output's columns) starts at `origin` and is clamped to `fixed_last`: what lies past it only
+/// feeds outputs that are never stored. The depth past `depth` is zero (it feeds every output).
 struct Staged<'a> {
     source: &'a Source,
-    rows: Expr<u32>,
+    along: Along,
+    origin: &'a Expr<u32>,
+    fixed_last: Expr<u32>,
+    /// Elements a row of the operand in memory.
     width: u32,
-    known_rows: bool,
-    known_width: bool,
+    depth: u32,
+    /// The depth is not a multiple of the step: the last step passes it.
+    partial: bool,
+    /// The buffer's last element (reads are clamped to it where they may pass it).
     last: Expr<u32>,
 }
 
 impl Staged<'_> {
-    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], origin: &Expr<u32>, first: &Expr<u32>) {
+    /// The slots of this operand's slice (`rows × width` halves staged, shared by `threads`
+    /// invocations), their loop-invariant read positions computed once.
+    fn slots(
+        &self,
+        k: &mut KernelBuilder,
+        operand: &str,
+        (rows, width): (u32, u32),
+        threads: u32,
+    ) -> Vec<Slot> {
+        let lid = k.local_index();
+        let per_row = width / 4;
+        // Invocations cover whole rows of the slice per round (CoopTile::check): every slot's
+        // position is the first's plus constants.
+        let row0 = k.let_(&format!("{operand}_row"), &lid / per_row);
+        let c4 = k.let_(&format!("{operand}_c4"), &lid % per_row);
+        let col0 = k.let_(&format!("{operand}_col"), &c4 * 4u32);
+        (0..rows * per_row / threads)
+            .map(|i| {
+                let row = super::offset(&row0, i * (threads / per_row));
+                let base = match self.along {
+                    Along::Depth => {
+                        let r = (self.origin + &row).min(&self.fixed_last);
+                        vec![k.let_(&format!("{operand}_base"), r * self.width + &col0)]
+                    }
+                    Along::Columns => {
+                        let lanes = if self.source.is_vec4() { 1 } else { 4 };
+                        (0..lanes)
+                            .map(|q| {
+                                let c = super::offset(&(self.origin + &col0), q);
+                                let c = c.min(&self.fixed_last);
+                                k.let_(&format!("{operand}_base"), &row * self.width + c)
+                            })
+                            .collect()
+                    }
+                };
+                Slot {
+                    row,
+                    c4: c4.clone(),
+                    base,
+                    next: k.var(
+                        &format!("{operand}_next"),
+                        Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0)),
+                    ),
+                }
+            })
+            .collect()
+    }
+
+    /// Read each slot's vec4 for the step starting at depth `d0`.
+    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>) {
+        let step = match self.along {
+            Along::Depth => d0.clone(),
+            Along::Columns => k.let_("d0_offset", d0 * self.width),
+        };
         for slot in slots {
-            let row = k.let_("row", origin + &slot.row);
-            let col = k.let_("col", first + &slot.c4 * 4u32);
-            let at = k.let_("at", &row * self.width + &col);
-            let row_ok = (!self.known_rows).then(|| row.lt(&self.rows));
-            let width = self.width;
-            let known_width = self.known_width;
-            let valid = |q: u32| {
-                let col_ok = (!known_width).then(|| super::offset(&col, q).lt(width));
-                and(row_ok.clone(), col_ok)
+            let at: Vec<Expr<u32>> = match (&slot.base[..], self.source.is_vec4()) {
+                ([base], true) => vec![base + &step],
+                ([base], false) => (0..4).map(|q| super::offset(&(base + &step), q)).collect(),
+                (bases, _) => bases.iter().map(|b| b + &step).collect(),
             };
-            let value = self.source.read(k, &at, &valid, &self.last);
+            let (depth, partial) = (self.depth, self.partial);
+            let valid = |q: u32| {
+                partial.then(|| match self.along {
+                    Along::Depth => super::offset(&(d0 + &slot.c4 * 4u32), q).lt(depth),
+                    Along::Columns => (d0 + &slot.row).lt(depth),
+                })
+            };
+            let value = self
+                .source
+                .read(k, &at, &valid, self.partial.then_some(&self.last));
             k.assign(&slot.next, value);
         }
     }
@@ -328,8 +386,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
 
     let threads = tile.subgroups() * subgroup;
     let sg = k.let_("sg", k.subgroup_id());
-    let m0 = k.let_("m0", k.workgroup_id().y() * tile.bm);
-    let n0 = k.let_("n0", k.workgroup_id().x() * tile.bn);
+    let (m0, n0) = tile_origin(k, &rows, cols, &tile);
     let across = tile.bn / tile.wn;
     let wm0 = k.let_("wm0", (&sg / across) * tile.wm);
     let wn0 = k.let_("wn0", (&sg % across) * tile.wn);
@@ -343,42 +400,36 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
     };
     let b_stride = b_width + PAD;
     let b_tile = k.workgroup_array::<Vec4<F16>>("b_tile", b_rows * b_stride / 4);
-    let a_slots = slots(k, "a", tile.bm, tile.bk, threads);
-    let b_slots = slots(k, "b", b_rows, b_width, threads);
 
+    let partial = !depth.is_multiple_of(tile.bk);
     let staged_a = Staged {
         source: &a,
-        rows: rows.clone(),
+        along: Along::Depth,
+        origin: &m0,
+        fixed_last: k.let_("last_row", &rows - 1u32),
         width: depth,
-        known_rows: false,
-        known_width: depth.is_multiple_of(tile.bk),
+        depth,
+        partial,
         last: k.let_("a_last", &rows * depth - 1u32),
     };
-    let staged_w = match product {
-        Product::Nt => Staged {
-            source: &w,
-            rows: lit(cols),
-            width: depth,
-            known_rows: cols.is_multiple_of(tile.bn),
-            known_width: depth.is_multiple_of(tile.bk),
-            last: lit(cols * depth - 1),
+    let staged_w = Staged {
+        source: &w,
+        along: match product {
+            Product::Nt => Along::Depth,
+            Product::Nn => Along::Columns,
         },
-        Product::Nn => Staged {
-            source: &w,
-            rows: lit(depth),
-            width: cols,
-            known_rows: depth.is_multiple_of(tile.bk),
-            known_width: cols.is_multiple_of(tile.bn),
-            last: lit(cols * depth - 1),
-        },
+        origin: &n0,
+        fixed_last: lit(cols - 1),
+        width: w_width,
+        depth,
+        partial,
+        last: lit(cols * depth - 1),
     };
-    // Where a step's slices start: A at (m0, d0); W at (n0, d0) through ·Wᵀ, (d0, n0) through ·W.
+    let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads);
+    let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads);
     let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
-        staged_a.fetch(k, &a_slots, &m0, d0);
-        match product {
-            Product::Nt => staged_w.fetch(k, &b_slots, &n0, d0),
-            Product::Nn => staged_w.fetch(k, &b_slots, d0, &n0),
-        }
+        staged_a.fetch(k, &a_slots, d0);
+        staged_w.fetch(k, &b_slots, d0);
     };
 
     let (frag_rows, frag_cols) = (tile.wm / 16, tile.wn / 16);
@@ -463,7 +514,8 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
     {
         let mut inside = (&m0 + tile.bm).le(&rows);
         if !cols.is_multiple_of(tile.bn) {
-            inside = inside.and((&n0 + tile.bn).le(cols));
+            // `&`, not `&&`: naga counts a short-circuit's result as varying.
+            inside = inside & (&n0 + tile.bn).le(cols);
         }
         k.if_else(
             inside,
@@ -473,6 +525,31 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
     } else {
         epilogue.staged(k, &c_tile, &sg, subgroup);
     }
+}
+
+/// Rows of tiles taken together, for reuse of the weight's slices in the L2 cache.
+const GROUP_ROWS: u32 = 8;
+
+/// The first output row and column of this workgroup's tile. Workgroups run column by column
+/// within groups of `GROUP_ROWS` rows of tiles, so the ones in flight together share the
+/// weight's slices (and `A`'s) in the L2 cache: `workgroup_id` counts tiles row-major.
+fn tile_origin(
+    k: &mut KernelBuilder,
+    rows: &Expr<u32>,
+    cols: u32,
+    tile: &CoopTile,
+) -> (Expr<u32>, Expr<u32>) {
+    let across = cols.div_ceil(tile.bn);
+    let tile_rows = k.let_("tile_rows", (rows + (tile.bm - 1)) / tile.bm);
+    let wid = k.workgroup_id();
+    let id = k.let_("tile_id", wid.y() * across + wid.x());
+    let per_group = GROUP_ROWS * across;
+    let first = k.let_("first_row", &id / per_group * GROUP_ROWS);
+    let height = k.let_("group_rows", (&tile_rows - &first).min(GROUP_ROWS));
+    let within = k.let_("within", &id % per_group);
+    let m0 = k.let_("m0", (&first + &within % &height) * tile.bm);
+    let n0 = k.let_("n0", &within / &height * tile.bn);
+    (m0, n0)
 }
 
 /// How the accumulators reach `out`.
@@ -622,12 +699,14 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm) -> Option<super::GemmPath> {
 /// The standard tiles, largest first.
 pub const TILES: [CoopTile; 3] = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::SMALL];
 
-/// The tile for `gemm` when none is asked for: the largest standard tile that fits the device
-/// and still gives every one of ~132 multiprocessors (the H200's) a workgroup, else the one
-/// with the most workgroups.
+/// The tile for `gemm` when none is asked for. With autotuning on (`GpuOptions::autotune`),
+/// the fastest standard tile that fits the device, measured once per product and widths and
+/// power-of-two class of `m` (and remembered in the tune cache file). Otherwise, and where
+/// measuring fails, the largest standard tile that still gives every one of ~132
+/// multiprocessors (the H200's) a workgroup, else the one with the most workgroups.
 pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
     let limits = gpu.kernel_limits();
-    let (cols, _) = gemm.cols_depth();
+    let (cols, depth) = gemm.cols_depth();
     let fits = |t: &CoopTile| {
         t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
             && t.subgroups() * subgroup <= limits.max_invocations_per_workgroup
@@ -635,12 +714,72 @@ pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
     };
     let groups = |t: &CoopTile| gemm.m.div_ceil(t.bm as usize) * cols.div_ceil(t.bn as usize);
     let usable: Vec<CoopTile> = TILES.into_iter().filter(fits).collect();
-    usable
+    let default = usable
         .iter()
         .copied()
         .find(|t| groups(t) >= 132)
         .or_else(|| usable.last().copied())
-        .unwrap_or(CoopTile::SMALL)
+        .unwrap_or(CoopTile::SMALL);
+    if !gpu.autotunes() || usable.len() < 2 {
+        return default;
+    }
+    #[cfg(not(target_arch = "wasm32"))]
+    {
+        let class = gemm.m.next_power_of_two();
+        let key = format!(
+            "{} v1 cols={cols} depth={depth} m~{class} subgroup={subgroup}",
+            kernel_name(gemm.product)
+        );
+        let name = |t: &CoopTile| format!("{}x{}x{}_{}x{}", t.bm, t.bn, t.bk, t.wm, t.wn);
+        let measure =
+            |t: &CoopTile| measure_tile(gpu, gemm.product, (cols, depth, class), *t, subgroup);
+        gpu.tuned(&key, &usable, name, measure).unwrap_or(default)
+    }
+    #[cfg(target_arch = "wasm32")]
+    default
+}
+
+/// GPU nanoseconds of one launch at `tile` over `m` rows (fewer, to keep the scratch buffers
+/// under 256 MiB each), f16 inputs, f32 out: the median of a few after a short warm-up.
+#[cfg(not(target_arch = "wasm32"))]
+fn measure_tile(
+    gpu: &Gpu,
+    product: Product,
+    (cols, depth, m): (usize, usize, usize),
+    tile: CoopTile,
+    subgroup: u32,
+) -> Result<f64, ExecError> {
+    use hesper_exec::half::f16;
+    use hesper_exec::profile::{BenchConfig, bench};
+    let widest = cols.max(depth).max(1);
+    let m = m.min((64 << 20) / widest).max(tile.bm as usize);
+    let input = gpu.zeros::<f16>(m * depth)?;
+    let w = gpu.zeros::<f16>(cols * depth)?;
+    let mut out = gpu.zeros::<f32>(m * cols)?;
+    let launch = Launch {
+        product,
+        shape: (cols as u32, depth as u32),
+        m: m as u32,
+        tile,
+        subgroup,
+        accumulate: false,
+        scale: 1.0,
+    };
+    let config = BenchConfig {
+        warmup: std::time::Duration::from_millis(100),
+        reps: 5,
+    };
+    let measured = bench(gpu, "autotune", config, |rec| {
+        let out = super::OutputBuffer::F32(&mut out);
+        record(
+            rec,
+            &launch,
+            super::Operand::F16(&input),
+            super::Operand::F16(&w),
+            out,
+        )
+    })?;
+    Ok(measured.median_ns())
 }
 
 /// Record the launch: `output (+)= scale·input·B(W)`.
