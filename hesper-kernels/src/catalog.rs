@@ -45,6 +45,7 @@ use hesper_exec::ExecError;
 
 use crate::attention::SeqTile;
 use crate::attention::sequence::build::Blocked;
+use crate::linear::coop::CoopTile;
 use crate::linear::{Product, Tile};
 use crate::{argmax, attention, elementwise, ffn, linear, lora, loss, norm, optim, rope};
 
@@ -589,7 +590,53 @@ fn blocked(s: &Shape<'_>, which: Blocked) -> Result<Kernel, Failure> {
 fn gemm(s: &Shape<'_>, kernel: (Product, bool)) -> Result<Kernel, Failure> {
     let dims = (s.u32("cols"), s.u32("depth"));
     let tile = s.parse("tile", gemm_tile)?;
-    linear::build::gemm(kernel, dims, tile, s.bool("accumulate"), s.limits())
+    // The ternary GEMMs take no f16 buffers.
+    let flag = |name| !kernel.1 && s.bool(name);
+    let half = linear::HalfBuffers {
+        input: flag("input_f16"),
+        weight: flag("weight_f16"),
+        output: flag("output_f16"),
+    };
+    linear::build::gemm(kernel, dims, tile, (s.bool("accumulate"), half), s.limits())
+}
+
+/// `BMxBNxBK_WMxWN` or a standard tensor-core tile's name.
+fn coop_tile(text: &str) -> Option<CoopTile> {
+    let named = match text {
+        "large" => Some(CoopTile::LARGE),
+        "medium" => Some(CoopTile::MEDIUM),
+        "small" => Some(CoopTile::SMALL),
+        _ => None,
+    };
+    if named.is_some() {
+        return named;
+    }
+    let (block, subgroup) = text.split_once('_')?;
+    match (&numbers(block)?[..], &numbers(subgroup)?[..]) {
+        (&[bm, bn, bk], &[wm, wn]) => Some(CoopTile { bm, bn, bk, wm, wn }),
+        _ => None,
+    }
+}
+
+/// The tensor-core GEMMs, whose parameters are alike.
+fn coop_gemm(s: &Shape<'_>, product: Product) -> Result<Kernel, Failure> {
+    let dims = (s.u32("cols"), s.u32("depth"));
+    let tile = s.parse("tile", coop_tile)?;
+    let types = linear::coop::Types {
+        input_f16: s.bool("input_f16"),
+        weight_f16: s.bool("weight_f16"),
+        output_f16: s.bool("output_f16"),
+    };
+    let subgroup = s.u32("subgroup");
+    let accumulate = s.bool("accumulate");
+    linear::coop::build::gemm(
+        product,
+        dims,
+        (tile, subgroup),
+        types,
+        accumulate,
+        s.limits(),
+    )
 }
 
 /// The row width, rank and layout of the LoRA kernels.
@@ -669,10 +716,38 @@ const GEMM_TILE: Param = Param {
           (the executor's: medium 64x64x16_8x8; large 128x128x8_8x8, small 64x64x16_4x4, \
           portable 64x64x8_4x8)",
 };
+const COOP_TILE: Param = Param {
+    name: "tile",
+    kind: Kind::Text("a tile BMxBNxBK_WMxWN (e.g. 128x256x32_64x64), or large, medium or small"),
+    default: "32x32x16_16x16",
+    doc: "bm×bn outputs per workgroup, bk of the depth a step, wm×wn per subgroup (the \
+          standard tiles: large 128x256x32_64x64, medium 128x128x32_64x32, small \
+          64x64x32_32x32; the executor tunes among them)",
+};
+const COOP_SUBGROUP: Param = u32_param(
+    "subgroup",
+    "32",
+    "invocations a subgroup (the device's fixed size: NVIDIA 32)",
+);
 const GEMM_ACCUMULATE: Param = bool_param(
     "accumulate",
     "false",
     "add into the output rather than overwrite it",
+);
+const HALF_INPUT: Param = bool_param(
+    "input_f16",
+    "false",
+    "the input is f16, read as f32 (a key holds it only when true)",
+);
+const HALF_WEIGHT: Param = bool_param(
+    "weight_f16",
+    "false",
+    "the weight is f16, read as f32 (a key holds it only when true)",
+);
+const HALF_OUTPUT: Param = bool_param(
+    "output_f16",
+    "false",
+    "the output is f16, rounded when stored (a key holds it only when true)",
 );
 const GEMM_ACCUMULATE_ON: Param = Param {
     default: "true",
@@ -686,7 +761,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 41] = [
+static ENTRIES: [Entry; 43] = [
     // argmax
     Entry {
         name: "argmax",
@@ -951,6 +1026,9 @@ static ENTRIES: [Entry; 41] = [
             u32_param("depth", "64", "the contraction: the weight's rows n"),
             GEMM_TILE,
             GEMM_ACCUMULATE_ON,
+            HALF_INPUT,
+            HALF_WEIGHT,
+            HALF_OUTPUT,
         ],
         build: |s| gemm(s, (Product::Nn, false)),
     },
@@ -963,8 +1041,61 @@ static ENTRIES: [Entry; 41] = [
             u32_param("depth", "36", "the contraction: the weight's columns k"),
             GEMM_TILE,
             GEMM_ACCUMULATE,
+            HALF_INPUT,
+            HALF_WEIGHT,
+            HALF_OUTPUT,
         ],
         build: |s| gemm(s, (Product::Nt, false)),
+    },
+    Entry {
+        name: "coop_matmul_nn",
+        module: "linear::coop",
+        summary: "the GEMM back through a dense weight on tensor cores (cooperative matrices): \
+                  dx (+)= s·dy·W, f16 products summed in f32",
+        params: &[
+            u32_param("cols", "64", "output columns: the weight's columns k"),
+            u32_param("depth", "32", "the contraction: the weight's rows n"),
+            COOP_TILE,
+            COOP_SUBGROUP,
+            bool_param(
+                "input_f16",
+                "true",
+                "dy is f16 (else f32, rounded as it is read)",
+            ),
+            bool_param(
+                "weight_f16",
+                "true",
+                "the weight is f16 (else f32, rounded)",
+            ),
+            bool_param("output_f16", "false", "dx is f16 (else f32)"),
+            GEMM_ACCUMULATE_ON,
+        ],
+        build: |s| coop_gemm(s, Product::Nn),
+    },
+    Entry {
+        name: "coop_matmul_nt",
+        module: "linear::coop",
+        summary: "the GEMM through a dense weight on tensor cores (cooperative matrices): \
+                  y (+)= s·x·Wᵀ, f16 products summed in f32",
+        params: &[
+            u32_param("cols", "60", "output columns: the weight's rows n"),
+            u32_param("depth", "36", "the contraction: the weight's columns k"),
+            COOP_TILE,
+            COOP_SUBGROUP,
+            bool_param(
+                "input_f16",
+                "false",
+                "x is f16 (else f32, rounded as it is read)",
+            ),
+            bool_param(
+                "weight_f16",
+                "false",
+                "the weight is f16 (else f32, rounded)",
+            ),
+            bool_param("output_f16", "true", "y is f16 (else f32)"),
+            GEMM_ACCUMULATE,
+        ],
+        build: |s| coop_gemm(s, Product::Nt),
     },
     // lora
     Entry {

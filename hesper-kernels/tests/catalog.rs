@@ -47,7 +47,7 @@ fn error(name: &str, pairs: &[(&str, &str)]) -> (CatalogError, String) {
 #[test]
 fn entries_are_sorted_by_module_then_name_with_unique_names() {
     let entries = catalog::entries();
-    assert_eq!(entries.len(), 41);
+    assert_eq!(entries.len(), 43);
     for pair in entries.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         assert!(
@@ -120,6 +120,18 @@ fn values_of(entry: &Entry, key: &KernelKey) -> Vec<(String, String)> {
         .map(|p| {
             let value = match p.name {
                 "subgroups" => key.feature_set().contains(Features::SUBGROUPS).to_string(),
+                "tile" if key.get("wm").is_some() => format!(
+                    "{}x{}x{}_{}x{}",
+                    shape("bm"),
+                    shape("bn"),
+                    shape("bk"),
+                    shape("wm"),
+                    shape("wn")
+                ),
+                // The tiled GEMM's key holds its f16 flags only when they are set.
+                "input_f16" | "weight_f16" | "output_f16" if key.get(p.name).is_none() => {
+                    "false".into()
+                }
                 "tile" if key.get("bm").is_some() => format!(
                     "{}x{}x{}_{}x{}",
                     shape("bm"),

@@ -293,15 +293,3 @@ fn refusals() {
     };
     assert!(refused, "{err}");
 }
-
-#[test]
-fn wgsl_snapshots() {
-    let names = [
-        "coop_matmul_nt_cols60_depth36_f32_to_f16",
-        "coop_matmul_nn_cols64_depth32_f16_accumulate",
-    ];
-    let kernels = coop::kernels().unwrap();
-    for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
-        insta::assert_snapshot!(name, k.wgsl());
-    }
-}

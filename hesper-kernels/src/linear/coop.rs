@@ -368,6 +368,14 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
     };
     let accumulate = k.shape::<bool>("accumulate");
     let (input_name, output_name) = product.names();
+    if cols == 0 || depth == 0 || cols.checked_mul(depth).is_none() {
+        k.error(hesper_dsl::ErrorKind::TypeMismatch {
+            item: "shape `cols` × `depth`".into(),
+            expected: "at least 1 each, the weight's elements within u32".into(),
+            found: format!("{cols} × {depth}"),
+        });
+        return;
+    }
 
     // Rows of `A` (and of `W` through `·Wᵀ`) run along the depth; of `W` through `·W`, along
     // the columns.
@@ -660,6 +668,28 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     ])
 }
 
+/// The tensor-core GEMMs at any shape and tile, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// `coop_matmul_nt` or `coop_matmul_nn`, the tile checked first.
+    pub(crate) fn gemm(
+        product: Product,
+        (cols, depth): (u32, u32),
+        (tile, subgroup): (CoopTile, u32),
+        types: Types,
+        accumulate: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        tile.check(kernel_name(product), subgroup)?;
+        let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
+        Ok(Kernel::build_with_limits(&key, limits, |k| {
+            kernel(k, product)
+        })?)
+    }
+}
+
 /// The subgroup size a device lays its tensor-core GEMMs out for, when it can run them: it
 /// offers 16×16 f16·f16 + f32 cooperative matrices and has subgroups of one fixed size.
 pub fn subgroup_size(gpu: &Gpu) -> Option<u32> {
@@ -731,8 +761,13 @@ pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
             kernel_name(gemm.product)
         );
         let name = |t: &CoopTile| format!("{}x{}x{}_{}x{}", t.bm, t.bn, t.bk, t.wm, t.wn);
-        let measure =
-            |t: &CoopTile| measure_tile(gpu, gemm.product, (cols, depth, class), *t, subgroup);
+        // The first tile measured brings the clock up; the rest follow it closely.
+        let warm = std::cell::Cell::new(false);
+        let measure = |t: &CoopTile| {
+            let warmup = if warm.replace(true) { 200 } else { 1000 };
+            let shape = (cols, depth, class);
+            measure_tile(gpu, gemm.product, shape, *t, subgroup, warmup)
+        };
         gpu.tuned(&key, &usable, name, measure).unwrap_or(default)
     }
     #[cfg(target_arch = "wasm32")]
@@ -740,7 +775,8 @@ pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
 }
 
 /// GPU nanoseconds of one launch at `tile` over `m` rows (fewer, to keep the scratch buffers
-/// under 256 MiB each), f16 inputs, f32 out: the median of a few after a short warm-up.
+/// under 256 MiB each), f16 inputs, f32 out: the median of 10 after `warmup_ms` of warm-up (a
+/// GPU's clock falls within a second of idling; the first tile measured must bring it up).
 #[cfg(not(target_arch = "wasm32"))]
 fn measure_tile(
     gpu: &Gpu,
@@ -748,6 +784,7 @@ fn measure_tile(
     (cols, depth, m): (usize, usize, usize),
     tile: CoopTile,
     subgroup: u32,
+    warmup_ms: u64,
 ) -> Result<f64, ExecError> {
     use hesper_exec::half::f16;
     use hesper_exec::profile::{BenchConfig, bench};
@@ -766,8 +803,8 @@ fn measure_tile(
         scale: 1.0,
     };
     let config = BenchConfig {
-        warmup: std::time::Duration::from_millis(100),
-        reps: 5,
+        warmup: std::time::Duration::from_millis(warmup_ms),
+        reps: 10,
     };
     let measured = bench(gpu, "autotune", config, |rec| {
         let out = super::OutputBuffer::F32(&mut out);

@@ -850,13 +850,22 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
             gemm_kernel(k, product, ternary)
         })
     };
+    // f16 weight and output, read and written as f32 (the fallback of `Precision::F16`).
+    let half = HalfBuffers {
+        input: false,
+        weight: true,
+        output: true,
+    };
+    let half_key = gemm_key_with(Product::Nn, false, (32, 64), tile, false, half);
     Ok(vec![
         build(Product::Nt, false, (60, 36), false)?,
         build(Product::Nn, false, (32, 64), true)?,
         build(Product::Nt, true, (64, 32), false)?,
         build(Product::Nn, true, (32, 64), true)?,
+        Kernel::build(&half_key, |k| gemm_kernel(k, Product::Nn, false))?,
     ]
     .into_iter()
+    .chain(coop::kernels()?)
     .chain(gemv::kernels()?)
     .collect())
 }
@@ -872,11 +881,11 @@ pub(crate) mod build {
         (product, ternary): (Product, bool),
         (cols, depth): (u32, u32),
         tile: Tile,
-        accumulate: bool,
+        (accumulate, half): (bool, HalfBuffers),
         limits: &Limits,
     ) -> Result<Kernel, Failure> {
         tile.check(kernel_name(product, ternary))?;
-        let key = gemm_key(product, ternary, (cols, depth), tile, accumulate);
+        let key = gemm_key_with(product, ternary, (cols, depth), tile, accumulate, half);
         Ok(Kernel::build_with_limits(&key, limits, |k| {
             gemm_kernel(k, product, ternary)
         })?)
@@ -932,21 +941,9 @@ pub fn execute_gemm<'a>(
     expect_u32(name, "n", gemm.n)?;
     expect_u32(name, "k", gemm.k)?;
     // Ternary weights, and dense ones in `gemv`, are indexed by their flat position.
-    expect_u32(
-        name,
-        "n·k",
-        gemm.n.checked_mul(gemm.k).unwrap_or(usize::MAX),
-    )?;
-    expect_u32(
-        name,
-        "m·n",
-        gemm.m.checked_mul(gemm.n).unwrap_or(usize::MAX),
-    )?;
-    expect_u32(
-        name,
-        "m·k",
-        gemm.m.checked_mul(gemm.k).unwrap_or(usize::MAX),
-    )?;
+    expect_u32(name, "n·k", gemm.n.saturating_mul(gemm.k))?;
+    expect_u32(name, "m·n", gemm.m.saturating_mul(gemm.n))?;
+    expect_u32(name, "m·k", gemm.m.saturating_mul(gemm.k))?;
     let tile = gemm.tile.within(&rec.gpu().kernel_limits());
     tile.check(name)?;
     match input {
