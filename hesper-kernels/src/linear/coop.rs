@@ -736,7 +736,7 @@ pub const TILES: [CoopTile; 3] = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::S
 /// multiprocessors (the H200's) a workgroup, else the one with the most workgroups.
 pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
     let limits = gpu.kernel_limits();
-    let (cols, depth) = gemm.cols_depth();
+    let (cols, _) = gemm.cols_depth();
     let fits = |t: &CoopTile| {
         t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
             && t.subgroups() * subgroup <= limits.max_invocations_per_workgroup
@@ -753,25 +753,39 @@ pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
     if !gpu.autotunes() || usable.len() < 2 {
         return default;
     }
-    #[cfg(not(target_arch = "wasm32"))]
-    {
-        let class = gemm.m.next_power_of_two();
-        let key = format!(
-            "{} v1 cols={cols} depth={depth} m~{class} subgroup={subgroup}",
-            kernel_name(gemm.product)
-        );
-        let name = |t: &CoopTile| format!("{}x{}x{}_{}x{}", t.bm, t.bn, t.bk, t.wm, t.wn);
-        // The first tile measured brings the clock up; the rest follow it closely.
-        let warm = std::cell::Cell::new(false);
-        let measure = |t: &CoopTile| {
-            let warmup = if warm.replace(true) { 200 } else { 1000 };
-            let shape = (cols, depth, class);
-            measure_tile(gpu, gemm.product, shape, *t, subgroup, warmup)
-        };
-        gpu.tuned(&key, &usable, name, measure).unwrap_or(default)
-    }
-    #[cfg(target_arch = "wasm32")]
-    default
+    tuned_tile(gpu, gemm, &usable, subgroup).unwrap_or(default)
+}
+
+/// The fastest of `usable` for `gemm`'s product, widths and class of `m`, measured once on this
+/// device (`Gpu::tuned`); `None` when measuring fails.
+#[cfg(not(target_arch = "wasm32"))]
+fn tuned_tile(
+    gpu: &Gpu,
+    gemm: &super::Gemm,
+    usable: &[CoopTile],
+    subgroup: u32,
+) -> Option<CoopTile> {
+    let (cols, depth) = gemm.cols_depth();
+    let class = gemm.m.next_power_of_two();
+    let key = format!(
+        "{} v1 cols={cols} depth={depth} m~{class} subgroup={subgroup}",
+        kernel_name(gemm.product)
+    );
+    let name = |t: &CoopTile| format!("{}x{}x{}_{}x{}", t.bm, t.bn, t.bk, t.wm, t.wn);
+    // The first tile measured brings the clock up; the rest follow it closely.
+    let warm = std::cell::Cell::new(false);
+    let measure = |t: &CoopTile| {
+        let warmup = if warm.replace(true) { 200 } else { 1000 };
+        let shape = (cols, depth, class);
+        measure_tile(gpu, gemm.product, shape, *t, subgroup, warmup)
+    };
+    gpu.tuned(&key, usable, name, measure).ok()
+}
+
+/// In a web page nothing is measured (it would block the page).
+#[cfg(target_arch = "wasm32")]
+fn tuned_tile(_: &Gpu, _: &super::Gemm, _: &[CoopTile], _: u32) -> Option<CoopTile> {
+    None
 }
 
 /// GPU nanoseconds of one launch at `tile` over `m` rows (fewer, to keep the scratch buffers
