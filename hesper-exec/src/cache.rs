@@ -257,9 +257,6 @@ impl Gpu {
         if kernel.uses_subgroups() && !has(wgpu::Features::SUBGROUP) {
             return Err(missing("SUBGROUP", wgpu::Features::SUBGROUP));
         }
-        if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
-            return Err(missing("SHADER_F16", wgpu::Features::SHADER_F16));
-        }
         if kernel.uses_cooperative_matrix() {
             let coop = wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX;
             if !has(coop) {
@@ -282,6 +279,9 @@ impl Gpu {
                     },
                 });
             }
+        }
+        if kernel.uses_f16() && !has(wgpu::Features::SHADER_F16) {
+            return Err(missing("SHADER_F16", wgpu::Features::SHADER_F16));
         }
         if kernel.params_as_immediates()
             && !kernel.params().is_empty()

@@ -231,6 +231,8 @@ pub enum Precision {
     /// f16 inputs (f32 buffers rounded to f16 as they are read) multiplied on the tensor cores
     /// and summed in f32, where the device offers them (cooperative matrices, opened with
     /// `GpuOptions::cooperative_matrix`); elsewhere the f32 GEMM, which is at least as exact.
+    /// f16 holds ±65504 at most: WGSL leaves the rounding of a larger f32 to the device (NVIDIA
+    /// gives ±∞), so the products it feeds are not finite, which the result shows.
     F16,
 }
 
@@ -979,14 +981,18 @@ pub fn execute_gemm<'a>(
         output: matches!(output, OutputBuffer::F16(_)),
     };
     if half.any() && !rec.gpu().supports_f16() {
+        // f16 buffers are read and written as f16.
+        let gpu = rec.gpu();
         return Err(ExecError::MissingFeature {
             kernel: name.into(),
             feature: "SHADER_F16",
-            why: format!(
-                "f16 buffers are read and written as f16, which `{}` does not have \
-                 (or this Gpu was opened without)",
-                rec.gpu().adapter_info().name
-            ),
+            why: match gpu
+                .adapter_features()
+                .contains(hesper_exec::wgpu::Features::SHADER_F16)
+            {
+                true => "this Gpu was opened without (GpuOptions)".into(),
+                false => format!("`{}` does not have", gpu.adapter_info().name),
+            },
         });
     }
     match gemm_path(rec.gpu(), gemm, &weights, half.any()) {
