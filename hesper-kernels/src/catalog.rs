@@ -606,6 +606,8 @@ fn coop_tile(text: &str) -> Option<CoopTile> {
         "large" => Some(CoopTile::LARGE),
         "medium" => Some(CoopTile::MEDIUM),
         "small" => Some(CoopTile::SMALL),
+        "tall" => Some(CoopTile::TALL),
+        "narrow" => Some(CoopTile::NARROW),
         _ => None,
     };
     if named.is_some() {
@@ -718,11 +720,14 @@ const GEMM_TILE: Param = Param {
 };
 const COOP_TILE: Param = Param {
     name: "tile",
-    kind: Kind::Text("a tile BMxBNxBK_WMxWN (e.g. 128x256x32_64x64), or large, medium or small"),
+    kind: Kind::Text(
+        "a tile BMxBNxBK_WMxWN (e.g. 128x256x32_64x64), or large, medium, tall, small or narrow",
+    ),
     default: "32x32x16_16x16",
     doc: "bm×bn outputs per workgroup, bk of the depth a step, wm×wn per subgroup (the \
-          standard tiles: large 128x256x32_64x64, medium 128x128x32_64x32, small \
-          64x64x32_32x32; the executor tunes among them)",
+          standard tiles: large 128x256x32_64x64, medium 128x128x32_64x32, tall \
+          128x64x32_64x32, small 64x64x32_32x32, narrow 64x32x32_32x16; the executor tunes \
+          among them)",
 };
 const COOP_SUBGROUP: Param = u32_param(
     "subgroup",

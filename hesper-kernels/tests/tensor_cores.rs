@@ -213,12 +213,8 @@ fn every_tile_matches_reference() {
         wm: 32,
         wn: 32,
     };
-    let tiles = [
-        CoopTile::LARGE,
-        CoopTile::MEDIUM,
-        CoopTile::SMALL,
-        one_subgroup,
-    ];
+    let mut tiles = coop::TILES.to_vec();
+    tiles.push(one_subgroup);
     for (t, tile) in tiles.into_iter().enumerate() {
         for (p, product) in [Product::Nt, Product::Nn].into_iter().enumerate() {
             let gemm = Gemm {

@@ -29,7 +29,7 @@ fn main() {
 }
 
 /// The tiles measured beside the standard ones.
-const EXTRA_TILES: [CoopTile; 4] = [
+const EXTRA_TILES: [CoopTile; 2] = [
     CoopTile {
         bm: 256,
         bn: 128,
@@ -43,20 +43,6 @@ const EXTRA_TILES: [CoopTile; 4] = [
         bk: 64,
         wm: 64,
         wn: 32,
-    },
-    CoopTile {
-        bm: 128,
-        bn: 256,
-        bk: 16,
-        wm: 64,
-        wn: 64,
-    },
-    CoopTile {
-        bm: 64,
-        bn: 128,
-        bk: 32,
-        wm: 32,
-        wn: 64,
     },
 ];
 

@@ -61,6 +61,14 @@ impl CoopTile {
         wm: 64,
         wn: 32,
     };
+    /// 128×64, 32 deep, 64×32 a subgroup: 4 subgroups.
+    pub const TALL: CoopTile = CoopTile {
+        bm: 128,
+        bn: 64,
+        bk: 32,
+        wm: 64,
+        wn: 32,
+    };
     /// 64×64, 32 deep, 32×32 a subgroup: 4 subgroups (narrow layers: more workgroups).
     pub const SMALL: CoopTile = CoopTile {
         bm: 64,
@@ -68,6 +76,14 @@ impl CoopTile {
         bk: 32,
         wm: 32,
         wn: 32,
+    };
+    /// 64×32, 32 deep, 32×16 a subgroup: 4 subgroups (the narrowest layers).
+    pub const NARROW: CoopTile = CoopTile {
+        bm: 64,
+        bn: 32,
+        bk: 32,
+        wm: 32,
+        wn: 16,
     };
 
     /// Subgroups per workgroup.
@@ -727,7 +743,13 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm) -> Option<super::GemmPath> {
 }
 
 /// The standard tiles, largest first.
-pub const TILES: [CoopTile; 3] = [CoopTile::LARGE, CoopTile::MEDIUM, CoopTile::SMALL];
+pub const TILES: [CoopTile; 5] = [
+    CoopTile::LARGE,
+    CoopTile::MEDIUM,
+    CoopTile::TALL,
+    CoopTile::SMALL,
+    CoopTile::NARROW,
+];
 
 /// The tile for `gemm` when none is asked for. With autotuning on (`GpuOptions::autotune`),
 /// the fastest standard tile that fits the device, measured once per product and widths and
