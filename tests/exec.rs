@@ -596,6 +596,11 @@ fn autotune_measures_once_and_remembers_in_its_file() {
         16
     );
     assert_eq!(g.autotune_runs(), 2);
+    let first = &g.autotune_reports()[0];
+    assert_eq!(first.key, "gemm v1 a");
+    assert_eq!(first.chosen.as_deref(), Some("tile32"));
+    assert_eq!(first.measured[0], ("tile16".to_string(), Ok(3.0)));
+    assert!(matches!(&first.measured[2].1, Err(e) if e.contains("too big")));
     // Every candidate failing is an error, remembered nowhere.
     let fail = |_: &u32| -> Result<f64, ExecError> { Err(ExecError::Device("no".into())) };
     assert!(g.tuned("gemm v1 c", &tiles, name, fail).is_err());

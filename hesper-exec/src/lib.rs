@@ -38,6 +38,6 @@ pub use gpu::{DriverCacheStatus, Gpu, GpuOptions};
 pub use half;
 pub use launch::{Args, Grid, LaunchCache, LaunchTiming, MAX_TIMED_LAUNCHES, ParamValue, Recorder};
 pub use pool::{PooledDevices, pooled_devices};
-pub use tune::TuneFileStatus;
+pub use tune::{TuneFileStatus, TuneReport};
 /// The wgpu this crate is built on (its types appear in `GpuOptions` and `Gpu::device`).
 pub use wgpu;

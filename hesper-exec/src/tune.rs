@@ -28,6 +28,17 @@ pub(crate) struct TuneCache {
     runs: AtomicU64,
     /// Lines of the file that were ignored when it was read.
     ignored: AtomicU64,
+    /// What each measurement found, in order.
+    reports: Mutex<Vec<TuneReport>>,
+}
+
+/// One key's measurement: each candidate's time in nanoseconds, or why it failed, and the
+/// choice.
+#[derive(Clone, Debug)]
+pub struct TuneReport {
+    pub key: String,
+    pub measured: Vec<(String, Result<f64, String>)>,
+    pub chosen: Option<String>,
 }
 
 /// What the tune cache file held when the `Gpu` opened.
@@ -112,6 +123,10 @@ impl TuneCache {
         }
     }
 
+    fn reports(&self) -> std::sync::MutexGuard<'_, Vec<TuneReport>> {
+        self.reports.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, String>> {
         self.choices.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -148,8 +163,12 @@ impl Gpu {
         self.tune.runs.fetch_add(1, Ordering::Relaxed);
         let mut best: Option<(f64, T)> = None;
         let mut last_error = None;
+        let mut measured = vec![];
         for c in candidates {
-            match measure(c) {
+            let result = measure(c);
+            let shown = result.as_ref().map(|t| *t).map_err(|e| e.to_string());
+            measured.push((clean(name(c)), shown));
+            match result {
                 Ok(t) if best.is_none_or(|(b, _)| t < b) => best = Some((t, *c)),
                 Ok(_) => {}
                 Err(e) => {
@@ -158,14 +177,26 @@ impl Gpu {
                 }
             }
         }
-        match best {
-            Some((_, chosen)) => {
-                self.tune.lock().insert(key, clean(name(&chosen)));
-                Ok(chosen)
+        let chosen = best.map(|(_, c)| clean(name(&c)));
+        let report = TuneReport {
+            key: key.clone(),
+            measured,
+            chosen: chosen.clone(),
+        };
+        self.tune.reports().push(report);
+        match (best, chosen) {
+            (Some((_, c)), Some(chosen)) => {
+                self.tune.lock().insert(key, chosen);
+                Ok(c)
             }
-            None => Err(last_error
+            _ => Err(last_error
                 .unwrap_or_else(|| ExecError::Device(format!("autotune `{key}`: no candidates")))),
         }
+    }
+
+    /// Every measurement made since this `Gpu` opened, in order: what autotuning found.
+    pub fn autotune_reports(&self) -> Vec<TuneReport> {
+        self.tune.reports().clone()
     }
 
     /// How many times a key was measured since this `Gpu` opened (not found in memory or the

@@ -173,5 +173,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     println!("\nautotune runs: {}", gpu.autotune_runs());
+    for report in gpu.autotune_reports() {
+        let measured: Vec<String> = report
+            .measured
+            .iter()
+            .map(|(name, r)| match r {
+                Ok(ns) => format!("{name} {:.1} µs", ns / 1e3),
+                Err(e) => format!("{name} failed: {e}"),
+            })
+            .collect();
+        println!(
+            "- {}: {} → {:?}",
+            report.key,
+            measured.join(", "),
+            report.chosen
+        );
+    }
     Ok(())
 }

@@ -810,8 +810,8 @@ fn tuned_tile(_: &Gpu, _: &super::Gemm, _: &[CoopTile], _: u32) -> Option<CoopTi
     None
 }
 
-/// GPU nanoseconds of one launch at `tile` over `m` rows (fewer, to keep the scratch buffers
-/// under 256 MiB each), f16 inputs, f32 out: the median of 10 after `warmup_ms` of warm-up (a
+/// GPU nanoseconds of one launch at `tile` over `m` rows (fewer where the output would pass
+/// the device's largest binding), f16 inputs, f32 out: the median of 10 after `warmup_ms` of warm-up (a
 /// GPU's clock falls within a second of idling; the first tile measured must bring it up).
 #[cfg(not(target_arch = "wasm32"))]
 fn measure_tile(
@@ -825,7 +825,8 @@ fn measure_tile(
     use hesper_exec::half::f16;
     use hesper_exec::profile::{BenchConfig, bench};
     let widest = cols.max(depth).max(1);
-    let m = m.min((64 << 20) / widest).max(tile.bm as usize);
+    let binding = gpu.wgpu_limits().max_storage_buffer_binding_size as usize;
+    let m = m.min(binding / 4 / widest).max(tile.bm as usize);
     let input = gpu.zeros::<f16>(m * depth)?;
     let w = gpu.zeros::<f16>(cols * depth)?;
     let mut out = gpu.zeros::<f32>(m * cols)?;
