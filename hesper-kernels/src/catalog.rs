@@ -624,10 +624,10 @@ fn coop_tile(text: &str) -> Option<CoopTile> {
 fn coop_gemm(s: &Shape<'_>, product: Product) -> Result<Kernel, Failure> {
     let dims = (s.u32("cols"), s.u32("depth"));
     let tile = s.parse("tile", coop_tile)?;
-    let types = linear::coop::Types {
-        input_f16: s.bool("input_f16"),
-        weight_f16: s.bool("weight_f16"),
-        output_f16: s.bool("output_f16"),
+    let types = linear::HalfBuffers {
+        input: s.bool("input_f16"),
+        weight: s.bool("weight_f16"),
+        output: s.bool("output_f16"),
     };
     let subgroup = s.u32("subgroup");
     let accumulate = s.bool("accumulate");

@@ -75,7 +75,12 @@ fn check(gemm: &Gemm, halves: Halves, seed: u64) -> Option<GemmPath> {
         _ => unreachable!(),
     };
     let any_half = halves.input || halves.weight || halves.output;
-    let path = linear::gemm_path(g, gemm, &weights, any_half);
+    let half = linear::HalfBuffers {
+        input: halves.input,
+        weight: halves.weight,
+        output: halves.output,
+    };
+    let path = linear::gemm_path(g, gemm, &weights, half);
     let output = match (&mut out32, &mut out16) {
         (Some(b), _) => OutputBuffer::F32(b),
         (_, Some(b)) => OutputBuffer::F16(b),

@@ -17,7 +17,8 @@ use hesper::exec::profile::{BenchConfig, bench};
 use hesper::exec::{Gpu, GpuBuffer, GpuOptions};
 use hesper::kernels::linear::coop::{self, CoopTile};
 use hesper::kernels::linear::{
-    Gemm, GemmPath, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm, gemm_path,
+    Gemm, GemmPath, HalfBuffers, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm,
+    gemm_path,
 };
 use hesper::kernels::testing::Rng;
 
@@ -108,7 +109,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     ..Gemm::new(product, (m, n, k), false).with_precision(Precision::F16)
                 };
                 let weights = Weights::Half { w: &w, scale: 1.0 };
-                let used = match gemm_path(&gpu, &gemm, &weights, true) {
+                let half = HalfBuffers {
+                    input: true,
+                    weight: true,
+                    output: false,
+                };
+                let used = match gemm_path(&gpu, &gemm, &weights, half) {
                     GemmPath::TensorCores { tile, .. } => tile,
                     other => return Err(format!("not on the tensor cores: {other:?}").into()),
                 };
@@ -166,7 +172,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             })?;
             println!(
                 "| {label} Nt, f32 buffers | {m}×{n}×{k} | {:?} | {:.1} | {:.1} |",
-                gemm_path(&gpu, &gemm, &Weights::Dense(&w32), false),
+                gemm_path(&gpu, &gemm, &Weights::Dense(&w32), HalfBuffers::NONE),
                 r.median_ns() / 1e3,
                 r.tflop_per_s(flops)
             );

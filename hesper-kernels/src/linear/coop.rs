@@ -22,7 +22,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use hesper_exec::{ExecError, Gpu};
 
-use super::Product;
+use super::{HalfBuffers, Product};
 use crate::bad_tile;
 
 type TileA = CoopMat<F16, CoopA>;
@@ -123,14 +123,6 @@ impl CoopTile {
     }
 }
 
-/// The element types of one GEMM: its input `x` (or `dy`), its weight and its output.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Types {
-    pub input_f16: bool,
-    pub weight_f16: bool,
-    pub output_f16: bool,
-}
-
 pub(crate) fn kernel_name(product: Product) -> &'static str {
     match product {
         Product::Nt => "coop_matmul_nt",
@@ -145,7 +137,7 @@ pub(crate) fn key(
     (cols, depth): (u32, u32),
     tile: CoopTile,
     subgroup_size: u32,
-    types: Types,
+    types: HalfBuffers,
     accumulate: bool,
 ) -> KernelKey {
     KernelKey::new(kernel_name(product))
@@ -159,9 +151,9 @@ pub(crate) fn key(
         .shape("wm", tile.wm)
         .shape("wn", tile.wn)
         .shape("subgroup", subgroup_size)
-        .shape("input_f16", types.input_f16)
-        .shape("weight_f16", types.weight_f16)
-        .shape("output_f16", types.output_f16)
+        .shape("input_f16", types.input)
+        .shape("weight_f16", types.weight)
+        .shape("output_f16", types.output)
         .shape("accumulate", accumulate)
         // Every index is clamped into its buffer or guarded, and tile indices are in range by
         // construction: no runtime bounds checks (+59% on the probe's tile).
@@ -377,10 +369,10 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         wn: k.shape("wn"),
     };
     let subgroup = k.shape::<u32>("subgroup");
-    let types = Types {
-        input_f16: k.shape("input_f16"),
-        weight_f16: k.shape("weight_f16"),
-        output_f16: k.shape("output_f16"),
+    let types = HalfBuffers {
+        input: k.shape("input_f16"),
+        weight: k.shape("weight_f16"),
+        output: k.shape("output_f16"),
     };
     let accumulate = k.shape::<bool>("accumulate");
     let (input_name, output_name) = product.names();
@@ -399,9 +391,9 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         Product::Nt => depth,
         Product::Nn => cols,
     };
-    let a = Source::declare(k, input_name, types.input_f16, depth.is_multiple_of(4));
-    let w = Source::declare(k, "w", types.weight_f16, w_width.is_multiple_of(4));
-    let out = match types.output_f16 {
+    let a = Source::declare(k, input_name, types.input, depth.is_multiple_of(4));
+    let w = Source::declare(k, "w", types.weight, w_width.is_multiple_of(4));
+    let out = match types.output {
         true => Output::F16(k.storage_rw(output_name)),
         false => Output::F32(k.storage_rw(output_name)),
     };
@@ -668,15 +660,15 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
             kernel(k, product)
         })
     };
-    let f32_in = Types {
-        input_f16: false,
-        weight_f16: false,
-        output_f16: true,
+    let f32_in = HalfBuffers {
+        input: false,
+        weight: false,
+        output: true,
     };
-    let f16_in = Types {
-        input_f16: true,
-        weight_f16: true,
-        output_f16: false,
+    let f16_in = HalfBuffers {
+        input: true,
+        weight: true,
+        output: false,
     };
     Ok(vec![
         build(Product::Nt, (60, 36), f32_in, false)?,
@@ -694,7 +686,7 @@ pub(crate) mod build {
         product: Product,
         (cols, depth): (u32, u32),
         (tile, subgroup): (CoopTile, u32),
-        types: Types,
+        types: HalfBuffers,
         accumulate: bool,
         limits: &Limits,
     ) -> Result<Kernel, Failure> {
@@ -734,11 +726,11 @@ pub(crate) struct Launch {
 
 /// The tensor-core path for `gemm` on `gpu`, when the device offers it: the tile asked for, or
 /// the one [`choose_tile`] picks.
-pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm) -> Option<super::GemmPath> {
+pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm, half: HalfBuffers) -> Option<super::GemmPath> {
     let subgroup = subgroup_size(gpu)?;
     let tile = gemm
         .coop_tile
-        .unwrap_or_else(|| choose_tile(gpu, gemm, subgroup));
+        .unwrap_or_else(|| choose_tile(gpu, gemm, subgroup, half));
     Some(super::GemmPath::TensorCores { tile, subgroup })
 }
 
@@ -756,7 +748,7 @@ pub const TILES: [CoopTile; 5] = [
 /// power-of-two class of `m` (and remembered in the tune cache file). Otherwise, and where
 /// measuring fails, the largest standard tile that still gives every one of ~132
 /// multiprocessors (the H200's) a workgroup, else the one with the most workgroups.
-pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
+pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32, half: HalfBuffers) -> CoopTile {
     let limits = gpu.kernel_limits();
     let (cols, _) = gemm.cols_depth();
     let fits = |t: &CoopTile| {
@@ -775,7 +767,7 @@ pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32) -> CoopTile {
     if !gpu.autotunes() || usable.len() < 2 {
         return default;
     }
-    tuned_tile(gpu, gemm, &usable, subgroup).unwrap_or(default)
+    tuned_tile(gpu, gemm, &usable, subgroup, half).unwrap_or(default)
 }
 
 /// The fastest of `usable` for `gemm`'s product, widths and class of `m`, measured once on this
@@ -786,12 +778,17 @@ fn tuned_tile(
     gemm: &super::Gemm,
     usable: &[CoopTile],
     subgroup: u32,
+    half: HalfBuffers,
 ) -> Option<CoopTile> {
     let (cols, depth) = gemm.cols_depth();
     let class = gemm.m.next_power_of_two();
+    let ty = |f16: bool| if f16 { "f16" } else { "f32" };
     let key = format!(
-        "{} v1 cols={cols} depth={depth} m~{class} subgroup={subgroup}",
-        kernel_name(gemm.product)
+        "{} v1 cols={cols} depth={depth} m~{class} subgroup={subgroup} in={} w={} out={}",
+        kernel_name(gemm.product),
+        ty(half.input),
+        ty(half.weight),
+        ty(half.output)
     );
     let name = |t: &CoopTile| format!("{}x{}x{}_{}x{}", t.bm, t.bn, t.bk, t.wm, t.wn);
     // Every tile is measured at the first call (none when the key is remembered).
@@ -800,7 +797,7 @@ fn tuned_tile(
         let mut times = times.borrow_mut();
         let times = times.get_or_insert_with(|| {
             let shape = (cols, depth, class);
-            measure_tiles(gpu, gemm.product, shape, usable, subgroup)
+            measure_tiles(gpu, gemm.product, shape, usable, (subgroup, half))
         });
         let i = usable.iter().position(|u| u == t).expect("a candidate");
         times[i].clone().map_err(ExecError::Device)
@@ -810,12 +807,18 @@ fn tuned_tile(
 
 /// In a web page nothing is measured (it would block the page).
 #[cfg(target_arch = "wasm32")]
-fn tuned_tile(_: &Gpu, _: &super::Gemm, _: &[CoopTile], _: u32) -> Option<CoopTile> {
+fn tuned_tile(
+    _: &Gpu,
+    _: &super::Gemm,
+    _: &[CoopTile],
+    _: u32,
+    _: HalfBuffers,
+) -> Option<CoopTile> {
     None
 }
 
 /// GPU nanoseconds of one launch at each of `tiles` over `m` rows (fewer where the output
-/// would pass the device's largest binding), f16 inputs, f32 out. Every tile's pipeline is
+/// would pass the device's largest binding), with buffers of the GEMM's types. Every tile's pipeline is
 /// compiled and run once first, then the GPU is kept busy for a second (its clock falls within
 /// a second of idling and takes as long to climb back), then each tile is timed (medians of 10)
 /// in two rounds, of which the faster counts: measurements taken back to back, so that none
@@ -826,7 +829,7 @@ fn measure_tiles(
     product: Product,
     (cols, depth, m): (usize, usize, usize),
     tiles: &[CoopTile],
-    subgroup: u32,
+    (subgroup, half): (u32, HalfBuffers),
 ) -> Vec<Result<f64, String>> {
     use hesper_exec::half::f16;
     use hesper_exec::profile::{BenchConfig, bench};
@@ -835,17 +838,34 @@ fn measure_tiles(
     let binding = gpu.wgpu_limits().max_storage_buffer_binding_size as usize;
     let tallest = tiles.iter().map(|t| t.bm as usize).max().unwrap_or(1);
     let m = m.min(binding / 4 / widest).max(tallest);
-    let scratch = (|| {
+    /// A scratch buffer of either element type.
+    enum Scratch {
+        F16(hesper_exec::GpuBuffer<f16>),
+        F32(hesper_exec::GpuBuffer<f32>),
+    }
+    let scratch = |len: usize, f16: bool| -> Result<Scratch, ExecError> {
+        Ok(match f16 {
+            true => Scratch::F16(gpu.zeros(len)?),
+            false => Scratch::F32(gpu.zeros(len)?),
+        })
+    };
+    let buffers = (|| {
         Ok::<_, ExecError>((
-            gpu.zeros::<f16>(m * depth)?,
-            gpu.zeros::<f16>(cols * depth)?,
-            gpu.zeros::<f32>(m * cols)?,
+            scratch(m * depth, half.input)?,
+            scratch(cols * depth, half.weight)?,
+            scratch(m * cols, half.output)?,
         ))
     })();
-    let (input, w, mut out) = match scratch {
+    let (input, w, mut out) = match buffers {
         Ok(buffers) => buffers,
         Err(e) => return tiles.iter().map(|_| Err(e.to_string())).collect(),
     };
+    fn operand(b: &Scratch) -> super::Operand<'_> {
+        match b {
+            Scratch::F16(b) => super::Operand::F16(b),
+            Scratch::F32(b) => super::Operand::F32(b),
+        }
+    }
     let mut run = |tile: CoopTile, warmup_ms: u64| -> Result<f64, String> {
         let launch = Launch {
             product,
@@ -861,9 +881,11 @@ fn measure_tiles(
             reps: 10,
         };
         let measured = bench(gpu, "autotune", config, |rec| {
-            let out = super::OutputBuffer::F32(&mut out);
-            let (x, w) = (super::Operand::F16(&input), super::Operand::F16(&w));
-            record(rec, &launch, x, w, out)
+            let out = match &mut out {
+                Scratch::F16(b) => super::OutputBuffer::F16(b),
+                Scratch::F32(b) => super::OutputBuffer::F32(b),
+            };
+            record(rec, &launch, operand(&input), operand(&w), out)
         });
         measured.map(|m| m.median_ns()).map_err(|e| e.to_string())
     };
@@ -907,10 +929,10 @@ pub(crate) fn record(
     } = *launch;
     let name = kernel_name(product);
     tile.check(name, subgroup)?;
-    let types = Types {
-        input_f16: matches!(input, Operand::F16(_)),
-        weight_f16: matches!(w, Operand::F16(_)),
-        output_f16: matches!(output, OutputBuffer::F16(_)),
+    let types = HalfBuffers {
+        input: matches!(input, Operand::F16(_)),
+        weight: matches!(w, Operand::F16(_)),
+        output: matches!(output, OutputBuffer::F16(_)),
     };
     let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
     let kernel = rec.gpu().kernel(&key, |k| kernel(k, product))?;

@@ -894,10 +894,16 @@ pub(crate) mod build {
     }
 }
 
-/// The kernel [`execute_gemm`] runs for `gemm` with these weights on `gpu`: the tensor cores
-/// for [`Precision::F16`] where the device offers them, the shape suits a tile and the weights
-/// are dense; [`gemv`] for an all-f32 `·Wᵀ` over few rows; else the f32 tiled GEMM.
-pub fn gemm_path(gpu: &Gpu, gemm: &Gemm, weights: &Weights<'_>, f16_buffers: bool) -> GemmPath {
+/// The kernel [`execute_gemm`] runs for `gemm` with these weights and f16 buffers (`half`: the
+/// input's and output's, and the weight's, which `Weights::Half` is) on `gpu`: the tensor cores
+/// for [`Precision::F16`] where the device offers them and the weights are dense, at the tile
+/// asked for or chosen ([`coop::choose_tile`]); [`gemv`] for an all-f32 `·Wᵀ` over few rows;
+/// else the f32 tiled GEMM.
+pub fn gemm_path(gpu: &Gpu, gemm: &Gemm, weights: &Weights<'_>, half: HalfBuffers) -> GemmPath {
+    let half = HalfBuffers {
+        weight: matches!(weights, Weights::Half { .. }),
+        ..half
+    };
     let (cols, depth) = gemm.cols_depth();
     if gemm.m == 0 || cols == 0 || depth == 0 {
         return GemmPath::Empty;
@@ -905,13 +911,13 @@ pub fn gemm_path(gpu: &Gpu, gemm: &Gemm, weights: &Weights<'_>, f16_buffers: boo
     let dense = !matches!(weights, Weights::Ternary { .. });
     if gemm.precision == Precision::F16
         && dense
-        && let Some(path) = coop::path(gpu, gemm)
+        && let Some(path) = coop::path(gpu, gemm, half)
     {
         return path;
     }
     if let (Product::Nt, Weights::Dense(_)) = (gemm.product, weights)
         && gemm.m <= gemv::MAX_ROWS
-        && !f16_buffers
+        && !half.any()
     {
         return GemmPath::Gemv;
     }
@@ -995,7 +1001,7 @@ pub fn execute_gemm<'a>(
             },
         });
     }
-    match gemm_path(rec.gpu(), gemm, &weights, half.any()) {
+    match gemm_path(rec.gpu(), gemm, &weights, half) {
         GemmPath::Empty if depth == 0 && gemm.m > 0 && cols > 0 && !gemm.accumulate => {
             // An empty sum: zero.
             match output {
