@@ -419,25 +419,28 @@ fn contains_return(b: &Block) -> bool {
 
 /// The first subgroup-wide operation in `n`: a subgroup builtin or cooperative-matrix operation.
 fn find_subgroup_op(n: &Node) -> Option<&'static str> {
-    let children: Vec<&Node> = match &n.kind {
-        ExprKind::Call(f, _) if f.is_subgroup_wide() => return Some(f.wgsl()),
-        ExprKind::CoopLoad { major, .. } => return Some(major.wgsl().0),
-        ExprKind::Call(_, args) | ExprKind::CallFunction(_, args) | ExprKind::Construct(args) => {
-            args.iter().collect()
-        }
-        ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => vec![a],
-        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => vec![a, b],
-        ExprKind::Select(a, b, c) => vec![a, b, c],
-        _ => vec![],
-    };
-    children.into_iter().find_map(find_subgroup_op)
+    find_op(n, &|kind| match kind {
+        ExprKind::Call(f, _) if f.is_subgroup_wide() => Some(f.wgsl()),
+        ExprKind::CoopLoad { major, .. } => Some(major.wgsl().0),
+        _ => None,
+    })
 }
 
 /// The first cooperative load or multiply-add in `n` (what naga's analysis checks).
 fn find_coop_op(n: &Node) -> Option<&'static str> {
+    find_op(n, &|kind| match kind {
+        ExprKind::Call(Func::CoopMultiplyAdd, _) => Some(Func::CoopMultiplyAdd.wgsl()),
+        ExprKind::CoopLoad { major, .. } => Some(major.wgsl().0),
+        _ => None,
+    })
+}
+
+/// The first node of `n`'s tree, outermost first, that `op` names.
+fn find_op(n: &Node, op: &dyn Fn(&ExprKind) -> Option<&'static str>) -> Option<&'static str> {
+    if let Some(name) = op(&n.kind) {
+        return Some(name);
+    }
     let children: Vec<&Node> = match &n.kind {
-        ExprKind::Call(Func::CoopMultiplyAdd, _) => return Some(Func::CoopMultiplyAdd.wgsl()),
-        ExprKind::CoopLoad { major, .. } => return Some(major.wgsl().0),
         ExprKind::Call(_, args) | ExprKind::CallFunction(_, args) | ExprKind::Construct(args) => {
             args.iter().collect()
         }
@@ -446,7 +449,7 @@ fn find_coop_op(n: &Node) -> Option<&'static str> {
         ExprKind::Select(a, b, c) => vec![a, b, c],
         _ => vec![],
     };
-    children.into_iter().find_map(find_coop_op)
+    children.into_iter().find_map(|c| find_op(c, op))
 }
 
 /// Whether an expression reads a buffer or workgroup memory.

@@ -5,6 +5,9 @@
 use hesper_dsl::prelude::*;
 use hesper_dsl::{CoopMultiply, ErrorKind, WorkgroupArray};
 
+mod spirv;
+use spirv::has_coop_capabilities;
+
 type A16 = CoopMat<F16, CoopA>;
 type B16 = CoopMat<F16, CoopB>;
 type C32 = CoopMat<f32, CoopC>;
@@ -44,35 +47,6 @@ fn tile_kernel(depth: u32) -> Result<Kernel, hesper_dsl::DslError> {
     })
 }
 
-/// naga's SPIR-V of a kernel, and whether it declares a capability.
-fn spirv_capabilities(kernel: &Kernel) -> Vec<u32> {
-    let module = hesper_dsl::validate::validate_wgsl(
-        kernel.wgsl(),
-        hesper_dsl::validate::capabilities(kernel),
-    )
-    .unwrap();
-    let info = naga::valid::Validator::new(
-        naga::valid::ValidationFlags::all(),
-        hesper_dsl::validate::capabilities(kernel),
-    )
-    .validate(&module)
-    .unwrap();
-    let options = naga::back::spv::Options {
-        lang_version: (1, 3),
-        ..Default::default()
-    };
-    let words = naga::back::spv::write_vec(&module, &info, &options, None).unwrap();
-    // OpCapability is opcode 17, two words long.
-    words
-        .windows(2)
-        .filter(|w| w[0] == (2 << 16) | 17)
-        .map(|w| w[1])
-        .collect()
-}
-
-const COOPERATIVE_MATRIX_KHR: u32 = 6022;
-const VULKAN_MEMORY_MODEL: u32 = 5345;
-
 #[test]
 fn tile_kernel_emits_and_validates() {
     let kernel = tile_kernel(64).unwrap();
@@ -86,8 +60,7 @@ fn tile_kernel_emits_and_validates() {
             c: Scalar::F32
         }]
     );
-    let caps = spirv_capabilities(&kernel);
-    assert!(caps.contains(&COOPERATIVE_MATRIX_KHR) && caps.contains(&VULKAN_MEMORY_MODEL));
+    assert!(has_coop_capabilities(&kernel));
 }
 
 /// A kernel whose matrices all live in `let`s: naga alone would leave out `VulkanMemoryModel`
@@ -111,8 +84,7 @@ fn matrices_only_in_lets_still_get_every_capability() {
         "{}",
         kernel.wgsl()
     );
-    let caps = spirv_capabilities(&kernel);
-    assert!(caps.contains(&COOPERATIVE_MATRIX_KHR) && caps.contains(&VULKAN_MEMORY_MODEL));
+    assert!(has_coop_capabilities(&kernel));
     // With a `var` of its own the kernel gets no extra one.
     assert!(!tile_kernel(16).unwrap().wgsl().contains("coop_capability"));
 }

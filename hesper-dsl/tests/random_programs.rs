@@ -8,6 +8,9 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{ErrorKind, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use proptest::prelude::*;
 
+mod spirv;
+use spirv::has_coop_capabilities;
+
 struct Scope {
     f: Vec<Expr<f32>>,
     u: Vec<Expr<u32>>,
@@ -340,23 +343,6 @@ impl Gen<'_> {
             }
         }
     }
-}
-
-/// Whether naga's SPIR-V of `kernel` declares the capabilities cooperative matrices need
-/// (CooperativeMatrixKHR, VulkanMemoryModel).
-fn has_coop_capabilities(kernel: &Kernel) -> bool {
-    let caps = hesper_dsl::validate::capabilities(kernel);
-    let module = hesper_dsl::validate::validate_wgsl(kernel.wgsl(), caps).unwrap();
-    let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), caps)
-        .validate(&module)
-        .unwrap();
-    let options = naga::back::spv::Options {
-        lang_version: (1, 3),
-        ..Default::default()
-    };
-    let words = naga::back::spv::write_vec(&module, &info, &options, None).unwrap();
-    let declared = |cap: u32| words.windows(2).any(|w| w == [(2 << 16) | 17, cap]);
-    declared(6022) && declared(5345)
 }
 
 fn program(tape: &[u32]) -> Result<Kernel, hesper_dsl::DslError> {
