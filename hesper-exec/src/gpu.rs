@@ -148,8 +148,10 @@ pub struct Gpu {
     /// Mappable buffers kept for reuse by readbacks.
     pub(crate) staging: Mutex<Vec<wgpu::Buffer>>,
     timestamp_period_ns: f32,
-    /// The adapter's cooperative-matrix configurations, when the device was opened with them.
+    /// The adapter's cooperative-matrix configurations, when the device was opened with them,
+    /// and the kinds of multiply-add among them that WGSL spells (read on every GEMM launch).
     coop_properties: Vec<wgpu::CooperativeMatrixProperties>,
+    coop_kinds: Vec<CoopMultiply>,
     /// Tuned kernel variants, and what the tune cache file held.
     pub(crate) tune: TuneCache,
     pub(crate) tune_status: TuneFileStatus,
@@ -281,6 +283,7 @@ impl Gpu {
             driver_cache_status: DriverCacheStatus::Off,
             staging: Mutex::new(vec![]),
             timestamp_period_ns,
+            coop_kinds: coop_kinds(&coop_properties),
             coop_properties,
             tune: TuneCache::default(),
             tune_status: TuneFileStatus::Off,
@@ -518,29 +521,9 @@ impl Gpu {
 
     /// The kinds of cooperative multiply-add a kernel can make here: the configurations of
     /// [`Gpu::cooperative_matrix_properties`] that WGSL spells (square, 8 or 16, of f16 or
-    /// f32). Empty where the device has no tensor cores reachable from WGSL.
-    pub fn coop_multiplies(&self) -> Vec<CoopMultiply> {
-        let scalar = |t: wgpu::CooperativeScalarType| match t {
-            wgpu::CooperativeScalarType::F16 => Some(Scalar::F16),
-            wgpu::CooperativeScalarType::F32 => Some(Scalar::F32),
-            _ => None,
-        };
-        let mut kinds: Vec<CoopMultiply> = self
-            .coop_properties
-            .iter()
-            .filter(|p| p.m_size == p.n_size && p.n_size == p.k_size)
-            .filter(|p| matches!(p.m_size, 8 | 16))
-            .filter_map(|p| {
-                Some(CoopMultiply {
-                    size: p.m_size,
-                    ab: scalar(p.ab_type)?,
-                    c: scalar(p.cr_type)?,
-                })
-            })
-            .collect();
-        kinds.sort();
-        kinds.dedup();
-        kinds
+    /// f32), sorted. Empty where the device has no tensor cores reachable from WGSL.
+    pub fn coop_multiplies(&self) -> &[CoopMultiply] {
+        &self.coop_kinds
     }
 
     /// Nanoseconds per timestamp tick.
@@ -666,6 +649,30 @@ impl Drop for Gpu {
 }
 
 static NEXT_GPU: AtomicU64 = AtomicU64::new(1);
+
+/// The square configurations of 8 or 16, of f16 or f32, that WGSL spells, sorted.
+fn coop_kinds(properties: &[wgpu::CooperativeMatrixProperties]) -> Vec<CoopMultiply> {
+    let scalar = |t: wgpu::CooperativeScalarType| match t {
+        wgpu::CooperativeScalarType::F16 => Some(Scalar::F16),
+        wgpu::CooperativeScalarType::F32 => Some(Scalar::F32),
+        _ => None,
+    };
+    let mut kinds: Vec<CoopMultiply> = properties
+        .iter()
+        .filter(|p| p.m_size == p.n_size && p.n_size == p.k_size)
+        .filter(|p| matches!(p.m_size, 8 | 16))
+        .filter_map(|p| {
+            Some(CoopMultiply {
+                size: p.m_size,
+                ab: scalar(p.ab_type)?,
+                c: scalar(p.cr_type)?,
+            })
+        })
+        .collect();
+    kinds.sort();
+    kinds.dedup();
+    kinds
+}
 
 fn check_options(options: &GpuOptions) -> Result<(), ExecError> {
     if let Some(n @ 0) = options.max_invocations_per_workgroup {
