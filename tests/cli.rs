@@ -143,6 +143,58 @@ fn a_tiny_model_fine_tunes_evaluates_and_generates() {
     assert!(ok, "generate failed:\n{stdout}\n{stderr}");
 }
 
+/// `--precision f16` trains the same curve as `--precision f32` to within f16's rounding (this
+/// tiny model's losses move by 1.4e-6 of themselves on lavapipe, where only the weights are
+/// rounded; tensor cores round the GEMMs' inputs too), and says which it ran.
+#[test]
+fn mixed_precision_fine_tuning_follows_the_f32_curve() {
+    let dir = temp_dir("precision");
+    let model = write(&dir.join("tiny.gguf"), tiny_gguf("llama"));
+    let data = write(&dir.join("data.jsonl"), DATA);
+    let losses = |precision: &str| -> Vec<f64> {
+        let out = dir.join(precision);
+        let args = [
+            "finetune",
+            "--model",
+            &model,
+            "--data",
+            &data,
+            "--seq-len",
+            "32",
+            "--batch",
+            "2",
+            "--steps",
+            "4",
+            "--rank",
+            "2",
+            "--precision",
+            precision,
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        let (ok, stdout, stderr) = hesper(&args);
+        assert!(
+            ok,
+            "finetune --precision {precision} failed:\n{stdout}\n{stderr}"
+        );
+        let said = format!("({})", precision.to_uppercase());
+        assert!(stderr.contains(&said), "no `{said}` in:\n{stderr}");
+        let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
+        (csv.lines().skip(1))
+            .map(|l| l.split(',').nth(1).unwrap().parse().unwrap())
+            .collect()
+    };
+    let (half, full) = (losses("f16"), losses("f32"));
+    assert_eq!(half.len(), 4);
+    for (step, (h, f)) in half.iter().zip(&full).enumerate() {
+        assert!(
+            (h - f).abs() <= 1e-3 * f.abs() && h != f,
+            "step {}: loss {h} in f16, {f} in f32",
+            step + 1
+        );
+    }
+}
+
 #[test]
 fn bad_model_files_are_one_line_naming_the_file() {
     let dir = temp_dir("models");

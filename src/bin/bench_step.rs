@@ -1,5 +1,6 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
-//! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32: ms per step (wall clock, record +
+//! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32 or (`HESPER_BENCH_PRECISION=f16`)
+//! mixed precision on tensor cores with tuned tiles: ms per step (wall clock, record +
 //! submit, each step's loss read while the next runs; the mean of 10 steps), tokens/s, launches and submissions per
 //! step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
 //! (timestamp queries, one step), and with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
@@ -8,14 +9,17 @@
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_step   # 2 layers, B = 1, S = 64
+//! HESPER_BENCH_PRECISION=f16 scripts/with-gpu cargo run --release --bin bench_step
 //! ```
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use hesper::exec::profile::{BenchConfig, bench};
-use hesper::exec::{Gpu, GpuBuffer, PendingRead};
-use hesper::kernels::linear::{Gemm, Product, Tile, Weights as GemmWeights, execute_gemm};
+use hesper::exec::{Gpu, GpuBuffer, GpuOptions, PendingRead};
+use hesper::kernels::linear::{
+    Gemm, Precision, Product, Tile, Weights as GemmWeights, execute_gemm,
+};
 use hesper::kernels::testing::Rng;
 use hesper::model::config::{Family, LoraConfig, ModelConfig};
 use hesper::model::reference::{Adapters, Batch, Weights};
@@ -69,6 +73,10 @@ fn random_batch(config: &ModelConfig, batch: usize, seq_len: usize, seed: u64) -
 fn family(kernel: &str) -> &'static str {
     let families = [
         ("matmul", "GEMM (frozen weights, lm-head)"),
+        (
+            "coop_matmul",
+            "GEMM on tensor cores (frozen weights, lm-head)",
+        ),
         ("lora", "LoRA"),
         ("attention", "attention"),
         ("cross_entropy", "cross-entropy"),
@@ -89,8 +97,18 @@ fn family(kernel: &str) -> &'static str {
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var_os("HESPER_BENCH_QUICK").is_some();
-    let gpu = Gpu::new()?;
+    let precision = match std::env::var("HESPER_BENCH_PRECISION").as_deref() {
+        Ok("f16") => Precision::F16,
+        Ok("f32") | Err(_) => Precision::F32,
+        Ok(other) => return Err(format!("HESPER_BENCH_PRECISION: f16 or f32, not {other}").into()),
+    };
+    let gpu = Gpu::with_options(GpuOptions {
+        cooperative_matrix: true,
+        autotune: true,
+        ..GpuOptions::default()
+    })?;
     println!("device: {}", gpu.describe());
+    println!("precision: {precision:?}");
     let (layers, seq_len, batches, steps) = if quick {
         (2, 64, vec![(1, false), (1, true)], 3)
     } else {
@@ -105,7 +123,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let lora = LoraConfig::default();
     let started = Instant::now();
     let weights = Weights::random(&config, 1);
-    let model = GpuModel::upload(&gpu, &config, &weights)?;
+    let model = GpuModel::upload_with_precision(&gpu, &config, &weights, precision)?;
     drop(weights);
     let adapters = Adapters::init_peft(&config, &lora, 2);
     let optimizer = Optimizer::default();

@@ -26,15 +26,15 @@ use hesper_kernels::argmax::execute_argmax;
 use hesper_kernels::attention::{DecodeShape, execute_decode_attention, execute_kv_cache_append};
 use hesper_kernels::elementwise::{execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{execute_relu_sqr_mul_forward, execute_swiglu_forward};
-use hesper_kernels::linear::execute_matmul_nt;
 use hesper_kernels::linear::gemv::{self, Adapter, execute_gemv_lora};
+use hesper_kernels::linear::{Gemm, Product, execute_gemm};
 use hesper_kernels::lora::execute_lora_forward;
 use hesper_kernels::norm::execute_rms_norm_forward;
 use hesper_kernels::rope::{Positions, execute_rope_forward};
 
 use super::activations::LogitsBuffers;
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
-use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
+use super::gpu::{Frozen, GpuAdapter, GpuAdapters, GpuModel};
 
 /// One token's activations, reused by every block and every token.
 struct TokenBuffers {
@@ -360,8 +360,10 @@ impl KvCache {
         let TokenBuffers { x, rstd, .. } = &mut self.work;
         let out = &mut self.logits;
         execute_rms_norm_forward(rec, x, &model.final_norm, &mut out.n, rstd, eps)?;
-        let head = model.head();
-        execute_matmul_nt(rec, &out.n, head, &mut out.logits, 1, c.vocab, d, false)?;
+        // f32 products: one row is `gemv`'s (f32 weights) or the tiled GEMM's, never a tensor
+        // core's tile.
+        let gemm = Gemm::new(Product::Nt, (1, c.vocab, d), false);
+        execute_gemm(rec, &gemm, &out.n, model.head(), &mut out.logits)?;
         Ok(())
     }
 
@@ -551,14 +553,15 @@ fn project(
     let w = weights.projection(projection);
     let lora = adapters.lora();
     let (rank, scale) = (lora.rank, lora.scale() as f32);
-    match adapters.index(layer, projection) {
-        Some(i) if rank <= gemv::MAX_RANK => {
+    match (adapters.index(layer, projection), w) {
+        (Some(i), Frozen::F32(w)) if rank <= gemv::MAX_RANK => {
             let GpuAdapter { a, b, .. } = &adapters.adapters[i];
             let adapter = Adapter { a, b, rank, scale };
             execute_gemv_lora(rec, (x, w), adapter, y, (1, out, input), accumulate)?;
         }
-        index => {
-            execute_matmul_nt(rec, x, w, y, 1, out, input, accumulate)?;
+        (index, w) => {
+            let gemm = Gemm::new(Product::Nt, (1, out, input), accumulate);
+            execute_gemm(rec, &gemm, x, w.weights(), &mut *y)?;
             if let Some(i) = index {
                 let GpuAdapter { a, b, .. } = &adapters.adapters[i];
                 execute_lora_forward(rec, x, a, b, rank, scale, lora_h, y)?;

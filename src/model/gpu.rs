@@ -1,8 +1,11 @@
-//! The model on the GPU: the frozen weights in f32 ([`GpuModel`]) and the LoRA adapters with
-//! their gradients and AdamW state ([`GpuAdapters`]), uploaded from and read back to the host
-//! arrays of [`reference`](super::reference).
+//! The model on the GPU: the frozen weights in f32, or their projections in f16 for the
+//! mixed-precision step ([`GpuModel`]), and the LoRA adapters with their gradients and AdamW
+//! state ([`GpuAdapters`]), uploaded from and read back to the host arrays of
+//! [`reference`](super::reference).
 
+use hesper_exec::half::f16;
 use hesper_exec::{Gpu, GpuBuffer, PendingRead};
+use hesper_kernels::linear::{Gemm, Precision, Product, Weights as GemmWeights};
 use hesper_kernels::rope::RopeTable;
 
 use super::config::{LoraConfig, ModelConfig, ModelError, Projection};
@@ -27,11 +30,60 @@ fn upload_option(
     values.as_deref().map(|v| upload(gpu, v)).transpose()
 }
 
+/// A frozen matrix a GEMM reads: f32, or f16 (half the memory) in a mixed-precision model.
+pub(crate) enum Frozen {
+    F32(GpuBuffer<f32>),
+    F16(GpuBuffer<f16>),
+}
+
+impl Frozen {
+    /// `values` (`what` in errors) as `precision` holds them: f16 is rounded to nearest, and a
+    /// value beyond its range (±65 504) is an error rather than an infinity in every product.
+    fn upload(
+        gpu: &Gpu,
+        what: &str,
+        values: &[f64],
+        precision: Precision,
+    ) -> Result<Frozen, ModelError> {
+        match precision {
+            Precision::F32 => Ok(Frozen::F32(upload(gpu, values)?)),
+            Precision::F16 => {
+                let max = f64::from(f16::MAX);
+                if let Some(v) = values.iter().find(|v| v.is_nan() || v.abs() > max) {
+                    return Err(ModelError::invalid(
+                        "GpuModel",
+                        what,
+                        "values within f16's range (±65504) for Precision::F16",
+                        v,
+                    ));
+                }
+                let halves: Vec<f16> = values.iter().map(|&v| f16::from_f64(v)).collect();
+                Ok(Frozen::F16(gpu.upload(&halves)?))
+            }
+        }
+    }
+
+    /// The matrix as a GEMM's weights.
+    pub(crate) fn weights(&self) -> GemmWeights<'_> {
+        match self {
+            Frozen::F32(w) => GemmWeights::Dense(w),
+            Frozen::F16(w) => GemmWeights::Half { w, scale: 1.0 },
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Frozen::F32(w) => w.bytes(),
+            Frozen::F16(w) => w.bytes(),
+        }
+    }
+}
+
 /// One block's frozen weights on the GPU (the fields of [`LayerWeights`]).
 pub(crate) struct GpuLayer {
     pub(crate) attn_norm: GpuBuffer<f32>,
     /// `W_q, W_k, W_v, W_o, W_gate, W_up, W_down`, in [`Projection::ALL`]'s order.
-    projections: [GpuBuffer<f32>; 7],
+    projections: [Frozen; 7],
     pub(crate) ffn_norm: GpuBuffer<f32>,
     pub(crate) q_bias: Option<GpuBuffer<f32>>,
     pub(crate) k_bias: Option<GpuBuffer<f32>>,
@@ -43,10 +95,15 @@ pub(crate) struct GpuLayer {
 }
 
 impl GpuLayer {
-    fn upload(gpu: &Gpu, w: &LayerWeights) -> Result<GpuLayer, ModelError> {
+    fn upload(
+        gpu: &Gpu,
+        (layer, w): (usize, &LayerWeights),
+        precision: Precision,
+    ) -> Result<GpuLayer, ModelError> {
         let mut projections = Vec::with_capacity(7);
         for p in Projection::ALL {
-            projections.push(upload(gpu, w.projection(p))?);
+            let what = format!("layers[{layer}].{p:?}");
+            projections.push(Frozen::upload(gpu, &what, w.projection(p), precision)?);
         }
         Ok(GpuLayer {
             attn_norm: upload(gpu, &w.attn_norm)?,
@@ -63,7 +120,7 @@ impl GpuLayer {
     }
 
     /// The frozen weight of `projection`, `[out, in]`.
-    pub(crate) fn projection(&self, projection: Projection) -> &GpuBuffer<f32> {
+    pub(crate) fn projection(&self, projection: Projection) -> &Frozen {
         let at = Projection::ALL
             .iter()
             .position(|&p| p == projection)
@@ -86,23 +143,55 @@ impl GpuLayer {
 /// and none writes.
 pub struct GpuModel {
     config: ModelConfig,
+    precision: Precision,
     pub(crate) embed: GpuBuffer<f32>,
     pub(crate) layers: Vec<GpuLayer>,
     pub(crate) final_norm: GpuBuffer<f32>,
-    lm_head: Option<GpuBuffer<f32>>,
+    lm_head: Option<Frozen>,
     pub(crate) rope: RopeTable,
 }
 
 impl GpuModel {
-    /// Upload `weights` (checked against `config` first; the GPU computes with their f32
-    /// roundings). The GPU step also needs `head_dim` to be a multiple of 4 and at most 128
-    /// (its attention kernels' rule), checked here.
+    /// Upload `weights` in f32 (checked against `config` first; the GPU computes with their
+    /// f32 roundings): the reference precision. The GPU step also needs `head_dim` to be a
+    /// multiple of 4 and at most 128 (its attention kernels' rule), checked here.
     pub fn upload(
         gpu: &Gpu,
         config: &ModelConfig,
         weights: &Weights,
     ) -> Result<GpuModel, ModelError> {
+        GpuModel::upload_with_precision(gpu, config, weights, Precision::F32)
+    }
+
+    /// [`GpuModel::upload`] at a precision. [`Precision::F16`] is mixed precision, as bf16
+    /// training is in PyTorch: the projections and an untied lm-head held in f16 (rounded to
+    /// nearest: half the memory; a weight beyond f16's ±65 504 is an error), and every GEMM of
+    /// the step at [`Precision::F16`] (its f32 inputs rounded to f16 on the tensor cores, where
+    /// the device has them, products summed in f32). The embedding (which the lookup reads, and
+    /// the tied lm-head), norms, attention, softmax, loss, LoRA and the optimizer stay f32. It
+    /// needs `SHADER_F16` (`GpuOptions::shader_f16`).
+    ///
+    /// Activations stay f32 between kernels; only a GEMM's copy of its input is f16. An
+    /// activation beyond ±65 504 becomes an infinity there, the loss or a gradient is then not
+    /// finite, and the optimizer step skips the update ([`record_optimizer_step`]; the trainer
+    /// reports it as a skipped step).
+    ///
+    /// [`record_optimizer_step`]: super::record_optimizer_step
+    pub fn upload_with_precision(
+        gpu: &Gpu,
+        config: &ModelConfig,
+        weights: &Weights,
+        precision: Precision,
+    ) -> Result<GpuModel, ModelError> {
         config.check()?;
+        if precision == Precision::F16 && !gpu.supports_f16() {
+            return Err(ModelError::invalid(
+                "GpuModel",
+                "precision",
+                "Precision::F32 on a Gpu without SHADER_F16 (which WebGPU limits leave out)",
+                format!("{precision:?} on `{}`", gpu.adapter_info().name),
+            ));
+        }
         let hd = config.head_dim;
         if !hd.is_multiple_of(4) || hd > hesper_kernels::attention::sequence::MAX_HEAD_DIM {
             return Err(ModelError::invalid(
@@ -116,17 +205,19 @@ impl GpuModel {
         let layers = weights
             .layers
             .iter()
-            .map(|w| GpuLayer::upload(gpu, w))
+            .enumerate()
+            .map(|w| GpuLayer::upload(gpu, w, precision))
             .collect::<Result<_, _>>()?;
         Ok(GpuModel {
             config: config.clone(),
+            precision,
             embed: upload(gpu, &weights.embed)?,
             layers,
             final_norm: upload(gpu, &weights.final_norm)?,
             lm_head: weights
                 .lm_head
                 .as_deref()
-                .map(|h| upload(gpu, h))
+                .map(|h| Frozen::upload(gpu, "lm_head", h, precision))
                 .transpose()?,
             rope: RopeTable::new(gpu, hd, config.rope_base, config.max_seq)?,
         })
@@ -136,9 +227,28 @@ impl GpuModel {
         &self.config
     }
 
+    /// The precision the model was uploaded at, which its GEMMs run at.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
     /// The matrix the logits are `n·Wᵀ` of (`[V, D]`): the head, or the tied embedding.
-    pub(crate) fn head(&self) -> &GpuBuffer<f32> {
-        self.lm_head.as_ref().unwrap_or(&self.embed)
+    pub(crate) fn head(&self) -> GemmWeights<'_> {
+        match &self.lm_head {
+            Some(head) => head.weights(),
+            None => GemmWeights::Dense(&self.embed),
+        }
+    }
+
+    /// A GEMM through one of the model's frozen matrices (`W: [n, k]`, `m` rows) at the
+    /// model's precision.
+    pub(crate) fn gemm(
+        &self,
+        product: Product,
+        dims: (usize, usize, usize),
+        accumulate: bool,
+    ) -> Gemm {
+        Gemm::new(product, dims, accumulate).with_precision(self.precision)
     }
 
     /// Bytes of GPU memory the frozen weights take.
@@ -153,7 +263,7 @@ impl GpuModel {
                 &l.attn_sub_norm,
                 &l.ffn_sub_norm,
             ];
-            l.projections.iter().map(GpuBuffer::bytes).sum::<u64>()
+            l.projections.iter().map(Frozen::bytes).sum::<u64>()
                 + l.attn_norm.bytes()
                 + l.ffn_norm.bytes()
                 + extras
@@ -165,7 +275,7 @@ impl GpuModel {
         self.embed.bytes()
             + self.layers.iter().map(layer).sum::<u64>()
             + self.final_norm.bytes()
-            + self.lm_head.as_ref().map_or(0, GpuBuffer::bytes)
+            + self.lm_head.as_ref().map_or(0, Frozen::bytes)
     }
 }
 

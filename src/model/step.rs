@@ -18,7 +18,7 @@ use hesper_kernels::ffn::{
     execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
     execute_swiglu_forward,
 };
-use hesper_kernels::linear::{execute_matmul_nn, execute_matmul_nt};
+use hesper_kernels::linear::{Product, execute_gemm};
 use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
@@ -66,15 +66,13 @@ impl Ctx<'_> {
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
         let (out, input) = projection.shape(self.model.config());
-        execute_matmul_nt(
+        let gemm = (self.model).gemm(Product::Nt, (self.tokens, out, input), accumulate);
+        execute_gemm(
             rec,
+            &gemm,
             x,
-            weights.projection(projection),
-            y,
-            self.tokens,
-            out,
-            input,
-            accumulate,
+            weights.projection(projection).weights(),
+            &mut *y,
         )?;
         if let Some(bias) = weights.bias(projection) {
             execute_add_bias(rec, y, bias)?;
@@ -103,15 +101,13 @@ impl Ctx<'_> {
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
         let (out, input) = projection.shape(self.model.config());
-        execute_matmul_nn(
+        let gemm = (self.model).gemm(Product::Nn, (self.tokens, out, input), accumulate);
+        execute_gemm(
             rec,
+            &gemm,
             dy,
-            weights.projection(projection),
-            dx,
-            self.tokens,
-            out,
-            input,
-            accumulate,
+            weights.projection(projection).weights(),
+            &mut *dx,
         )?;
         let Some(i) = adapters.index(layer, projection) else {
             return Ok(());
@@ -423,16 +419,8 @@ impl Ctx<'_> {
                 rec.fill(&loss.labels_chunk, IGNORE_INDEX)?;
             }
             rec.copy_range(labels, self.micro * t + first, &loss.labels_chunk, 0, rows)?;
-            execute_matmul_nt(
-                rec,
-                &loss.n_chunk,
-                head,
-                &mut loss.logits,
-                chunk,
-                vocab,
-                d,
-                false,
-            )?;
+            let gemm = self.model.gemm(Product::Nt, (chunk, vocab, d), false);
+            execute_gemm(rec, &gemm, &loss.n_chunk, head, &mut loss.logits)?;
             execute_cross_entropy_rows(
                 rec,
                 &loss.logits,
@@ -443,16 +431,8 @@ impl Ctx<'_> {
                 &mut loss.token_loss_chunk,
             )?;
             if let Some(dn) = dn.as_deref_mut() {
-                execute_matmul_nn(
-                    rec,
-                    &loss.d_logits,
-                    head,
-                    &mut loss.d_n_chunk,
-                    chunk,
-                    vocab,
-                    d,
-                    false,
-                )?;
+                let gemm = self.model.gemm(Product::Nn, (chunk, vocab, d), false);
+                execute_gemm(rec, &gemm, &loss.d_logits, head, &mut loss.d_n_chunk)?;
                 rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
             }
             let at = self.micro * t + first;
@@ -679,17 +659,8 @@ pub fn record_logits(
     for (row, &p) in positions.iter().enumerate() {
         rec.copy_range(&loss.n, p * d, &out.n, row * d, d)?;
     }
-    let head = model.head();
-    execute_matmul_nt(
-        rec,
-        &out.n,
-        head,
-        &mut out.logits,
-        out.rows,
-        c.vocab,
-        d,
-        false,
-    )?;
+    let gemm = model.gemm(Product::Nt, (out.rows, c.vocab, d), false);
+    execute_gemm(rec, &gemm, &out.n, model.head(), &mut out.logits)?;
     Ok(())
 }
 

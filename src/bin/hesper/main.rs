@@ -7,15 +7,16 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use hesper::exec::Gpu;
+use hesper::exec::{Gpu, GpuOptions};
 use hesper::io::{
     ChatMessage, GgufFile, Tokenizer, encode_adapters, load_model, load_peft_adapter,
     save_peft_adapter, write_atomic,
 };
 use hesper::kernels::catalog;
+use hesper::kernels::linear::{Precision, coop};
 use hesper::model::config::{LoraConfig, ModelConfig, Projection};
 use hesper::model::reference::{Adapters, loss_and_grads};
 use hesper::model::{
@@ -115,12 +116,40 @@ impl DataArgs {
     }
 }
 
+/// How the training commands multiply through the frozen weights.
+#[derive(Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    /// f16 where the device has tensor cores (cooperative matrices), else f32.
+    Auto,
+    /// Mixed precision: the projections held in f16, GEMMs with f16 inputs and f32 sums;
+    /// norms, attention, loss, LoRA and the optimizer in f32.
+    F16,
+    /// Everything in f32: the reference.
+    F32,
+}
+
+impl PrecisionArg {
+    fn resolve(self, gpu: &Gpu) -> Precision {
+        match self {
+            PrecisionArg::F16 => Precision::F16,
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::Auto if coop::subgroup_size(gpu).is_some() && gpu.supports_f16() => {
+                Precision::F16
+            }
+            PrecisionArg::Auto => Precision::F32,
+        }
+    }
+}
+
 #[derive(Args)]
 struct FinetuneArgs {
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
     data: DataArgs,
+    /// f16 (mixed precision), f32, or auto: f16 where the device has tensor cores.
+    #[arg(long, value_enum, default_value = "auto")]
+    precision: PrecisionArg,
     /// Where the adapter, checkpoints, loss.csv and loss.png go.
     #[arg(long, default_value = "runs/demo")]
     out: PathBuf,
@@ -272,6 +301,9 @@ struct BenchArgs {
     /// Tokens to decode in the generation benchmark.
     #[arg(long, default_value_t = 64)]
     decode: usize,
+    /// f16 (mixed precision), f32, or auto: f16 where the device has tensor cores.
+    #[arg(long, value_enum, default_value = "auto")]
+    precision: PrecisionArg,
 }
 
 fn main() -> std::process::ExitCode {
@@ -309,14 +341,28 @@ struct Loaded {
     model: GpuModel,
 }
 
+/// The device of the training commands: tensor cores where it has them, their GEMM tiles
+/// measured once per shape.
+fn open_training_gpu() -> Result<Gpu> {
+    Ok(Gpu::with_options(GpuOptions {
+        cooperative_matrix: true,
+        autotune: true,
+        ..GpuOptions::default()
+    })?)
+}
+
 fn open_model(gpu: &Gpu, path: &Path) -> Result<Loaded> {
+    open_model_with_precision(gpu, path, Precision::F32)
+}
+
+fn open_model_with_precision(gpu: &Gpu, path: &Path, precision: Precision) -> Result<Loaded> {
     if !path.exists() && path == Path::new(DEFAULT_MODEL) {
         return Err(format!("{DEFAULT_MODEL} is absent: scripts/fetch-model fetches it").into());
     }
     let file = GgufFile::open(path)?;
     let tokenizer = Tokenizer::from_gguf(&file)?;
     let (config, weights) = load_model(&file)?;
-    let model = GpuModel::upload(gpu, &config, &weights)?;
+    let model = GpuModel::upload_with_precision(gpu, &config, &weights, precision)?;
     Ok(Loaded {
         config,
         tokenizer,
@@ -406,9 +452,10 @@ fn finetune(mut args: FinetuneArgs) -> Result<()> {
     args.data.batch = Some(args.data.batch.unwrap_or(defaults.batch));
     let steps = args.steps.unwrap_or(defaults.steps);
     let lr = args.lr.unwrap_or(defaults.lr);
-    let gpu = Gpu::new()?;
-    eprintln!("device: {}", gpu.adapter_info().name);
-    let loaded = open_model(&gpu, &args.model.model)?;
+    let gpu = open_training_gpu()?;
+    let precision = args.precision.resolve(&gpu);
+    eprintln!("device: {} ({precision:?})", gpu.adapter_info().name);
+    let loaded = open_model_with_precision(&gpu, &args.model.model, precision)?;
     let c = &loaded.config;
     eprintln!(
         "model: {} ({:?}, {} layers, D = {}, vocab {})",
@@ -853,9 +900,10 @@ fn wgsl(args: WgslArgs) -> Result<()> {
 }
 
 fn bench(args: BenchArgs) -> Result<()> {
-    let gpu = Gpu::new()?;
-    eprintln!("device: {}", gpu.adapter_info().name);
-    let loaded = open_model(&gpu, &args.model.model)?;
+    let gpu = open_training_gpu()?;
+    let precision = args.precision.resolve(&gpu);
+    eprintln!("device: {} ({precision:?})", gpu.adapter_info().name);
+    let loaded = open_model_with_precision(&gpu, &args.model.model, precision)?;
     let c = &loaded.config;
     let lora = LoraConfig::default();
     let init = Adapters::init_peft(c, &lora, 0);
