@@ -276,6 +276,10 @@ struct GradArgs {
     /// model) and print how far the GPU's are from them.
     #[arg(long)]
     check_f64: bool,
+    /// f32 (the reference), f16 (mixed precision), or auto: f16 where the device has tensor
+    /// cores.
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: PrecisionArg,
 }
 
 #[derive(Args)]
@@ -790,8 +794,9 @@ fn eval(args: EvalArgs) -> Result<()> {
 }
 
 fn grad(args: GradArgs) -> Result<()> {
-    let gpu = Gpu::new()?;
-    let loaded = open_model(&gpu, &args.model.model)?;
+    let gpu = open_training_gpu()?;
+    let precision = args.precision.resolve(&gpu);
+    let loaded = open_model_with_precision(&gpu, &args.model.model, precision)?;
     let c = &loaded.config;
     let (lora, adapters) = match &args.model.adapter {
         Some(dir) => load_peft_adapter(dir, c)?,
