@@ -269,7 +269,7 @@ fn row_grid(rows: u32) -> Grid {
 }
 
 /// `y = x·r·γ` per row, saving `r` in `rstd` (one per row). `x` and `y` are `[rows, cols]`,
-/// `gamma` is `[cols]`; `eps` is the model's (a compile-time value).
+/// `gamma` is `[cols]`; `eps` is the model's (a compile-time value, finite and at least 0).
 pub fn execute_rms_norm_forward(
     rec: &mut Recorder<'_>,
     x: &GpuBuffer<f32>,
@@ -282,6 +282,15 @@ pub fn execute_rms_norm_forward(
     let (rows, cols) = rows_of(name, x, gamma)?;
     expect_len(name, "y", y, x.len(), "as x")?;
     expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
+    if !(eps.is_finite() && eps >= 0.0) {
+        // A negative ε takes the root of a negative mean square (NaN) on small rows.
+        return Err(ExecError::Param {
+            kernel: name.into(),
+            param: "eps".into(),
+            expected: "a finite number at least 0".into(),
+            given: eps.to_string(),
+        });
+    }
     if rows == 0 {
         return Ok(());
     }

@@ -265,11 +265,13 @@ fn decode_body(k: &mut KernelBuilder) {
         k.store(&partial, &lid, acc.get());
     });
     k.workgroup_barrier();
+    // A loop, not one expression: at hd = 1 there are 256 groups to add.
     k.if_(lid.lt(hd), |k| {
-        let sum = (1..groups)
-            .map(|g| partial.at(&lid + g * hd))
-            .fold(partial.at(&lid), |a, b| a + b);
-        k.store(&out, &h * hd + &lid, sum);
+        let sum = k.var("sum", partial.at(&lid));
+        k.for_range("g", 1u32, groups, |k, g| {
+            k.add_assign(&sum, partial.at(&lid + &g * hd));
+        });
+        k.store(&out, &h * hd + &lid, sum.get());
     });
 }
 
