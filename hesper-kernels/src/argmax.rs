@@ -83,6 +83,9 @@ pub fn execute_argmax(
         Len::AtLeast(offset + rows),
         "offset + rows",
     )?;
+    // The workgroup's invocations stride over the row.
+    let iterations = n.div_ceil(WG as usize) as u64;
+    crate::expect_loops(rec.gpu(), NAME, || format!("n = {n}"), iterations)?;
     let kernel = rec.gpu().kernel(&key(rec.gpu().kernel_features()), body)?;
     let args = Args::new()
         .buffer("logits", logits)

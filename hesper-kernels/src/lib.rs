@@ -162,3 +162,34 @@ pub(crate) fn expect_u32(kernel: &str, what: &str, n: usize) -> Result<u32, Exec
         why: "kernels index with u32".into(),
     })
 }
+
+/// Loop iterations an invocation may spend outside the strides a kernel counts: each workgroup
+/// reduction loops over the workgroup's subgroups (lavapipe's are 8 invocations: 32 iterations
+/// at 256 invocations, 128 at 1024) and a kernel holds up to four. Measured on lavapipe:
+/// argmax (two reductions of 256) returned wrong indices from 65 470 iterations of its stride.
+pub const LOOP_ALLOWANCE: u64 = 512;
+
+/// `Ok` when one invocation's loop iterations (`iterations`, the kernel's own strides, plus
+/// [`LOOP_ALLOWANCE`]), every loop counted together, fit `gpu`
+/// ([`Gpu::max_loop_iterations`](hesper_exec::Gpu::max_loop_iterations)): lavapipe ends an
+/// invocation's loops after 65 535 iterations and the kernel then returns wrong numbers, so a
+/// size past that is refused. `what` names the size that sets the count.
+pub(crate) fn expect_loops(
+    gpu: &hesper_exec::Gpu,
+    kernel: &str,
+    what: impl FnOnce() -> String,
+    iterations: u64,
+) -> Result<(), ExecError> {
+    let iterations = iterations.saturating_add(LOOP_ALLOWANCE);
+    match gpu.max_loop_iterations() {
+        Some(max) if iterations > max => Err(ExecError::Dispatch {
+            kernel: kernel.into(),
+            what: what(),
+            why: format!(
+                "an invocation would loop {iterations} times, and {} stops loops after {max} iterations",
+                gpu.describe()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}

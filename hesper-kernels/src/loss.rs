@@ -390,6 +390,21 @@ fn expect_vocab(kernel: &str, vocab: usize) -> Result<u32, ExecError> {
 }
 
 /// Check a row kernel's `logits` and `token_loss` against `T = labels.len()` and `vocab`.
+/// `Ok` when an invocation's loops fit `gpu` ([`crate::expect_loops`]): a row kernel strides
+/// over the `vocab` twice (the log-sum-exp, then the gradient), `ROW_UNROLL` elements an
+/// invocation at a time; the count and the mean stride once over the `tokens`.
+fn expect_loss_loops(
+    gpu: &Gpu,
+    kernel: &str,
+    (tokens, vocab): (usize, usize),
+) -> Result<(), ExecError> {
+    let wg = invocations(&gpu.kernel_limits()) as usize;
+    let rows = 2 * vocab.div_ceil(wg * ROW_UNROLL as usize);
+    let iterations = rows.max(tokens.div_ceil(wg)) as u64;
+    let what = || format!("{tokens} tokens of a vocabulary of {vocab}");
+    crate::expect_loops(gpu, kernel, what, iterations)
+}
+
 fn row_sizes(
     gpu: &Gpu,
     row_kernel: &str,
@@ -404,6 +419,7 @@ fn row_sizes(
     expect_len(row_kernel, "logits", logits, elements, "labels × vocab")?;
     expect_len(row_kernel, "token_loss", token_loss, t, "one per label")?;
     expect_u32(row_kernel, "logits elements", elements)?;
+    expect_loss_loops(gpu, row_kernel, (t, vocab))?;
     Ok(Sizes {
         tokens: expect_u32(row_kernel, "tokens", t)?,
         vocab: vocab_u32,
@@ -498,6 +514,7 @@ pub fn execute_cross_entropy_count(
     if tokens == 0 {
         return rec.fill(count, 0);
     }
+    expect_loss_loops(rec.gpu(), name, (labels.len(), 0))?;
     let wg = invocations(&rec.gpu().kernel_limits());
     let kernel = rec.gpu().kernel(
         &cross_entropy_count::key(vocab, wg),
@@ -557,6 +574,7 @@ pub fn execute_cross_entropy_mean(
     if tokens == 0 {
         return rec.fill(loss, 0.0);
     }
+    expect_loss_loops(rec.gpu(), name, (token_loss.len(), 0))?;
     let wg = invocations(&rec.gpu().kernel_limits());
     let kernel = rec
         .gpu()

@@ -291,6 +291,9 @@ pub fn execute_rms_norm_forward(
             given: eps.to_string(),
         });
     }
+    // Two strides over the row: the sum of squares, then the scaling.
+    let iterations = 2 * u64::from(cols.div_ceil(WG));
+    crate::expect_loops(rec.gpu(), name, || format!("cols = {cols}"), iterations)?;
     if rows == 0 {
         return Ok(());
     }

@@ -93,10 +93,11 @@ fn close(what: &str, got: &[f32], want: &[f64], tol: f64) -> Result<(), String> 
     }
 }
 
-/// `got` against `want` element by element, within `atol`.
-fn close_abs(what: &str, got: &[f32], want: &[f64], atol: f64) -> Result<(), String> {
+/// `got` against `want` within `tol` of the larger of 1 and the largest `|want|` (values that
+/// are differences of terms of about 1, as losses of logits are).
+fn close_abs(what: &str, got: &[f32], want: &[f64], tol: f64) -> Result<(), String> {
     let c = compare(got, want, 1e-6);
-    if got.len() == want.len() && c.max_abs <= atol {
+    if got.len() == want.len() && c.max_abs <= tol * c.scale.max(1.0) {
         Ok(())
     } else {
         Err(format!("{what}: {c}"))
@@ -381,6 +382,11 @@ fn elementwise_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
             // is as good.
             let sizes = match sizes.wrong.map(|w| sizes.names[w]) {
                 Some("y") if cols == 1 => Sizes {
+                    wrong: None,
+                    ..sizes
+                },
+                // No rows are rows of any width.
+                Some("bias") if rows == 0 => Sizes {
                     wrong: None,
                     ..sizes
                 },

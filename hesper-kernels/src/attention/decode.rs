@@ -383,11 +383,15 @@ pub fn execute_softmax_backward(
     expect_len(name, "dp", dp, p.len(), "as p")?;
     expect_len(name, "ds", ds, p.len(), "as p")?;
     let rows = expect_u32(name, "rows", rows)?;
+    let vec4 = cols.is_multiple_of(4);
+    let key = softmax_key(vec4, rec.gpu().kernel_features());
+    // Two strides over the row (`vec4`s where it allows).
+    let width = if vec4 { cols / 4 } else { cols };
+    let iterations = 2 * width.div_ceil(key.invocations() as usize) as u64;
+    crate::expect_loops(rec.gpu(), name, || format!("cols = {cols}"), iterations)?;
     if rows == 0 {
         return Ok(());
     }
-    let vec4 = cols.is_multiple_of(4);
-    let key = softmax_key(vec4, rec.gpu().kernel_features());
     let kernel = rec.gpu().kernel(&key, softmax_body)?;
     let (args, width) = if vec4 {
         let args = Args::new()

@@ -16,7 +16,25 @@ use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use super::offset;
-use crate::{expect_len, expect_u32};
+use crate::{expect_len, expect_loops, expect_u32};
+
+/// `Ok` when the workgroup of `key` strides over a row of `depth` (`vec4`s where it allows)
+/// within the device's loop limit.
+fn expect_row_loop(rec: &Recorder<'_>, key: &KernelKey, depth: u32) -> Result<(), ExecError> {
+    let width = if depth.is_multiple_of(4) {
+        depth / 4
+    } else {
+        depth
+    };
+    let iterations = u64::from(width.div_ceil(key.invocations().max(1)));
+    let kernel = key.name();
+    expect_loops(
+        rec.gpu(),
+        kernel,
+        || format!("depth k = {depth}"),
+        iterations,
+    )
+}
 
 /// The most rows [`super::execute_gemm`] gives to `gemv` rather than the tiled GEMM, and
 /// [`execute_gemv_lora`] takes.
@@ -140,6 +158,7 @@ pub(super) fn record(
     accumulate: bool,
 ) -> Result<(), ExecError> {
     let key = key(k, accumulate, rec.gpu().kernel_features());
+    expect_row_loop(rec, &key, k)?;
     let kernel = rec.gpu().kernel(&key, body)?;
     let args = if k.is_multiple_of(4) {
         Args::new().buffer_vec4("x", x).buffer_vec4("w", w)
@@ -193,6 +212,7 @@ pub fn execute_gemv_lora(
     expect_len(name, "y", y, m * n, "[m, n]")?;
     let (m, n, k, rank) = (m as u32, n as u32, k as u32, rank as u32);
     let key = lora_key(k, rank, accumulate, rec.gpu().kernel_features());
+    expect_row_loop(rec, &key, k)?;
     let kernel = rec.gpu().kernel(&key, lora_body)?;
     let args = if k.is_multiple_of(4) {
         Args::new()

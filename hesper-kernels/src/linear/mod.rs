@@ -1038,6 +1038,9 @@ pub fn execute_gemm<'a>(
             coop::record(rec, &launch, input, w, output)
         }
         GemmPath::Tiled(tile) => {
+            // One step of `bk` of the depth an iteration.
+            let iterations = depth.div_ceil(tile.bk as usize) as u64;
+            crate::expect_loops(rec.gpu(), name, || format!("depth {depth}"), iterations)?;
             let shape = (cols as u32, depth as u32);
             let key = gemm_key_with(product, ternary, shape, tile, gemm.accumulate, half);
             let kernel = rec
