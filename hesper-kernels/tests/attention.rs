@@ -471,8 +471,11 @@ fn shapes_that_overflow_are_errors() {
     assert!(rec.is_empty());
 }
 
-/// On a device that cuts loops off (lavapipe: 65 535 iterations an invocation), a decode past
-/// that many cached positions is an error, not silently wrong numbers.
+/// On a device that cuts loops off (lavapipe: 65 535 iterations an invocation), a decode whose
+/// loops would pass that is an error, not silently wrong numbers. The forward's count is
+/// `⌈L/256⌉·(hd + 3) + L/groups`: at hd = 128, 64 200 positions are right and 64 400 are refused
+/// (at 65 535 its `O` was 16% off when only `L` was checked); the backward's `dQ` loops over
+/// every position, so 65 536 positions are refused even at hd = 4.
 #[test]
 fn decode_past_the_device_loop_limit_is_an_error() {
     let g = gpu();
@@ -480,6 +483,59 @@ fn decode_past_the_device_loop_limit_is_an_error() {
         println!("skipped: {} has no known loop limit", g.describe());
         return;
     };
+    assert_eq!(max, 65_535, "the lengths below are lavapipe's");
+    let hd = 128;
+    for (len, fits) in [(64_200, true), (64_400, false)] {
+        let shape = DecodeShape {
+            heads: 1,
+            kv_heads: 1,
+            head_dim: hd,
+            max_seq: len,
+            pos: len - 1,
+        };
+        let mut rng = Rng::new(len as u64);
+        let (q, k_cache, v_cache) = (
+            rng.vec(hd, 0.3),
+            rng.vec(len * hd, 0.3),
+            rng.vec(len * hd, 1.0),
+        );
+        let (qb, kb, vb) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k_cache).unwrap(),
+            g.upload(&v_cache).unwrap(),
+        );
+        let (mut attn, mut o) = (
+            g.filled(len, f32::NAN).unwrap(),
+            g.filled(hd, f32::NAN).unwrap(),
+        );
+        let mut rec = g.recorder();
+        let result = attention::execute_decode_attention(
+            &mut rec,
+            shape,
+            &qb,
+            (&kb, &vb),
+            &mut attn,
+            &mut o,
+        );
+        if !fits {
+            let err = result.unwrap_err().to_string();
+            assert!(err.contains("stops loops after 65535 iterations"), "{err}");
+            assert!(rec.is_empty());
+            continue;
+        }
+        result.unwrap();
+        rec.submit().unwrap();
+        let a = reference::decode_probs(&shape, &f64s(&q), &f64s(&k_cache));
+        let want = reference::decode_out(&shape, &a, &f64s(&v_cache));
+        assert_close(
+            "O at 64 200 positions",
+            &o.read(g).unwrap(),
+            &want,
+            1e-3,
+            1e-5,
+        );
+    }
+
     let shape = DecodeShape {
         heads: 1,
         kv_heads: 1,
@@ -487,23 +543,36 @@ fn decode_past_the_device_loop_limit_is_an_error() {
         max_seq: max as usize + 2,
         pos: max as usize,
     };
+    let len = shape.pos + 1;
     let cache = g.zeros::<f32>(shape.max_seq * 4).unwrap();
-    let q = g.zeros::<f32>(4).unwrap();
-    let (mut attn, mut o) = (
-        g.zeros::<f32>(shape.pos + 1).unwrap(),
-        g.zeros::<f32>(4).unwrap(),
+    let (q, d_out) = (g.zeros::<f32>(4).unwrap(), g.zeros::<f32>(4).unwrap());
+    let attn = g.zeros::<f32>(len).unwrap();
+    let (mut d_attn, mut d_scores) = (g.zeros::<f32>(len).unwrap(), g.zeros::<f32>(len).unwrap());
+    let mut d_q = g.zeros::<f32>(4).unwrap();
+    let (mut dk, mut dv) = (
+        g.zeros::<f32>(shape.max_seq * 4).unwrap(),
+        g.zeros::<f32>(shape.max_seq * 4).unwrap(),
     );
+    let table = rope::RopeTable::new(g, 4, 10_000.0, shape.max_seq).unwrap();
+    let inputs = DecodeInputs {
+        q: &q,
+        attn: &attn,
+        d_out: &d_out,
+        k_cache: &cache,
+        v_cache: &cache,
+        rope: &table,
+    };
+    let grads = DecodeGrads {
+        d_attn: &mut d_attn,
+        d_scores: &mut d_scores,
+        d_q: &mut d_q,
+        d_k_cache: &mut dk,
+        d_v_cache: &mut dv,
+    };
     let mut rec = g.recorder();
-    let err = attention::execute_decode_attention(
-        &mut rec,
-        shape,
-        &q,
-        (&cache, &cache),
-        &mut attn,
-        &mut o,
-    )
-    .unwrap_err()
-    .to_string();
+    let err = attention::execute_decode_attention_backward(&mut rec, shape, &inputs, grads)
+        .unwrap_err()
+        .to_string();
     assert!(err.contains("stops loops after 65535 iterations"), "{err}");
     assert!(rec.is_empty());
 }
