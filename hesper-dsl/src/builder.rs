@@ -10,136 +10,16 @@ use std::panic::Location;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use crate::error::{DslError, ErrorKind, Origin};
-use crate::expr::{
-    AnyExpr, BinaryOp, Builtin, Expr, ExprKind, Func, IntoExpr, Major, Node, VarId, node,
+use crate::expr::{AnyExpr, Expr, IntoExpr};
+use crate::ir::{
+    BinaryOp, Block, Builtin, ExprKind, Func, FunctionDef, LocalInfo, Major, Node, Placed, Stmt,
+    VarId, VarKind, node,
 };
 use crate::kernel::{
     Binding, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
 };
 use crate::ty::{Access, CoopMatrixType, HostShareable, Numeric, Scalar, ScalarType, Ty, WgslType};
 use crate::{check, names, wgsl};
-
-/// A statement block.
-pub(crate) type Block = Vec<Placed>;
-
-/// A statement and where its author recorded it.
-#[derive(Clone, Debug)]
-pub(crate) struct Placed {
-    pub stmt: Stmt,
-    pub at: Origin,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum VarKind {
-    Let,
-    Var,
-    /// A `for` loop's counter: a `var` the body may read but not assign.
-    LoopCounter,
-    Workgroup,
-    /// A parameter of a WGSL function.
-    Param,
-}
-
-/// A WGSL function the kernel declared: its parameters (locals of kind `Param`), body and
-/// returned value.
-#[derive(Clone, Debug)]
-pub(crate) struct FunctionDef {
-    pub hint: String,
-    pub params: Vec<VarId>,
-    pub ret: Ty,
-    pub body: Block,
-    pub value: Node,
-    /// Where the author declared it.
-    pub at: Origin,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) struct LocalInfo {
-    pub hint: String,
-    pub ty: Ty,
-    pub kind: VarKind,
-    /// The hint came from the library (`global_index`'s `index`), not the kernel's author: a
-    /// `let_` of this value renames it instead of binding it again.
-    pub library_named: bool,
-}
-
-#[derive(Clone, Debug)]
-pub(crate) enum Stmt {
-    Let {
-        id: VarId,
-        value: Node,
-    },
-    Var {
-        id: VarId,
-        init: Option<Node>,
-    },
-    Assign {
-        target: Node,
-        op: Option<BinaryOp>,
-        value: Node,
-    },
-    If {
-        cond: Node,
-        then: Block,
-        otherwise: Block,
-    },
-    For {
-        counter: VarId,
-        init: Node,
-        cond: Node,
-        step_op: BinaryOp,
-        step: Node,
-        body: Block,
-    },
-    While {
-        cond: Node,
-        body: Block,
-    },
-    Loop {
-        body: Block,
-    },
-    Break,
-    Continue,
-    Return,
-    WorkgroupBarrier,
-    StorageBarrier,
-    /// `coopStoreT(value, &place, stride);` (row-major) or `coopStore(…)` (column-major).
-    CoopStore {
-        value: Node,
-        place: Node,
-        stride: Node,
-        major: Major,
-    },
-    Comment(String),
-}
-
-impl Stmt {
-    /// The statement's own expressions (not those of the blocks it holds).
-    fn expressions(&self) -> Vec<&Node> {
-        match self {
-            Stmt::Let { value, .. } => vec![value],
-            Stmt::Var { init, .. } => init.iter().collect(),
-            Stmt::Assign { target, value, .. } => vec![target, value],
-            Stmt::If { cond, .. } | Stmt::While { cond, .. } => vec![cond],
-            Stmt::For {
-                init, cond, step, ..
-            } => vec![init, cond, step],
-            Stmt::CoopStore {
-                value,
-                place,
-                stride,
-                ..
-            } => vec![value, place, stride],
-            Stmt::Loop { .. }
-            | Stmt::Break
-            | Stmt::Continue
-            | Stmt::Return
-            | Stmt::WorkgroupBarrier
-            | Stmt::StorageBarrier
-            | Stmt::Comment(_) => vec![],
-        }
-    }
-}
 
 /// The deepest nesting of blocks (`if`, loops) a kernel may have.
 pub const MAX_NESTING: u32 = 48;
@@ -999,10 +879,10 @@ impl KernelBuilder {
             .map(|n| n.depth)
             .max()
             .unwrap_or(0);
-        if depth > crate::expr::MAX_EXPRESSION_DEPTH {
+        if depth > crate::ir::MAX_EXPRESSION_DEPTH {
             self.error(ErrorKind::ExpressionTooDeep {
                 depth,
-                limit: crate::expr::MAX_EXPRESSION_DEPTH,
+                limit: crate::ir::MAX_EXPRESSION_DEPTH,
             });
         }
         let at = self.origin();

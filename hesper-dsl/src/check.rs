@@ -5,10 +5,11 @@
 use std::cell::RefCell;
 use std::collections::{BTreeSet, HashMap};
 
-use crate::builder::{Block, Found, KernelBuilder, Placed, Stmt, VarKind};
+use crate::builder::{Found, KernelBuilder};
 use crate::consteval;
 use crate::error::{ErrorKind, PlacedError};
-use crate::expr::{Builtin, ExprKind, Func, Literal, Node, VarId};
+use crate::ir::{Block, Placed, Stmt, VarKind};
+use crate::ir::{Builtin, ExprKind, Func, Literal, Node, VarId};
 use crate::kernel::{CoopMultiply, Features};
 use crate::ty::{Access, Scalar, Ty};
 

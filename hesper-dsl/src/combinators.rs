@@ -8,7 +8,8 @@
 //!   subgroup operations when the kernel key asks for subgroups).
 
 use crate::builder::{Indexable, KernelBuilder};
-use crate::expr::{BinaryOp, Expr, IntoExpr, lit};
+use crate::expr::{Expr, IntoExpr, lit};
+use crate::ir::BinaryOp;
 use crate::kernel::Features;
 use crate::ty::{F16, HostShareable, Numeric, Vec2, Vec3, Vec4};
 

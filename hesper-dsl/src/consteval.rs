@@ -8,7 +8,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 
-use crate::expr::{BinaryOp, ExprKind, Func, Literal, Node, UnaryOp, VarId};
+use crate::ir::{BinaryOp, ExprKind, Func, Literal, Node, UnaryOp, VarId};
 use crate::kernel::{KernelKey, ShapeValue};
 use crate::ty::{Scalar, Ty};
 

@@ -3,9 +3,11 @@
 
 use std::marker::PhantomData;
 
-use crate::builder::{FunctionDef, KernelBuilder, VarKind};
+use crate::builder::KernelBuilder;
 use crate::error::ErrorKind;
-use crate::expr::{Expr, ExprKind, Node, VarId, node};
+use crate::expr::Expr;
+use crate::ir::{ExprKind, Node, VarId, node};
+use crate::ir::{FunctionDef, VarKind};
 use crate::ty::{Ty, WgslType};
 
 /// Argument lists of WGSL functions: tuples of one to four WGSL types.

@@ -3,8 +3,8 @@
 
 use std::fmt;
 
-use crate::builder::{Block, FunctionDef, LocalInfo};
-use crate::expr::{Builtin, Func};
+use crate::ir::{Block, FunctionDef, LocalInfo};
+use crate::ir::{Builtin, Func};
 use crate::ty::{Access, Scalar, Ty};
 
 /// Device features a kernel may use. They change the emitted text, so they are part of the key.

@@ -168,6 +168,7 @@ mod consteval;
 mod error;
 pub mod expr;
 mod function;
+pub(crate) mod ir;
 mod kernel;
 #[doc(hidden)]
 pub mod macro_support;
@@ -184,12 +185,10 @@ pub use builder::{
 };
 pub use combinators::{Reduce, Reducible};
 pub use error::{DslError, ErrorKind, Origin};
-pub use expr::{
-    AnyExpr, BinaryOp, Expr, IntoExpr, Literal, MAX_EXPRESSION_DEPTH, Major, UnaryOp, VarId, bf16,
-    coop_multiply_add, lit, select, vec2, vec3, vec4,
-};
+pub use expr::{AnyExpr, Expr, IntoExpr, bf16, coop_multiply_add, lit, select, vec2, vec3, vec4};
 pub use function::{FnArgs, Function};
 pub use hesper_dsl_macros::{kernel, kernel_fn};
+pub use ir::{BinaryOp, Literal, MAX_EXPRESSION_DEPTH, Major, UnaryOp, VarId};
 pub use kernel::{
     Binding, CoopMultiply, Features, Kernel, KernelKey, Limits, Param, ShapeValue, WorkgroupVar,
 };

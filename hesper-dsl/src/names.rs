@@ -3,7 +3,7 @@
 
 use std::collections::HashSet;
 
-use crate::expr::{Builtin, Func};
+use crate::ir::{Builtin, Func};
 use crate::kernel::Kernel;
 
 /// WGSL keywords and reserved words (WGSL spec §15.1–15.2).

@@ -12,9 +12,10 @@
 
 use std::collections::HashMap;
 
-use crate::builder::{Block, KernelBuilder, Placed, Stmt, VarKind};
+use crate::builder::KernelBuilder;
 use crate::error::{ErrorKind, Origin, PlacedError};
-use crate::expr::{BinaryOp, Builtin, ExprKind, Func, Node, VarId};
+use crate::ir::{BinaryOp, Builtin, ExprKind, Func, Node, VarId};
+use crate::ir::{Block, Placed, Stmt, VarKind};
 use crate::ty::Access;
 
 /// Why control flow may differ between invocations at a point, in words for the error

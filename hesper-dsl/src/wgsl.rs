@@ -2,8 +2,8 @@
 //! text), readable (four-space indentation, parentheses only where WGSL's grammar needs them),
 //! with exact literals and extensions enabled only when used.
 
-use crate::builder::{Block, Placed, Stmt, VarKind};
-use crate::expr::{BinaryOp, ExprKind, Func, Literal, Node, UnaryOp};
+use crate::ir::{BinaryOp, ExprKind, Func, Literal, Node, UnaryOp};
+use crate::ir::{Block, Placed, Stmt, VarKind};
 use crate::kernel::{Kernel, ShapeValue};
 use crate::ty::Ty;
 
@@ -256,7 +256,7 @@ impl<'a> Writer<'a> {
         }
     }
 
-    fn name(&self, id: crate::expr::VarId) -> &str {
+    fn name(&self, id: crate::ir::VarId) -> &str {
         &self.kernel.var_names[id.index as usize]
     }
 
