@@ -168,6 +168,7 @@ mod consteval;
 mod error;
 pub mod expr;
 mod function;
+pub mod interp;
 pub(crate) mod ir;
 mod kernel;
 #[doc(hidden)]

@@ -509,9 +509,14 @@ fn norm_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
     let dy = rng.vec(sizes.len("dy", rows * cols), 1.0);
     let prior = rng.vec(rows * cols, 1.0);
     let host_x = f64s(&x);
-    let (want_y, want_rstd) =
-        norm::reference::rms_norm_forward(&host_x, &f64s(&gamma[..cols.min(gamma.len())]), 1e-5);
-    let _ = want_y;
+    // The backward's saved `rstd`, from the reference (no rows of no columns have none).
+    let want_rstd = match cols {
+        0 => vec![],
+        _ => {
+            norm::reference::rms_norm_forward(&host_x, &f64s(&gamma[..cols.min(gamma.len())]), 1e-5)
+                .1
+        }
+    };
     let rstd_host: Vec<f32> = (0..sizes.len("rstd", rows))
         .map(|i| want_rstd.get(i).copied().unwrap_or(1.0) as f32)
         .collect();
@@ -1004,9 +1009,11 @@ fn attention_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
     }
     let (want_dq, want_dk, want_dv) =
         ar::attention_backward(&shape, lens.as_deref(), (&qh, &kh, &vh), &f64s(&d_out));
-    close(&what, &read(g, &d_q), &want_dq, 1e-4)?;
-    close(&what, &read(g, &d_k), &want_dk, 1e-4)?;
-    close(&what, &read(g, &d_v), &want_dv, 1e-4)?;
+    // A sequence of one position has gradients of exactly 0 in f64 and of f32's rounding on
+    // the GPU: the error is measured against inputs of about 1.
+    close_abs(&what, &read(g, &d_q), &want_dq, 1e-4)?;
+    close_abs(&what, &read(g, &d_k), &want_dk, 1e-4)?;
+    close_abs(&what, &read(g, &d_v), &want_dv, 1e-4)?;
     Ok(what)
 }
 
