@@ -1603,16 +1603,19 @@ fn call(f: Func, v: &[Value], ty: &Ty) -> Result<Value, Fault> {
             }
         })?,
         Func::Pow => float2(&v[0], &v[1], f32::powf)?,
+        // As lavapipe evaluates it: the product rounded, then the sum (WGSL allows either;
+        // NVIDIA's GPUs fuse the two). Bit for bit with lavapipe's GEMMs.
         Func::Fma => {
             let (a, b, c) = (v[0].lanes(), v[1].lanes(), v[2].lanes());
             let n = a.len().max(b.len()).max(c.len());
             let pick = |l: &[ScalarValue], i: usize| l[if l.len() == 1 { 0 } else { i }];
             let lanes: Result<Vec<S>, Fault> = (0..n)
                 .map(|i| match (pick(&a, i), pick(&b, i), pick(&c, i)) {
-                    (S::F32(a), S::F32(b), S::F32(c)) => Ok(S::F32(a.mul_add(b, c))),
-                    (S::F16(a), S::F16(b), S::F16(c)) => Ok(S::F16(f16::from_f32(
-                        a.to_f32().mul_add(b.to_f32(), c.to_f32()),
-                    ))),
+                    (S::F32(a), S::F32(b), S::F32(c)) => Ok(S::F32(a * b + c)),
+                    (S::F16(a), S::F16(b), S::F16(c)) => {
+                        let product = f16::from_f32(a.to_f32() * b.to_f32());
+                        Ok(S::F16(f16::from_f32(product.to_f32() + c.to_f32())))
+                    }
                     (a, b, c) => Err(format!("fma of {a:?}, {b:?}, {c:?}")),
                 })
                 .collect();

@@ -527,8 +527,9 @@ fn norm_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
         poison(g, rows * cols)
     };
     let mut rstd_out = poison(g, sizes.len("rstd", rows));
-    let rule = if cols == 0 {
-        Some("cols = 0".to_string())
+    // The columns are gamma's length (a mis-sized gamma of one over no rows is fine).
+    let rule = if gamma.is_empty() {
+        Some("no columns".to_string())
     } else if !(backward || eps.is_finite() && eps >= 0.0) {
         Some(format!("eps = {eps}"))
     } else {

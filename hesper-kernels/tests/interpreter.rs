@@ -1,0 +1,268 @@
+//! Every kernel of the catalog (but the cooperative-matrix GEMMs, which the interpreter does not
+//! run yet) on the DSL's interpreter against lavapipe: the same inputs, the same grid, the same
+//! outputs — bit for bit where the arithmetic is exact, within a few f32 ulps where the two
+//! evaluate a transcendental (`exp`, `log`, `inverseSqrt`) differently. The interpreter also
+//! checks every run for out-of-bounds accesses and races, so the library's kernels are shown
+//! free of both at these shapes.
+
+use hesper_dsl::Kernel;
+use hesper_dsl::interp::{Run, ScalarValue, interpret};
+use hesper_dsl::ty::{Access, Scalar, Ty};
+use hesper_exec::{Args, Gpu, GpuBuffer, Grid};
+use hesper_kernels::catalog;
+use hesper_kernels::testing::{Rng, gpu_without_subgroups};
+
+/// Elements each binding gets (of its element type): enough for every kernel's reads at the
+/// runtime values below.
+const LEN: usize = 16_384;
+
+/// A runtime scalar's value: small, consistent sizes (rows, tokens, positions) for every
+/// kernel; an `f32` of moderate size.
+fn param(kernel: &str, name: &str, ty: Scalar) -> ScalarValue {
+    let n = match (kernel, name) {
+        // Blocks of 16 tokens: 20 tokens are 2 blocks, as the executor counts them.
+        ("lora_up", "tokens") => 20,
+        // One head of the catalog's 128 a token (64 pairs), three tokens.
+        ("rope", "pairs_per_token") => 64,
+        ("rope", "pairs") => 192,
+        _ => match name {
+            "rows" | "heads" | "tokens" | "count" => 3,
+            "kv_heads" | "pos" | "offset" | "first" | "base" => 1,
+            "len" | "blocks" => 2,
+            "max_seq" | "seq_len" | "width" | "pairs_per_token" => 4,
+            "vocab" => 40,
+            "n4" | "pairs" => 48,
+            // argmax's row length, the grad norm's elements, embedding's values.
+            "n" => match kernel {
+                "add_bias" | "embedding" => 64,
+                _ => 60,
+            },
+            _ => 3,
+        },
+    };
+    match ty {
+        Scalar::U32 => ScalarValue::U32(n),
+        Scalar::I32 => ScalarValue::I32(n as i32),
+        _ => ScalarValue::F32(match name {
+            "beta1" => 0.9,
+            "beta2" => 0.99,
+            "one_minus_beta1" => 0.1,
+            "one_minus_beta2" => 0.01,
+            "eps" => 1e-8,
+            "lr" => 1e-2,
+            "bias_correction1" => 0.19,
+            "bias_correction2" => 0.0199,
+            _ => 0.5,
+        }),
+    }
+}
+
+/// Host values for one binding: `f32`s in [-1, 1) (non-negative where they are second
+/// moments, probabilities or saved statistics), small integers.
+fn values(rng: &mut Rng, name: &str, elem: &Ty) -> Vec<u8> {
+    let (lanes, scalar) = match elem {
+        Ty::Scalar(s) => (1, *s),
+        Ty::Vector(n, s) => (*n as usize, *s),
+        other => panic!("binding of {other:?}"),
+    };
+    let n = LEN * lanes;
+    match scalar {
+        Scalar::F32 => {
+            let positive = matches!(name, "v" | "rstd" | "p" | "attn" | "stats" | "lse");
+            let v: Vec<f32> = (0..n)
+                .map(|_| {
+                    let x = rng.next_f32();
+                    if positive { x.abs() + 0.05 } else { x }
+                })
+                .collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        Scalar::U32 => {
+            let v: Vec<u32> = (0..n).map(|_| rng.next_u32() % 7).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        Scalar::I32 => {
+            // Labels: targets, the masked −100, ids past the vocabulary.
+            let v: Vec<i32> = (0..n)
+                .map(|_| match rng.next_u32() % 6 {
+                    0 => -100,
+                    1 => 45,
+                    r => (r * 7) as i32,
+                })
+                .collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
+        other => panic!("a binding of {other:?}"),
+    }
+}
+
+/// A binding's buffer on the GPU, of its element's scalar type.
+enum Typed {
+    F32(GpuBuffer<f32>),
+    U32(GpuBuffer<u32>),
+    I32(GpuBuffer<i32>),
+}
+
+fn scalar_of(elem: &Ty) -> Scalar {
+    match elem {
+        Ty::Scalar(s) | Ty::Vector(_, s) => *s,
+        other => panic!("a binding of {other:?}"),
+    }
+}
+
+/// How `a` (lavapipe's) and `b` (the interpreter's) differ read as `f32`s (NaN equal to NaN):
+/// the elements that differ at all, and the largest difference over the largest magnitude.
+fn differ(a: &[u8], b: &[u8]) -> (usize, f64) {
+    let (a, b): (&[f32], &[f32]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+    let scale = a.iter().fold(0f64, |m, v| {
+        if v.is_finite() {
+            m.max(v.abs() as f64)
+        } else {
+            m
+        }
+    });
+    let (mut count, mut worst) = (0, 0f64);
+    for (x, y) in a.iter().zip(b) {
+        if x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()) {
+            continue;
+        }
+        count += 1;
+        worst = worst.max((*x as f64 - *y as f64).abs());
+    }
+    (count, worst / scale.max(f64::MIN_POSITIVE))
+}
+
+/// Run `kernel` on lavapipe and on the interpreter from the same inputs: over its written
+/// buffers, the elements that differ and the largest difference relative to the buffer's size.
+fn compare(g: &Gpu, kernel: &Kernel, workgroups: u32, seed: u64) -> (usize, f64) {
+    let mut rng = Rng::new(seed);
+    let mut run = Run::new([workgroups, 1, 1]);
+    run.subgroup_size = 8;
+    for b in kernel.bindings() {
+        run.buffers
+            .insert(b.name.clone(), values(&mut rng, &b.name, &b.elem));
+    }
+    for p in kernel.params() {
+        run.params
+            .insert(p.name.clone(), param(kernel.name(), &p.name, p.ty));
+    }
+    let buffers: Vec<Typed> = kernel
+        .bindings()
+        .iter()
+        .map(|b| {
+            let bytes = &run.buffers[&b.name];
+            match scalar_of(&b.elem) {
+                Scalar::F32 => Typed::F32(g.upload::<f32>(bytemuck::cast_slice(bytes)).unwrap()),
+                Scalar::U32 => Typed::U32(g.upload::<u32>(bytemuck::cast_slice(bytes)).unwrap()),
+                Scalar::I32 => Typed::I32(g.upload::<i32>(bytemuck::cast_slice(bytes)).unwrap()),
+                other => panic!("a binding of {other:?}"),
+            }
+        })
+        .collect();
+    let mut args = Args::new();
+    for (b, buf) in kernel.bindings().iter().zip(&buffers) {
+        let vec4 = matches!(b.elem, Ty::Vector(4, _));
+        args = match (buf, vec4) {
+            (Typed::F32(x), true) => args.buffer_vec4(&b.name, x),
+            (Typed::F32(x), false) => args.buffer(&b.name, x),
+            (Typed::U32(x), true) => args.buffer_vec4(&b.name, x),
+            (Typed::U32(x), false) => args.buffer(&b.name, x),
+            (Typed::I32(x), true) => args.buffer_vec4(&b.name, x),
+            (Typed::I32(x), false) => args.buffer(&b.name, x),
+        };
+    }
+    for p in kernel.params() {
+        args = match run.params[&p.name] {
+            ScalarValue::U32(v) => args.param(&p.name, v),
+            ScalarValue::I32(v) => args.param(&p.name, v),
+            ScalarValue::F32(v) => args.param(&p.name, v),
+            other => panic!("a parameter of {other:?}"),
+        };
+    }
+    let grid = Grid::Workgroups([workgroups, 1, 1]);
+    g.run(kernel, &args, grid)
+        .unwrap_or_else(|e| panic!("{}: lavapipe: {e}", kernel.name()));
+    interpret(kernel, &mut run).unwrap_or_else(|e| panic!("{}: interpreter: {e}", kernel.name()));
+    let mut result = (0, 0f64);
+    for (b, buf) in kernel.bindings().iter().zip(&buffers) {
+        if b.access != Access::ReadWrite {
+            continue;
+        }
+        let gpu: Vec<u8> = match buf {
+            Typed::F32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
+            Typed::U32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
+            Typed::I32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
+        };
+        let (count, worst) = differ(&gpu, &run.buffers[&b.name]);
+        result = (result.0 + count, result.1.max(worst));
+    }
+    result
+}
+
+/// The workgroups of a launch: as many as the executor launches where a kernel assumes its
+/// grid (a GEMM's column tiles: one past them would write into the next row; the one workgroup
+/// of a final sum), else 3.
+fn workgroups(kernel: &Kernel) -> u32 {
+    let shape = |name: &str| match kernel.key().get(name) {
+        Some(hesper_dsl::ShapeValue::U32(v)) => v,
+        other => panic!("{}: shape `{name}` is {other:?}", kernel.name()),
+    };
+    match kernel.name() {
+        "matmul_nt" | "matmul_nn" | "bitlinear_forward" | "bitlinear_transpose" => {
+            shape("cols").div_ceil(16)
+        }
+        // One workgroup reduces everything.
+        "cross_entropy_count" | "cross_entropy_mean" | "grad_norm_finish" => 1,
+        _ => 3,
+    }
+}
+
+#[test]
+fn every_kernel_matches_lavapipe_on_the_interpreter() {
+    // Without subgroups: the workgroup reductions are then shared-memory trees, the same
+    // additions in the same order on both.
+    let g = gpu_without_subgroups();
+    let mut exact = vec![];
+    let mut report = vec![];
+    for entry in catalog::entries() {
+        if entry.name.starts_with("coop_") || entry.name == "lora_down_subgroups" {
+            continue;
+        }
+        let mut shape = vec![];
+        if entry.param("subgroups").is_some() {
+            shape.push(("subgroups".to_string(), "false".to_string()));
+        }
+        let kernel = entry.build(&shape).unwrap();
+        let (count, worst) = compare(g, &kernel, workgroups(&kernel), 7);
+        report.push(format!(
+            "{}: {count} differ, by {worst:.1e} of the largest",
+            entry.name
+        ));
+        if count == 0 {
+            exact.push(entry.name);
+        }
+        // Where lavapipe evaluates `exp` (softmax, SiLU, cross-entropy) its own way, or a sum
+        // cancels: f32's rounding of the result's size.
+        let inexact = [
+            "decode_attention",
+            "attention_backward_kv",
+            "attention_backward_q",
+            "swiglu_forward",
+            "swiglu_backward",
+            "cross_entropy",
+            "cross_entropy_forward",
+            "rms_norm_backward",
+        ];
+        if inexact.contains(&entry.name) {
+            assert!(
+                worst <= 1e-6,
+                "{}: {count} elements differ, by {worst:e}",
+                entry.name
+            );
+        } else {
+            assert_eq!(count, 0, "{}: not bit for bit ({worst:e})", entry.name);
+        }
+    }
+    println!("{}", report.join("\n"));
+    println!("bit for bit: {} kernels: {}", exact.len(), exact.join(" "));
+}
