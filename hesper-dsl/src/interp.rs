@@ -13,7 +13,9 @@
 //! - a read of workgroup memory never written;
 //! - a barrier or subgroup operation reached by only part of the workgroup or subgroup.
 //!
-//! Not interpreted yet (an error says so): cooperative matrices.
+//! Cooperative matrices are held whole by every invocation of their subgroup: `coopLoad` reads
+//! all `N × N` elements, `coopMultiplyAdd` sums f32 products in order along `k`, `coopStore`
+//! writes once for the subgroup.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -105,12 +107,14 @@ impl ScalarValue {
     }
 }
 
-/// A value of the IR: a scalar, a vector, or a fixed-size array.
+/// A value of the IR: a scalar, a vector, a fixed-size array, or a cooperative matrix (its
+/// `size × size` elements row by row; every invocation of the subgroup holds the whole of it).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Value {
     Scalar(ScalarValue),
     Vector(Vec<ScalarValue>),
     Array(Vec<Value>),
+    Matrix { size: usize, data: Vec<ScalarValue> },
 }
 
 impl Value {
@@ -141,6 +145,7 @@ impl Value {
             Value::Scalar(s) => vec![*s],
             Value::Vector(v) => v.clone(),
             Value::Array(_) => vec![],
+            Value::Matrix { data, .. } => data.clone(),
         }
     }
     /// The zero of `ty` (WGSL zero-initializes `var`s and workgroup memory).
@@ -149,7 +154,10 @@ impl Value {
             Ty::Scalar(s) => Value::Scalar(ScalarValue::from_bits(0, *s)),
             Ty::Vector(n, s) => Value::Vector(vec![ScalarValue::from_bits(0, *s); *n as usize]),
             Ty::Array(t, n) => Value::Array(vec![Value::zero(t); *n as usize]),
-            Ty::CoopMatrix { .. } => Value::Array(vec![]),
+            Ty::CoopMatrix { size, scalar, .. } => Value::Matrix {
+                size: *size as usize,
+                data: vec![ScalarValue::from_bits(0, *scalar); *size as usize * *size as usize],
+            },
         }
     }
 }
@@ -253,7 +261,13 @@ enum Op<'k> {
     },
     /// `workgroupBarrier` (true) or `storageBarrier`.
     Barrier(bool),
-    Unsupported(&'static str),
+    /// `coopStore(value, &place, stride)`, column by column where `column`.
+    CoopStore {
+        value: &'k Node,
+        place: &'k Node,
+        stride: &'k Node,
+        column: bool,
+    },
 }
 
 struct Compiled<'k> {
@@ -261,6 +275,9 @@ struct Compiled<'k> {
     at: Vec<Origin>,
     /// The subgroup-wide call an instruction makes, if any (at most one a statement).
     subgroup: Vec<Option<&'k Node>>,
+    /// Whether the instruction touches a cooperative matrix: the subgroup meets there before
+    /// any of it goes on (a load, a multiply-add or a store is the whole subgroup's).
+    meet: Vec<bool>,
 }
 
 /// Flattens blocks into [`Op`]s; `loops` holds each enclosing loop's (continue, break) fixups.
@@ -278,9 +295,11 @@ impl<'k> Flattener<'k> {
         if calls.len() > 1 {
             return Err("two subgroup operations in one statement (not interpreted yet)".into());
         }
+        let meet = matches!(op, Op::CoopStore { .. }) || exprs.iter().any(|e| touches_coop(e));
         self.out.ops.push(op);
         self.out.at.push(at);
         self.out.subgroup.push(calls.first().copied());
+        self.out.meet.push(meet);
         Ok(self.out.ops.len() - 1)
     }
 
@@ -392,8 +411,19 @@ impl<'k> Flattener<'k> {
             Stmt::StorageBarrier => {
                 self.push(Op::Barrier(false), at, &[])?;
             }
-            Stmt::CoopStore { .. } => {
-                self.push(Op::Unsupported("cooperative matrices"), at, &[])?;
+            Stmt::CoopStore {
+                value,
+                place,
+                stride,
+                major,
+            } => {
+                let op = Op::CoopStore {
+                    value,
+                    place,
+                    stride,
+                    column: *major == crate::ir::Major::Column,
+                };
+                self.push(op, at, &[value, place, stride])?;
             }
             Stmt::Comment(_) => {}
         }
@@ -411,6 +441,23 @@ impl<'k> Flattener<'k> {
             self.patch(b, end);
         }
         Ok(())
+    }
+}
+
+/// Whether `node`'s tree holds a cooperative-matrix value.
+fn touches_coop(node: &Node) -> bool {
+    if matches!(node.ty, Ty::CoopMatrix { .. }) {
+        return true;
+    }
+    match &node.kind {
+        ExprKind::Unary(_, a) | ExprKind::Swizzle(a, _) | ExprKind::Bitcast(a) => touches_coop(a),
+        ExprKind::Binary(_, a, b) | ExprKind::Index(a, b) => touches_coop(a) || touches_coop(b),
+        ExprKind::Select(a, b, c) => [a, b, c].iter().any(|n| touches_coop(n)),
+        ExprKind::Call(_, args) | ExprKind::Construct(args) | ExprKind::CallFunction(_, args) => {
+            args.iter().any(touches_coop)
+        }
+        ExprKind::CoopLoad { .. } => true,
+        _ => false,
     }
 }
 
@@ -452,6 +499,7 @@ fn flatten<'k>(kernel: &'k Kernel, block: &'k Block) -> Result<Compiled<'k>, Int
             ops: vec![],
             at: vec![],
             subgroup: vec![],
+            meet: vec![],
         },
         loops: vec![],
     };
@@ -751,7 +799,15 @@ impl<'k> Machine<'k, '_> {
                     Some(code.at[pc]),
                 ));
             }
-            let call = code.subgroup[pc].expect("a subgroup instruction has its call");
+            let Some(call) = code.subgroup[pc] else {
+                // A meeting at a cooperative-matrix instruction: the subgroup is all here.
+                for i in members {
+                    invs[i].subgroup_value = Some(Value::Array(vec![]));
+                    invs[i].state = State::Running;
+                }
+                progressed = true;
+                continue;
+            };
             let ExprKind::Call(f, args) = &call.kind else {
                 unreachable!("subgroup calls are calls");
             };
@@ -803,7 +859,8 @@ impl<'k> Machine<'k, '_> {
                 inv.state = State::Done;
                 return Ok(());
             };
-            if code.subgroup[pc].is_some() && inv.subgroup_value.is_none() {
+            let synced = code.subgroup[pc].is_some() || code.meet[pc];
+            if synced && inv.subgroup_value.is_none() {
                 inv.state = State::AtSubgroup(pc);
                 return Ok(());
             }
@@ -877,7 +934,16 @@ impl<'k> Machine<'k, '_> {
             Op::Jump(to) => return Ok(Flow::Jump(*to)),
             Op::Return => return Ok(Flow::Done),
             Op::Barrier(_) => return Ok(Flow::Barrier),
-            Op::Unsupported(what) => return Err(format!("{what} are not interpreted yet")),
+            Op::CoopStore {
+                value,
+                place,
+                stride,
+                column,
+            } => {
+                let value = eval(self, inv, value)?;
+                let stride = eval(self, inv, stride)?.u32()? as usize;
+                self.coop_store(inv, place, stride, *column, value)?;
+            }
         }
         Ok(Flow::Next)
     }
@@ -1024,8 +1090,14 @@ impl<'k> Machine<'k, '_> {
             ExprKind::ArrayLength(name) => {
                 Value::Scalar(ScalarValue::U32(self.buffer_len(name)? as u32))
             }
-            ExprKind::CoopLoad { .. } => {
-                return Err("cooperative matrices are not interpreted yet".into());
+            ExprKind::CoopLoad {
+                place,
+                stride,
+                major,
+            } => {
+                let stride = ev(self, inv, stride)?.u32()? as usize;
+                let column = *major == crate::ir::Major::Column;
+                self.coop_load(inv, place, stride, column, &n.ty)?
             }
             ExprKind::CallFunction(id, args) => {
                 let mut values = Vec::with_capacity(args.len());
@@ -1129,7 +1201,7 @@ impl<'k> Machine<'k, '_> {
                 if i >= len {
                     return Err(format!("read of `{name}[{i}]`, past its {len} elements"));
                 }
-                self.touch_storage(inv, name, i, false)?;
+                self.touch_storage(inv.local_index, name, i, false)?;
                 let elem = self.kernel.binding(name).expect("checked").elem.clone();
                 Ok(decode(&self.run.buffers[name], &elem, i))
             }
@@ -1148,7 +1220,7 @@ impl<'k> Machine<'k, '_> {
                     ));
                 }
                 let (hint, ty) = (info.hint.clone(), info.ty.clone());
-                self.touch_shared(inv, id.index, i, false, &hint)?;
+                self.touch_shared(inv.local_index, id.index, i, false, &hint)?;
                 match self.shared.get(&id.index).and_then(|a| a[i].clone()) {
                     Some(v) => Ok(v),
                     None => {
@@ -1173,21 +1245,200 @@ impl<'k> Machine<'k, '_> {
                         .get(i)
                         .map(|s| Value::Scalar(*s))
                         .ok_or_else(|| format!("index {i} past a vector of {}", lanes.len())),
-                    Value::Scalar(_) => Err("indexing a scalar (a hesper bug)".into()),
+                    Value::Scalar(_) | Value::Matrix { .. } => {
+                        Err("indexing a scalar or a cooperative matrix (a hesper bug)".into())
+                    }
                 }
             }
         }
     }
 
+    /// Where element `(r, c)` of a cooperative matrix lies from `place` (an element of a
+    /// storage buffer or workgroup array): the array, its element's index and lane (arrays of
+    /// vectors are read as their scalars; `stride` counts the array's elements).
+    fn coop_places(
+        &mut self,
+        inv: &mut Invocation,
+        place: &Node,
+        (size, stride, column): (usize, usize, bool),
+    ) -> Result<(Node, usize, Vec<(usize, usize)>), Fault> {
+        let ExprKind::Index(base, index) = &place.kind else {
+            return Err(
+                "a cooperative load or store not at an array element (a hesper bug)".into(),
+            );
+        };
+        let first = self.eval(inv, index)?.u32()? as usize;
+        let elem = match &base.kind {
+            ExprKind::Global(name) => self.kernel.binding(name).map(|b| b.elem.clone()),
+            ExprKind::Local(id) => match &self.kernel.locals[id.index as usize].ty {
+                Ty::Array(elem, _) => Some((**elem).clone()),
+                _ => None,
+            },
+            _ => None,
+        }
+        .ok_or("a cooperative load or store of an unknown array (a hesper bug)")?;
+        let lanes = match elem {
+            Ty::Vector(n, _) => n as usize,
+            _ => 1,
+        };
+        let places = (0..size * size)
+            .map(|at| {
+                let (r, c) = (at / size, at % size);
+                let offset = first * lanes
+                    + if column {
+                        c * stride * lanes + r
+                    } else {
+                        r * stride * lanes + c
+                    };
+                (offset / lanes, offset % lanes)
+            })
+            .collect();
+        Ok((base.clone(), lanes, places))
+    }
+
+    /// One element of a storage buffer or workgroup array, as `me` reads it (checked).
+    fn read_element(
+        &mut self,
+        me: u32,
+        base: &Node,
+        i: usize,
+        inv: [u32; 3],
+    ) -> Result<Value, Fault> {
+        match &base.kind {
+            ExprKind::Global(name) => {
+                let len = self.buffer_len(name)?;
+                if i >= len {
+                    return Err(format!(
+                        "cooperative read of `{name}[{i}]`, past its {len} elements"
+                    ));
+                }
+                self.touch_storage(me, name, i, false)?;
+                let elem = self.kernel.binding(name).expect("checked").elem.clone();
+                Ok(decode(&self.run.buffers[name], &elem, i))
+            }
+            ExprKind::Local(id) => {
+                let info = &self.kernel.locals[id.index as usize];
+                let (hint, ty) = (info.hint.clone(), info.ty.clone());
+                let Ty::Array(elem, len) = &ty else {
+                    return Err(format!("indexing `{hint}`, not an array"));
+                };
+                if i >= *len as usize {
+                    return Err(format!(
+                        "cooperative read of workgroup array `{hint}[{i}]`, past its {len} elements"
+                    ));
+                }
+                self.touch_shared(me, id.index, i, false, &hint)?;
+                match self.shared.get(&id.index).and_then(|a| a[i].clone()) {
+                    Some(v) => Ok(v),
+                    None => {
+                        if self.unwritten.is_none() {
+                            self.unwritten = Some((format!("{hint}[{i}]"), inv, self.current_at));
+                        }
+                        Ok(Value::zero(elem))
+                    }
+                }
+            }
+            _ => Err("a cooperative access of a value (a hesper bug)".into()),
+        }
+    }
+
+    /// `coopLoad`: every invocation of the subgroup reads the whole matrix.
+    fn coop_load(
+        &mut self,
+        inv: &mut Invocation,
+        place: &Node,
+        stride: usize,
+        column: bool,
+        ty: &Ty,
+    ) -> Result<Value, Fault> {
+        let Ty::CoopMatrix { size, scalar, .. } = ty else {
+            return Err("a cooperative load of a value that is no matrix (a hesper bug)".into());
+        };
+        let size = *size as usize;
+        let (base, _, places) = self.coop_places(inv, place, (size, stride, column))?;
+        let mut data = Vec::with_capacity(places.len());
+        // Read as the subgroup's first invocation: the subgroup's own store after it is no race.
+        let leader = inv.local_index - inv.local_index % self.run.subgroup_size;
+        for (i, lane) in places {
+            let v = self.read_element(leader, &base, i, inv.global_id)?;
+            data.push(v.lanes()[lane].convert(*scalar));
+        }
+        Ok(Value::Matrix { size, data })
+    }
+
+    /// `coopStore`: the subgroup writes the matrix once (every invocation stores the same
+    /// values, as the subgroup's first invocation, so they do not race with each other).
+    fn coop_store(
+        &mut self,
+        inv: &mut Invocation,
+        place: &Node,
+        stride: usize,
+        column: bool,
+        value: Value,
+    ) -> Result<(), Fault> {
+        let Value::Matrix { size, data } = value else {
+            return Err("a cooperative store of a value that is no matrix (a hesper bug)".into());
+        };
+        let (base, lanes, places) = self.coop_places(inv, place, (size, stride, column))?;
+        let leader = inv.local_index - inv.local_index % self.run.subgroup_size;
+        for ((i, lane), v) in places.into_iter().zip(data) {
+            match &base.kind {
+                ExprKind::Global(name) => {
+                    let len = self.buffer_len(name)?;
+                    if i >= len {
+                        return Err(format!(
+                            "cooperative write of `{name}[{i}]`, past its {len} elements"
+                        ));
+                    }
+                    self.touch_storage(leader, name, i, true)?;
+                    let elem = self.kernel.binding(name).expect("checked").elem.clone();
+                    let bytes = self.run.buffers.get_mut(name).expect("bound");
+                    let mut whole = decode(bytes, &elem, i).lanes();
+                    whole[lane] = v.convert(whole[lane].scalar());
+                    encode(bytes, &elem, i, &shape_like(&elem, whole));
+                }
+                ExprKind::Local(id) => {
+                    let info = &self.kernel.locals[id.index as usize];
+                    let (hint, ty) = (info.hint.clone(), info.ty.clone());
+                    let Ty::Array(elem, len) = &ty else {
+                        return Err(format!("indexing `{hint}`, not an array"));
+                    };
+                    let len = *len as usize;
+                    if i >= len {
+                        return Err(format!(
+                            "cooperative write of workgroup array `{hint}[{i}]`, past its {len} elements"
+                        ));
+                    }
+                    self.touch_shared(leader, id.index, i, true, &hint)?;
+                    let slots = self
+                        .shared
+                        .entry(id.index)
+                        .or_insert_with(|| vec![None; len]);
+                    let mut whole = slots[i]
+                        .clone()
+                        .unwrap_or_else(|| Value::zero(elem))
+                        .lanes();
+                    whole[lane] = v.convert(whole[lane].scalar());
+                    slots[i] = Some(if lanes == 1 {
+                        Value::Scalar(whole[0])
+                    } else {
+                        Value::Vector(whole)
+                    });
+                }
+                _ => return Err("a cooperative store to a value (a hesper bug)".into()),
+            }
+        }
+        Ok(())
+    }
+
     fn touch_shared(
         &mut self,
-        inv: &Invocation,
+        me: u32,
         array: u32,
         i: usize,
         write: bool,
         name: &str,
     ) -> Result<(), Fault> {
-        let me = inv.local_index;
         let t = self.shared_touch.entry((array, i)).or_default();
         if let Some(w) = t.writer
             && w != me
@@ -1212,7 +1463,7 @@ impl<'k> Machine<'k, '_> {
 
     fn touch_storage(
         &mut self,
-        inv: &Invocation,
+        local: u32,
         name: &str,
         i: usize,
         write: bool,
@@ -1220,7 +1471,7 @@ impl<'k> Machine<'k, '_> {
         let key = (name.to_string(), i);
         let me = StorageWrite {
             workgroup: self.workgroup_linear,
-            local: inv.local_index,
+            local,
             phase: self.phase,
         };
         if let Some(w) = self.storage_writes.get(&key) {
@@ -1266,7 +1517,7 @@ impl<'k> Machine<'k, '_> {
                         if i >= len {
                             return Err(format!("write of `{name}[{i}]`, past its {len} elements"));
                         }
-                        self.touch_storage(inv, name, i, true)?;
+                        self.touch_storage(inv.local_index, name, i, true)?;
                         let elem = self.kernel.binding(name).expect("checked").elem.clone();
                         let bytes = self.run.buffers.get_mut(name).expect("bound");
                         encode(bytes, &elem, i, &v);
@@ -1286,7 +1537,7 @@ impl<'k> Machine<'k, '_> {
                                 "write of workgroup array `{hint}[{i}]`, past its {len} elements"
                             ));
                         }
-                        self.touch_shared(inv, id.index, i, true, &hint)?;
+                        self.touch_shared(inv.local_index, id.index, i, true, &hint)?;
                         self.shared
                             .entry(id.index)
                             .or_insert_with(|| vec![None; len])[i] = Some(v);
@@ -1307,7 +1558,9 @@ impl<'k> Machine<'k, '_> {
                                     format!("write at {i}, past a vector of {n}")
                                 })? = v.scalar()?;
                             }
-                            Value::Scalar(_) => return Err("indexing a scalar".into()),
+                            Value::Scalar(_) | Value::Matrix { .. } => {
+                                return Err("indexing a scalar or a cooperative matrix".into());
+                            }
                         }
                         self.store(inv, base, whole)
                     }
@@ -1397,6 +1650,7 @@ fn construct(ty: &Ty, lanes: &[ScalarValue]) -> Result<Value, Fault> {
             };
             Ok(Value::Vector(lanes))
         }
+        Ty::CoopMatrix { .. } if lanes.is_empty() => Ok(Value::zero(ty)),
         other => Err(format!("constructing {other:?} (not interpreted)")),
     }
 }
@@ -1424,6 +1678,10 @@ fn lanewise1(
         Value::Vector(l) => Ok(Value::Vector(
             l.iter().map(|s| f(*s)).collect::<Result<_, _>>()?,
         )),
+        Value::Matrix { size, data } => Ok(Value::Matrix {
+            size: *size,
+            data: data.iter().map(|s| f(*s)).collect::<Result<_, _>>()?,
+        }),
         Value::Array(_) => Err("an operator on an array".into()),
     }
 }
@@ -1448,6 +1706,23 @@ fn lanewise2(
                 .map(|(x, y)| f(*x, *y))
                 .collect::<Result<_, _>>()?,
         )),
+        // Cooperative matrices: element by element, a scalar scaling every element.
+        (Value::Matrix { size, data: x }, Value::Matrix { data: y, .. }) => Ok(Value::Matrix {
+            size: *size,
+            data: x
+                .iter()
+                .zip(y)
+                .map(|(x, y)| f(*x, *y))
+                .collect::<Result<_, _>>()?,
+        }),
+        (Value::Matrix { size, data }, Value::Scalar(y)) => Ok(Value::Matrix {
+            size: *size,
+            data: data.iter().map(|x| f(*x, *y)).collect::<Result<_, _>>()?,
+        }),
+        (Value::Scalar(x), Value::Matrix { size, data }) => Ok(Value::Matrix {
+            size: *size,
+            data: data.iter().map(|y| f(*x, *y)).collect::<Result<_, _>>()?,
+        }),
         _ => Err("an operator on an array".into()),
     }
 }
@@ -1649,7 +1924,7 @@ fn call(f: Func, v: &[Value], ty: &Ty) -> Result<Value, Fault> {
         }
         Func::Bf16Low => Value::Scalar(S::F32(f32::from_bits(v[0].u32()? << 16))),
         Func::Bf16High => Value::Scalar(S::F32(f32::from_bits(v[0].u32()? & 0xFFFF_0000))),
-        Func::CoopMultiplyAdd => return Err("cooperative matrices are not interpreted yet".into()),
+        Func::CoopMultiplyAdd => coop_multiply_add(&v[0], &v[1], &v[2])?,
         Func::SubgroupAdd
         | Func::SubgroupMax
         | Func::SubgroupMin
@@ -1704,4 +1979,29 @@ fn subgroup_op(f: Func, values: &[Value], extra: &[Option<Value>]) -> Result<Vec
             .collect(),
         other => Err(format!("{other:?} is no subgroup operation")),
     }
+}
+
+/// `a·b + c` of cooperative matrices: each product of two elements in f32 (exact for f16),
+/// summed in f32 along `k` in order, onto `c`'s element; the result in `c`'s type.
+fn coop_multiply_add(a: &Value, b: &Value, c: &Value) -> Result<Value, Fault> {
+    let (
+        Value::Matrix { size: n, data: a },
+        Value::Matrix { data: b, .. },
+        Value::Matrix { data: c, .. },
+    ) = (a, b, c)
+    else {
+        return Err("coopMultiplyAdd of values that are not cooperative matrices".into());
+    };
+    let n = *n;
+    let f = |s: &ScalarValue| s.as_f64() as f32;
+    let data = (0..n * n)
+        .map(|at| {
+            let (i, j) = (at / n, at % n);
+            let sum = (0..n).fold(f(&c[at]), |acc, k| {
+                acc + f(&a[i * n + k]) * f(&b[k * n + j])
+            });
+            ScalarValue::F32(sum).convert(c[at].scalar())
+        })
+        .collect();
+    Ok(Value::Matrix { size: n, data })
 }

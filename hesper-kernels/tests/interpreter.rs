@@ -266,3 +266,128 @@ fn every_kernel_matches_lavapipe_on_the_interpreter() {
     println!("{}", report.join("\n"));
     println!("bit for bit: {} kernels: {}", exact.len(), exact.join(" "));
 }
+
+/// The tensor-core GEMM (cooperative matrices), which lavapipe cannot run, on the interpreter
+/// against the f64 reference of its f16-rounded inputs: both products, f32 inputs rounded as they
+/// are loaded and f16 inputs, f32 and f16 outputs, accumulation and scale, ragged rows.
+#[test]
+fn the_tensor_core_gemm_is_right_on_the_interpreter() {
+    use hesper_exec::half::f16;
+    struct Case {
+        name: &'static str,
+        rows: usize,
+        shape: &'static [(&'static str, &'static str)],
+    }
+    let cases = [
+        Case {
+            name: "coop_matmul_nt",
+            rows: 50,
+            shape: &[],
+        },
+        Case {
+            name: "coop_matmul_nn",
+            rows: 40,
+            shape: &[],
+        },
+        Case {
+            name: "coop_matmul_nt",
+            rows: 33,
+            shape: &[
+                ("input_f16", "true"),
+                ("weight_f16", "true"),
+                ("output_f16", "false"),
+                ("accumulate", "true"),
+            ],
+        },
+    ];
+    for case in cases {
+        let shape: Vec<(String, String)> = case
+            .shape
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let kernel = catalog::find(case.name).unwrap().build(&shape).unwrap();
+        let key = kernel.key();
+        let u = |name: &str| match key.get(name) {
+            Some(hesper_dsl::ShapeValue::U32(v)) => v as usize,
+            other => panic!("{name}: {other:?}"),
+        };
+        let flag = |name: &str| key.get(name) == Some(hesper_dsl::ShapeValue::Bool(true));
+        let (cols, depth, m) = (u("cols"), u("depth"), case.rows);
+        let nt = case.name.ends_with("nt");
+        let (input, output) = if nt { ("x", "y") } else { ("dy", "dx") };
+        let mut rng = Rng::new(cols as u64 * 31 + m as u64);
+        let x: Vec<f32> = (0..m * depth).map(|_| rng.next_f32()).collect();
+        // NT: W [cols, depth]; NN: W [depth, cols].
+        let w: Vec<f32> = (0..cols * depth).map(|_| rng.next_f32()).collect();
+        let prior: Vec<f32> = (0..m * cols).map(|_| rng.next_f32()).collect();
+        let scale = 0.75f32;
+        let bytes = |v: &[f32], half: bool| -> Vec<u8> {
+            if half {
+                let h: Vec<f16> = v.iter().map(|x| f16::from_f32(*x)).collect();
+                bytemuck::cast_slice(&h).to_vec()
+            } else {
+                bytemuck::cast_slice(v).to_vec()
+            }
+        };
+        let accumulate = flag("accumulate");
+        let start = if accumulate {
+            prior.clone()
+        } else {
+            vec![f32::NAN; m * cols]
+        };
+        let mut run = Run::new([cols.div_ceil(32) as u32, m.div_ceil(32) as u32, 1]);
+        // The catalog's tile is 32×32 outputs a workgroup (`32x32x16_16x16`).
+        assert_eq!((u("bm"), u("bn")), (32, 32), "{key}");
+        run.subgroup_size = u("subgroup") as u32;
+        run.buffers
+            .insert(input.into(), bytes(&x, flag("input_f16")));
+        run.buffers
+            .insert("w".into(), bytes(&w, flag("weight_f16")));
+        run.buffers
+            .insert(output.into(), bytes(&start, flag("output_f16")));
+        run.params.insert("rows".into(), ScalarValue::U32(m as u32));
+        run.params.insert("scale".into(), ScalarValue::F32(scale));
+        interpret(&kernel, &mut run).unwrap_or_else(|e| panic!("{}: {e}", case.name));
+
+        let h = |v: f32| f16::from_f32(v).to_f64();
+        let mut want = vec![0f64; m * cols];
+        for r in 0..m {
+            for c in 0..cols {
+                let sum: f64 = (0..depth)
+                    .map(|k| {
+                        let wv = if nt {
+                            w[c * depth + k]
+                        } else {
+                            w[k * cols + c]
+                        };
+                        h(x[r * depth + k]) * h(wv)
+                    })
+                    .sum();
+                let before = if accumulate {
+                    prior[r * cols + c] as f64
+                } else {
+                    0.0
+                };
+                want[r * cols + c] = before + scale as f64 * sum;
+            }
+        }
+        let got: Vec<f64> = if flag("output_f16") {
+            let v: Vec<f16> = run.read(output).unwrap();
+            v.iter().map(|x| x.to_f64()).collect()
+        } else {
+            let v: Vec<f32> = run.read(output).unwrap();
+            v.iter().map(|x| *x as f64).collect()
+        };
+        let largest = want.iter().fold(0f64, |a, v| a.max(v.abs()));
+        // f32 sums of `depth` products; an f16 output rounds to half an f16 ulp more.
+        let tol = if flag("output_f16") { 1e-3 } else { 1e-6 } * largest;
+        for (i, (g, v)) in got.iter().zip(&want).enumerate() {
+            assert!(
+                (g - v).abs() <= tol,
+                "{} {shape:?}: element {i} is {g}, {v} expected",
+                case.name
+            );
+        }
+    }
+}
