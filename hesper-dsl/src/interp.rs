@@ -570,6 +570,9 @@ struct Machine<'k, 'r> {
 
 type Fault = String;
 
+/// Elements of an array by (index, lane): where a cooperative matrix's elements lie.
+type Elements = Vec<(usize, usize)>;
+
 /// Run `kernel` over `run`'s buffers and grid (see the module's documentation). The buffers
 /// hold the results after; an error stops the run at the first fault found.
 pub fn interpret(kernel: &Kernel, run: &mut Run) -> Result<(), InterpError> {
@@ -1261,7 +1264,7 @@ impl<'k> Machine<'k, '_> {
         inv: &mut Invocation,
         place: &Node,
         (size, stride, column): (usize, usize, bool),
-    ) -> Result<(Node, usize, Vec<(usize, usize)>), Fault> {
+    ) -> Result<(Node, usize, Elements), Fault> {
         let ExprKind::Index(base, index) = &place.kind else {
             return Err(
                 "a cooperative load or store not at an array element (a hesper bug)".into(),

@@ -573,7 +573,8 @@ fn norm_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
                 *w += *p as f64;
             }
         }
-        close(&what, &read(g, &out), &want, 1e-4)?;
+        // Against inputs of about 1: one column's gradient cancels to about 0.
+        close_abs(&what, &read(g, &out), &want, 1e-5)?;
     } else {
         let (y, rstd) = norm::reference::rms_norm_forward(&host_x, &gamma, eps as f64);
         close(&what, &read(g, &out), &y, 1e-5)?;
