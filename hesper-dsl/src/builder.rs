@@ -1350,6 +1350,17 @@ impl KernelBuilder {
         }
     }
 
+    /// Print `value` with `label` and the invocation's id when the kernel runs on the
+    /// interpreter ([`crate::interp`]); on a GPU nothing: the WGSL (and the key) are the kernel's
+    /// without it.
+    #[track_caller]
+    pub fn debug<T: WgslType>(&mut self, label: &str, value: impl IntoExpr<T>) {
+        self.push(Stmt::Debug {
+            label: label.to_string(),
+            value: value.into_expr().node,
+        });
+    }
+
     pub(crate) fn tag(&self) -> u32 {
         self.tag
     }

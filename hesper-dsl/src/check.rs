@@ -99,6 +99,7 @@ impl Checker<'_> {
 
     fn stmt(&mut self, s: &Stmt) -> Result<(), PlacedError> {
         match s {
+            Stmt::Debug { value, .. } => self.expr(value)?,
             Stmt::Let { id, value } => {
                 self.expr(value)?;
                 if matches!(value.ty, Ty::Array(_, 0)) {

@@ -172,6 +172,43 @@ pub struct Run {
     pub workgroups: [u32; 3],
     /// Invocations a subgroup holds (1, 4, 8, 32, 64): where `subgroupAdd` and friends reduce.
     pub subgroup_size: u32,
+    /// What the kernel's `k.debug` statements printed, in the order the invocations ran them
+    /// (workgroup by workgroup; within a phase, invocation by invocation).
+    pub printed: Vec<Printed>,
+}
+
+/// One value a `k.debug` statement printed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Printed {
+    /// The invocation's `global_invocation_id`.
+    pub invocation: [u32; 3],
+    pub label: String,
+    pub value: Value,
+}
+
+impl fmt::Display for Printed {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let [x, y, z] = self.invocation;
+        write!(f, "({x}, {y}, {z}) {} = ", self.label)?;
+        match &self.value {
+            Value::Scalar(s) => write!(f, "{}", scalar_text(s)),
+            Value::Vector(l) => {
+                let parts: Vec<String> = l.iter().map(scalar_text).collect();
+                write!(f, "({})", parts.join(", "))
+            }
+            other => write!(f, "{other:?}"),
+        }
+    }
+}
+
+fn scalar_text(s: &ScalarValue) -> String {
+    match s {
+        ScalarValue::F32(v) => format!("{v}"),
+        ScalarValue::F16(v) => format!("{v}"),
+        ScalarValue::I32(v) => format!("{v}"),
+        ScalarValue::U32(v) => format!("{v}"),
+        ScalarValue::Bool(v) => format!("{v}"),
+    }
 }
 
 impl Run {
@@ -182,6 +219,7 @@ impl Run {
             params: HashMap::new(),
             workgroups,
             subgroup_size: 32,
+            printed: vec![],
         }
     }
 
@@ -261,6 +299,8 @@ enum Op<'k> {
     },
     /// `workgroupBarrier` (true) or `storageBarrier`.
     Barrier(bool),
+    /// `k.debug(label, value)`.
+    Debug(&'k str, &'k Node),
     /// `coopStore(value, &place, stride)`, column by column where `column`.
     CoopStore {
         value: &'k Node,
@@ -426,6 +466,9 @@ impl<'k> Flattener<'k> {
                 self.push(op, at, &[value, place, stride])?;
             }
             Stmt::Comment(_) => {}
+            Stmt::Debug { label, value } => {
+                self.push(Op::Debug(label, value), at, &[value])?;
+            }
         }
         Ok(())
     }
@@ -937,6 +980,14 @@ impl<'k> Machine<'k, '_> {
             Op::Jump(to) => return Ok(Flow::Jump(*to)),
             Op::Return => return Ok(Flow::Done),
             Op::Barrier(_) => return Ok(Flow::Barrier),
+            Op::Debug(label, value) => {
+                let value = eval(self, inv, value)?;
+                self.run.printed.push(Printed {
+                    invocation: inv.global_id,
+                    label: label.to_string(),
+                    value,
+                });
+            }
             Op::CoopStore {
                 value,
                 place,

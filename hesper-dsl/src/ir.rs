@@ -512,13 +512,19 @@ pub(crate) enum Stmt {
         major: Major,
     },
     Comment(String),
+    /// `k.debug(label, value)`: printed by the interpreter with the invocation's id; nothing in
+    /// the WGSL.
+    Debug {
+        label: String,
+        value: Node,
+    },
 }
 
 impl Stmt {
     /// The statement's own expressions (not those of the blocks it holds).
     pub(crate) fn expressions(&self) -> Vec<&Node> {
         match self {
-            Stmt::Let { value, .. } => vec![value],
+            Stmt::Let { value, .. } | Stmt::Debug { value, .. } => vec![value],
             Stmt::Var { init, .. } => init.iter().collect(),
             Stmt::Assign { target, value, .. } => vec![target, value],
             Stmt::If { cond, .. } | Stmt::While { cond, .. } => vec![cond],

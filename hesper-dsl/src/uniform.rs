@@ -192,7 +192,8 @@ impl Uniformity<'_> {
             | Stmt::Break
             | Stmt::Continue
             | Stmt::Return
-            | Stmt::Comment(_) => {}
+            | Stmt::Comment(_)
+            | Stmt::Debug { .. } => {}
         }
         Ok(ctx)
     }

@@ -341,6 +341,8 @@ impl<'a> Writer<'a> {
                 self.line(&text);
             }
             Stmt::Comment(c) => self.line(&format!("// {c}")),
+            // For the interpreter only.
+            Stmt::Debug { .. } => {}
         }
     }
 

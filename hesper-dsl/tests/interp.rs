@@ -233,3 +233,65 @@ fn workgroup_reduce_is_right_at_every_subgroup_size() {
         }
     }
 }
+
+/// `k.debug` prints on the interpreter, with each invocation's id, and leaves the WGSL (and the
+/// key) exactly the kernel's without it.
+#[test]
+fn debug_prints_on_the_interpreter_and_emits_nothing() {
+    let build = |debug: bool| {
+        let key = KernelKey::new("printing").workgroup_size(4);
+        Kernel::build(&key, |k| {
+            let x = k.storage::<f32>("x");
+            let y = k.storage_rw::<f32>("y");
+            let i = k.global_index();
+            let doubled = k.let_("doubled", x.at(&i) * 2.0f32);
+            if debug {
+                k.debug("doubled", &doubled);
+                k.debug(
+                    "index and value",
+                    vec2(i.clone().cast::<f32>(), doubled.clone()),
+                );
+            }
+            k.store(&y, &i, doubled);
+        })
+        .unwrap()
+    };
+    let (with, without) = (build(true), build(false));
+    assert_eq!(with.wgsl(), without.wgsl());
+    assert_eq!(with.key(), without.key());
+    let mut run = Run::new([2, 1, 1])
+        .buffer("x", &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])
+        .buffer("y", &[0f32; 8]);
+    interpret(&with, &mut run).unwrap();
+    let lines: Vec<String> = run.printed.iter().map(ToString::to_string).collect();
+    assert_eq!(lines.len(), 16);
+    assert_eq!(lines[0], "(0, 0, 0) doubled = 2");
+    assert_eq!(lines[1], "(0, 0, 0) index and value = (0, 2)");
+    assert_eq!(lines[15], "(7, 0, 0) index and value = (7, 16)");
+    assert_eq!(run.read::<f32>("y").unwrap()[7], 16.0);
+}
+
+/// Half the workgroup returning before a barrier the other half waits at never reaches the
+/// interpreter: the builder's uniformity analysis refuses the kernel first (the interpreter's
+/// own check of partial barriers is for IR that escapes it).
+#[test]
+fn a_barrier_after_a_non_uniform_return_is_refused_before_it_runs() {
+    let key = KernelKey::new("half_barrier").workgroup_size(64);
+    let built = Kernel::build(&key, |k| {
+        let out = k.storage_rw::<f32>("out");
+        let scratch = k.workgroup_array::<f32>("scratch", 64);
+        let lid = k.local_index();
+        let live = k.param::<u32>("live");
+        k.if_(lid.ge(&live), |k| k.return_());
+        k.store(&scratch, &lid, 1.0f32);
+        k.workgroup_barrier();
+        k.store(&out, &lid, scratch.at(&lid));
+    });
+    let e = built
+        .expect_err("a barrier after a non-uniform return")
+        .to_string();
+    assert!(
+        e.contains("half_barrier") && e.contains("workgroupBarrier"),
+        "{e}"
+    );
+}
