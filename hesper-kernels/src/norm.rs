@@ -375,6 +375,8 @@ pub fn execute_rms_norm_dgamma(
         "dgamma_scratch_len",
     )?;
     let blocks = rows.div_ceil(ROWS_PER_BLOCK as usize);
+    // The sum walks every block in one invocation.
+    crate::expect_loops(rec.gpu(), name, || format!("{rows} rows"), blocks as u64)?;
     let (rows, cols32, blocks) = (
         expect_u32(name, "rows", rows)?,
         expect_u32(name, "columns", cols)?,

@@ -20,7 +20,9 @@ fn main() {
 }
 
 fn values(n: usize) -> Vec<f32> {
-    (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0).collect()
+    (0..n)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0)
+        .collect()
 }
 
 /// Seconds for one interpretation of `kernel` over `run` (the best of three).
@@ -66,7 +68,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let out = k.storage_rw::<f32>("out");
         let i = k.global_index();
         let s = k.workgroup_reduce(x.at(&i), Reduce::Sum);
-        k.if_(k.local_index().eq(0u32), |k| k.store(&out, k.workgroup_id().x(), s));
+        k.if_(k.local_index().eq(0u32), |k| {
+            k.store(&out, k.workgroup_id().x(), s)
+        });
     })?;
     let run = Run::new([(n / 256) as u32, 1, 1])
         .buffer("x", &values(n))

@@ -337,6 +337,7 @@ fn execute_weight_grad(
     let (r, n) = adapter(name, names.grad, grad, rank)?;
     let t = rows(name, names.u, u, n as usize, names.width)?;
     expect_len(name, names.v, v, t as usize * rank, "[tokens, rank]")?;
+    weight_grad::expect_loops(rec.gpu(), name, t as usize)?;
     let need = lora_scratch_len(t as usize, n as usize, rank);
     expect_len(
         name,
@@ -413,6 +414,7 @@ pub fn execute_lora_backward(
     ] {
         expect_len(name, binding, buf, len, what)?;
     }
+    weight_grad::expect_loops(rec.gpu(), name, t)?;
     let need = lora_scratch_len(t, input + output, rank);
     expect_len(
         name,

@@ -116,6 +116,19 @@ pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
     tokens.div_ceil(block).max(1) * width * rank
 }
 
+/// `Ok` when the sum over the blocks of `tokens` fits the device's loop limit
+/// ([`crate::expect_loops`]): an invocation of `lora_weight_grad_sum` steps through the blocks
+/// `loads` at a time, for each of the two gradients it may add.
+pub(super) fn expect_loops(
+    gpu: &hesper_exec::Gpu,
+    kernel: &str,
+    tokens: usize,
+) -> Result<(), ExecError> {
+    let blocks = tokens.div_ceil(PartialsTile::DEFAULT.block_tokens() as usize);
+    let iterations = 2 * blocks.div_ceil(SumTile::DEFAULT.loads as usize) as u64;
+    crate::expect_loops(gpu, kernel, || format!("{tokens} tokens"), iterations)
+}
+
 fn partials_key(n: u32, r: u32, tile: PartialsTile) -> KernelKey {
     KernelKey::new("lora_weight_grad_partials")
         .workgroup_size(tile.invocations())
