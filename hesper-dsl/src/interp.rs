@@ -1250,44 +1250,11 @@ impl<'k> Machine<'k, '_> {
         sg: Option<(&&Node, &Value)>,
     ) -> Result<Value, Fault> {
         match &base.kind {
-            ExprKind::Global(name) => {
-                let len = self.buffer_len(name)?;
-                if i >= len {
-                    return Err(format!("read of `{name}[{i}]`, past its {len} elements"));
-                }
-                self.touch_storage(inv.local_index, name, i, false)?;
-                let elem = self.kernel.binding(name).expect("checked").elem.clone();
-                Ok(decode(&self.run.buffers[name], &elem, i))
-            }
+            ExprKind::Global(_) => self.read_element(inv.local_index, base, i, inv.global_id),
             ExprKind::Local(id)
                 if self.kernel.locals[id.index as usize].kind == VarKind::Workgroup =>
             {
-                let info = &self.kernel.locals[id.index as usize];
-                let Ty::Array(_, len) = &info.ty else {
-                    return Err(format!("indexing `{}`, not an array", info.hint));
-                };
-                let len = *len as usize;
-                if i >= len {
-                    return Err(format!(
-                        "read of workgroup array `{}[{i}]`, past its {len} elements",
-                        info.hint
-                    ));
-                }
-                let (hint, ty) = (info.hint.clone(), info.ty.clone());
-                self.touch_shared(inv.local_index, id.index, i, false, &hint)?;
-                match self.shared.get(&id.index).and_then(|a| a[i].clone()) {
-                    Some(v) => Ok(v),
-                    None => {
-                        if self.unwritten.is_none() {
-                            let what = format!("{hint}[{i}]");
-                            self.unwritten = Some((what, inv.global_id, self.current_at));
-                        }
-                        let Ty::Array(elem, _) = &ty else {
-                            unreachable!("checked above")
-                        };
-                        Ok(Value::zero(elem))
-                    }
-                }
+                self.read_element(inv.local_index, base, i, inv.global_id)
             }
             _ => {
                 let v = self.eval_with(inv, base, sg)?;
@@ -1362,9 +1329,7 @@ impl<'k> Machine<'k, '_> {
             ExprKind::Global(name) => {
                 let len = self.buffer_len(name)?;
                 if i >= len {
-                    return Err(format!(
-                        "cooperative read of `{name}[{i}]`, past its {len} elements"
-                    ));
+                    return Err(format!("read of `{name}[{i}]`, past its {len} elements"));
                 }
                 self.touch_storage(me, name, i, false)?;
                 let elem = self.kernel.binding(name).expect("checked").elem.clone();
@@ -1378,7 +1343,7 @@ impl<'k> Machine<'k, '_> {
                 };
                 if i >= *len as usize {
                     return Err(format!(
-                        "cooperative read of workgroup array `{hint}[{i}]`, past its {len} elements"
+                        "read of workgroup array `{hint}[{i}]`, past its {len} elements"
                     ));
                 }
                 self.touch_shared(me, id.index, i, false, &hint)?;
@@ -1392,7 +1357,61 @@ impl<'k> Machine<'k, '_> {
                     }
                 }
             }
-            _ => Err("a cooperative access of a value (a hesper bug)".into()),
+            _ => Err("an element of a value read as memory (a hesper bug)".into()),
+        }
+    }
+
+    /// Write element `i` of a storage buffer or workgroup array as `me` (checked), or, with
+    /// `lane`, one lane of it.
+    fn write_element(
+        &mut self,
+        me: u32,
+        base: &Node,
+        (i, lane): (usize, Option<usize>),
+        v: Value,
+    ) -> Result<(), Fault> {
+        match &base.kind {
+            ExprKind::Global(name) => {
+                let len = self.buffer_len(name)?;
+                if i >= len {
+                    return Err(format!("write of `{name}[{i}]`, past its {len} elements"));
+                }
+                self.touch_storage(me, name, i, true)?;
+                let elem = self.kernel.binding(name).expect("checked").elem.clone();
+                let bytes = self.run.buffers.get_mut(name).expect("bound");
+                let v = match lane {
+                    Some(l) => with_lane(decode(bytes, &elem, i), l, &v)?,
+                    None => v,
+                };
+                encode(bytes, &elem, i, &v);
+                Ok(())
+            }
+            ExprKind::Local(id) => {
+                let info = &self.kernel.locals[id.index as usize];
+                let (hint, ty) = (info.hint.clone(), info.ty.clone());
+                let Ty::Array(elem, len) = &ty else {
+                    return Err(format!("indexing `{hint}`, not an array"));
+                };
+                let len = *len as usize;
+                if i >= len {
+                    return Err(format!(
+                        "write of workgroup array `{hint}[{i}]`, past its {len} elements"
+                    ));
+                }
+                self.touch_shared(me, id.index, i, true, &hint)?;
+                let slots = self
+                    .shared
+                    .entry(id.index)
+                    .or_insert_with(|| vec![None; len]);
+                slots[i] = Some(match lane {
+                    Some(l) => {
+                        with_lane(slots[i].clone().unwrap_or_else(|| Value::zero(elem)), l, &v)?
+                    }
+                    None => v,
+                });
+                Ok(())
+            }
+            _ => Err("an element of a value written as memory (a hesper bug)".into()),
         }
     }
 
@@ -1433,54 +1452,10 @@ impl<'k> Machine<'k, '_> {
         let Value::Matrix { size, data } = value else {
             return Err("a cooperative store of a value that is no matrix (a hesper bug)".into());
         };
-        let (base, lanes, places) = self.coop_places(inv, place, (size, stride, column))?;
+        let (base, _, places) = self.coop_places(inv, place, (size, stride, column))?;
         let leader = inv.local_index - inv.local_index % self.run.subgroup_size;
         for ((i, lane), v) in places.into_iter().zip(data) {
-            match &base.kind {
-                ExprKind::Global(name) => {
-                    let len = self.buffer_len(name)?;
-                    if i >= len {
-                        return Err(format!(
-                            "cooperative write of `{name}[{i}]`, past its {len} elements"
-                        ));
-                    }
-                    self.touch_storage(leader, name, i, true)?;
-                    let elem = self.kernel.binding(name).expect("checked").elem.clone();
-                    let bytes = self.run.buffers.get_mut(name).expect("bound");
-                    let mut whole = decode(bytes, &elem, i).lanes();
-                    whole[lane] = v.convert(whole[lane].scalar());
-                    encode(bytes, &elem, i, &shape_like(&elem, whole));
-                }
-                ExprKind::Local(id) => {
-                    let info = &self.kernel.locals[id.index as usize];
-                    let (hint, ty) = (info.hint.clone(), info.ty.clone());
-                    let Ty::Array(elem, len) = &ty else {
-                        return Err(format!("indexing `{hint}`, not an array"));
-                    };
-                    let len = *len as usize;
-                    if i >= len {
-                        return Err(format!(
-                            "cooperative write of workgroup array `{hint}[{i}]`, past its {len} elements"
-                        ));
-                    }
-                    self.touch_shared(leader, id.index, i, true, &hint)?;
-                    let slots = self
-                        .shared
-                        .entry(id.index)
-                        .or_insert_with(|| vec![None; len]);
-                    let mut whole = slots[i]
-                        .clone()
-                        .unwrap_or_else(|| Value::zero(elem))
-                        .lanes();
-                    whole[lane] = v.convert(whole[lane].scalar());
-                    slots[i] = Some(if lanes == 1 {
-                        Value::Scalar(whole[0])
-                    } else {
-                        Value::Vector(whole)
-                    });
-                }
-                _ => return Err("a cooperative store to a value (a hesper bug)".into()),
-            }
+            self.write_element(leader, &base, (i, Some(lane)), Value::Scalar(v))?;
         }
         Ok(())
     }
@@ -1566,36 +1541,11 @@ impl<'k> Machine<'k, '_> {
             ExprKind::Index(base, index) => {
                 let i = self.eval(inv, index)?.u32()? as usize;
                 match &base.kind {
-                    ExprKind::Global(name) => {
-                        let len = self.buffer_len(name)?;
-                        if i >= len {
-                            return Err(format!("write of `{name}[{i}]`, past its {len} elements"));
-                        }
-                        self.touch_storage(inv.local_index, name, i, true)?;
-                        let elem = self.kernel.binding(name).expect("checked").elem.clone();
-                        let bytes = self.run.buffers.get_mut(name).expect("bound");
-                        encode(bytes, &elem, i, &v);
-                        Ok(())
-                    }
+                    ExprKind::Global(_) => self.write_element(inv.local_index, base, (i, None), v),
                     ExprKind::Local(id)
                         if self.kernel.locals[id.index as usize].kind == VarKind::Workgroup =>
                     {
-                        let info = &self.kernel.locals[id.index as usize];
-                        let Ty::Array(_, len) = &info.ty else {
-                            return Err(format!("indexing `{}`, not an array", info.hint));
-                        };
-                        let len = *len as usize;
-                        let hint = info.hint.clone();
-                        if i >= len {
-                            return Err(format!(
-                                "write of workgroup array `{hint}[{i}]`, past its {len} elements"
-                            ));
-                        }
-                        self.touch_shared(inv.local_index, id.index, i, true, &hint)?;
-                        self.shared
-                            .entry(id.index)
-                            .or_insert_with(|| vec![None; len])[i] = Some(v);
-                        Ok(())
+                        self.write_element(inv.local_index, base, (i, None), v)
                     }
                     _ => {
                         let mut whole = self.eval(inv, base)?;
@@ -1687,6 +1637,19 @@ fn shape_like(ty: &Ty, lanes: Vec<ScalarValue>) -> Value {
         Ty::Vector(..) => Value::Vector(lanes),
         _ => Value::Scalar(lanes[0]),
     }
+}
+
+/// `element` with lane `lane` replaced by `v` (converted to the element's scalar type).
+fn with_lane(element: Value, lane: usize, v: &Value) -> Result<Value, Fault> {
+    let mut lanes = element.lanes();
+    let old = *lanes
+        .get(lane)
+        .ok_or("a lane past the element (a hesper bug)")?;
+    lanes[lane] = v.scalar()?.convert(old.scalar());
+    Ok(match element {
+        Value::Vector(_) => Value::Vector(lanes),
+        _ => Value::Scalar(lanes[0]),
+    })
 }
 
 /// `T(args…)`: a splat, a vector from parts, or a conversion.
