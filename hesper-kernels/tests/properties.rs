@@ -661,10 +661,24 @@ fn lora_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
             wrong: None,
             ..sizes
         },
+        // The forward takes its widths from A and B: over no tokens, any whole rows will do.
+        Some("a") if !backward && t == 0 && rank > 0 && a.len().is_multiple_of(rank) => Sizes {
+            wrong: None,
+            ..sizes
+        },
+        Some("b") if !backward && t == 0 && rank > 0 && b.len().is_multiple_of(rank) => Sizes {
+            wrong: None,
+            ..sizes
+        },
         _ => sizes,
     };
-    let rule = if rank == 0 || input == 0 || output == 0 {
-        Some(format!("rank {rank}, in {input}, out {output}"))
+    // The widths the call sees (a mis-sized A or B over no tokens is another width).
+    let (seen_in, seen_out) = match (backward, t, rank) {
+        (false, 0, 1..) => (a.len() / rank, b.len() / rank),
+        _ => (input, output),
+    };
+    let rule = if rank == 0 || seen_in == 0 || seen_out == 0 {
+        Some(format!("rank {rank}, in {seen_in}, out {seen_out}"))
     } else {
         None
     };
