@@ -66,7 +66,9 @@ impl Ctx<'_> {
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
         let (out, input) = projection.shape(self.model.config());
-        let gemm = (self.model).gemm(Product::Nt, (self.tokens, out, input), accumulate);
+        let gemm = self
+            .model
+            .gemm(Product::Nt, (self.tokens, out, input), accumulate);
         execute_gemm(
             rec,
             &gemm,
@@ -101,7 +103,9 @@ impl Ctx<'_> {
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
         let (out, input) = projection.shape(self.model.config());
-        let gemm = (self.model).gemm(Product::Nn, (self.tokens, out, input), accumulate);
+        let gemm = self
+            .model
+            .gemm(Product::Nn, (self.tokens, out, input), accumulate);
         execute_gemm(
             rec,
             &gemm,
