@@ -82,19 +82,33 @@ fn lora(targets: &[Projection]) -> LoraConfig {
 /// sequences, one short, the loss in uneven chunks) against the f64 model of its f16 weights:
 /// the loss, every adapter gradient and the gradient at the embedding output.
 fn check_family(family: Family, lora: LoraConfig) {
+    check_step(family, lora, (8, &[8, 5]), 3);
+}
+
+/// [`check_family`] over sequences of `seq_len` with `lens` real positions each, the loss in
+/// chunks of `loss_chunk` rows.
+fn check_step(
+    family: Family,
+    lora: LoraConfig,
+    (seq_len, lens): (usize, &[usize]),
+    loss_chunk: usize,
+) {
     let g = gpu();
-    let config = ModelConfig::tiny(family);
+    let config = ModelConfig {
+        max_seq: seq_len,
+        ..ModelConfig::tiny(family)
+    };
     let weights = Weights::random(&config, 11);
     let adapters = Adapters::random(&config, &lora, 12);
-    let batch = Batch::random(&config, 13, 8, &[8, 5]);
+    let batch = Batch::random(&config, 13, seq_len, lens);
     let model = GpuModel::upload_with_precision(g, &config, &weights, Precision::F16).unwrap();
     assert_eq!(model.precision(), Precision::F16);
     let mut gpu_adapters = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
     let shape = StepShape {
-        batch: 2,
-        seq_len: 8,
+        batch: lens.len(),
+        seq_len,
         micro_batches: 1,
-        loss_chunk: 3,
+        loss_chunk,
         recompute: false,
     };
     let mut buffers = StepBuffers::new(g, &model, &gpu_adapters, shape).unwrap();
@@ -152,6 +166,22 @@ fn mixed_qwen_and_bitnet_steps_match_the_f64_model_of_their_f16_weights() {
         lora(&[Projection::K, Projection::O, Projection::Up]),
     );
     check_family(Family::BitNet, lora(&Projection::ALL));
+}
+
+/// Over 2048 targets the gradient of the mean loss at the logits is ~1/(97·2048) ≈ 5e-6, below
+/// f16's smallest normal number (6.1e-5): the step scales its backward GEMMs' inputs by
+/// `2^⌊log2 N⌋` before the tensor cores round them, else their digits are lost (on the H200
+/// the adapters' gradients were then 10–500% off on SmolLM2). On a device without tensor
+/// cores the GEMMs multiply in f32 and this is the f32 tolerance again.
+#[test]
+fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
+    let lens = [256, 256, 256, 256, 256, 256, 256, 200];
+    check_step(
+        Family::Llama,
+        lora(&[Projection::Q, Projection::V, Projection::Down]),
+        (256, &lens),
+        1000,
+    );
 }
 
 /// The f16 model takes 2 bytes a projection weight (and untied head weight) where the f32 one

@@ -237,6 +237,72 @@ fn every_tile_matches_reference() {
     }
 }
 
+/// Gradients of a mean loss are tiny (~1e-7 here): rounded to f16 they fall among its
+/// subnormals and lose their digits. `Gemm::input_exponent` scales the f32 input by a power of
+/// two before the rounding and the result back: the GEMM then multiplies exactly
+/// `round_f16(x·2^e)·2^−e`, and comes within f16's rounding of the exact product. Without it,
+/// on the tensor cores, the product is tens of percent off (what the mixed step's gradients of
+/// SmolLM2 were before it); on the f32 path the exponent changes nothing.
+#[test]
+fn an_input_exponent_keeps_the_digits_of_small_gradients() {
+    let g = gpu();
+    let (m, n, k) = (130, 192, 200);
+    let mut rng = Rng::new(41);
+    let dy: Vec<f32> = rng.vec(m * n, 1.0).iter().map(|v| v * 1e-7).collect();
+    let w: Vec<f32> = rng.vec(n * k, 1.0).iter().map(|&v| round_f16(v)).collect();
+    let w16: Vec<f16> = w.iter().map(|&v| f16::from_f32(v)).collect();
+    let (dy_gpu, w_gpu) = (g.upload(&dy).unwrap(), g.upload(&w16).unwrap());
+    let to64 = |v: &[f32]| v.iter().map(|&x| x as f64).collect::<Vec<_>>();
+    let exact = reference::matmul_nn(&to64(&dy), &to64(&w), m, n, k);
+    let tensor_cores = coop::subgroup_size(g).is_some();
+    for exponent in [0, 24] {
+        let gemm = Gemm::new(Product::Nn, (m, n, k), false)
+            .with_precision(Precision::F16)
+            .with_input_exponent(exponent);
+        let mut dx = g.filled(m * k, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        let weights = Weights::Half {
+            w: &w_gpu,
+            scale: 1.0,
+        };
+        linear::execute_gemm(&mut rec, &gemm, &dy_gpu, weights, &mut dx).unwrap();
+        rec.submit().unwrap();
+        let got = dx.read(g).unwrap();
+        // What the path multiplies: on the tensor cores the scaled input, rounded.
+        let seen: Vec<f64> = dy
+            .iter()
+            .map(|&x| match tensor_cores {
+                true => round_f16(x * 2f32.powi(exponent)) as f64 / 2f64.powi(exponent),
+                false => x as f64,
+            })
+            .collect();
+        let want = reference::matmul_nn(&seen, &to64(&w), m, n, k);
+        let c = compare(&got, &want, 1e-3);
+        let bound = 2e-6 * (n as f64).sqrt();
+        assert!(c.max_abs / c.scale < bound, "exponent {exponent}: {c}");
+        let off = compare(&got, &exact, 1e-3);
+        let error = off.max_abs / off.scale;
+        eprintln!(
+            "exponent {exponent}: {error:.2e} of the exact product (tensor cores: {tensor_cores})"
+        );
+        match (tensor_cores, exponent) {
+            (true, 0) => assert!(error > 0.05, "the subnormals should show: {off}"),
+            (true, _) => assert!(error < 2e-3, "{off}"),
+            (false, _) => assert!(error < bound, "{off}"),
+        }
+    }
+    let gemm = Gemm::new(Product::Nn, (m, n, k), false).with_input_exponent(65);
+    let mut dx = g.zeros::<f32>(m * k).unwrap();
+    let mut rec = g.recorder();
+    let weights = Weights::Half {
+        w: &w_gpu,
+        scale: 1.0,
+    };
+    let err = linear::execute_gemm(&mut rec, &gemm, &dy_gpu, weights, &mut dx).unwrap_err();
+    assert!(err.to_string().contains("input_exponent = 65"), "{err}");
+    assert!(rec.is_empty());
+}
+
 /// The f32 precision never takes the tensor cores, and f16 buffers work there too.
 #[test]
 fn f32_precision_stays_f32() {

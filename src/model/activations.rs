@@ -217,6 +217,9 @@ pub struct StepBuffers {
     /// The global gradient norm's partial sums and the norm.
     pub(crate) norm_partials: GpuBuffer<f32>,
     pub(crate) grad_norm: GpuBuffer<f32>,
+    /// The targets (labels other than −100) of the batches [`StepBuffers::load`] wrote last,
+    /// over all micro-batches; before any, every position.
+    pub(crate) targets: usize,
 }
 
 impl StepBuffers {
@@ -346,6 +349,7 @@ impl StepBuffers {
             inputs,
             norm_partials: buf(grad_norm_partials_len(grads))?,
             grad_norm: buf(1)?,
+            targets: t * shape.micro_batches,
         })
     }
 
@@ -407,6 +411,7 @@ impl StepBuffers {
         for (lens, batch) in self.inputs.lens.iter_mut().zip(batches) {
             lens.write(gpu, &batch.lens)?;
         }
+        self.targets = labels.iter().filter(|&&y| y as i64 != IGNORE_INDEX).count();
         Ok(())
     }
 

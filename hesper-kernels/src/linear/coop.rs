@@ -160,22 +160,29 @@ pub(crate) fn key(
         .assume_in_bounds()
 }
 
-/// Where a staged operand comes from: f16 or f32 (rounded to f16 as it is read), four elements
-/// at once when its rows are a multiple of 4 long, else one by one.
+/// Where a staged operand comes from: f16 or f32 (rounded to f16 as it is read, after a
+/// multiply by the scale where there is one), four elements at once when its rows are a
+/// multiple of 4 long, else one by one.
 enum Source {
     Vec4F16(ReadBuffer<Vec4<F16>>),
-    Vec4F32(ReadBuffer<Vec4<f32>>),
+    Vec4F32(ReadBuffer<Vec4<f32>>, Option<Expr<f32>>),
     F16(ReadBuffer<F16>),
-    F32(ReadBuffer<f32>),
+    F32(ReadBuffer<f32>, Option<Expr<f32>>),
 }
 
 impl Source {
-    fn declare(k: &mut KernelBuilder, name: &str, f16: bool, vec4: bool) -> Source {
+    /// `scale`: f32 elements are multiplied by it before they are rounded.
+    fn declare(
+        k: &mut KernelBuilder,
+        name: &str,
+        (f16, vec4): (bool, bool),
+        scale: Option<Expr<f32>>,
+    ) -> Source {
         match (f16, vec4) {
             (true, true) => Source::Vec4F16(k.storage(name)),
-            (false, true) => Source::Vec4F32(k.storage(name)),
+            (false, true) => Source::Vec4F32(k.storage(name), scale),
             (true, false) => Source::F16(k.storage(name)),
-            (false, false) => Source::F32(k.storage(name)),
+            (false, false) => Source::F32(k.storage(name), scale),
         }
     }
 
@@ -201,14 +208,22 @@ impl Source {
         };
         match self {
             Source::Vec4F16(buf) => guard4(buf.at(clamp(&at[0]) / 4u32)),
-            Source::Vec4F32(buf) => guard4(buf.at(clamp(&at[0]) / 4u32).cast::<Vec4<F16>>()),
-            Source::F16(_) | Source::F32(_) => {
+            Source::Vec4F32(buf, scale) => {
+                let v = buf.at(clamp(&at[0]) / 4u32);
+                let v = match scale {
+                    Some(s) => v * Expr::<Vec4<f32>>::splat(s.clone()),
+                    None => v,
+                };
+                guard4(v.cast::<Vec4<F16>>())
+            }
+            Source::F16(_) | Source::F32(..) => {
                 let lanes: Vec<Expr<F16>> = (0..4)
                     .map(|q| {
                         let i = k.let_("at", clamp(&at[q as usize]));
                         let v = match self {
                             Source::F16(buf) => buf.at(i),
-                            Source::F32(buf) => buf.at(i).cast::<F16>(),
+                            Source::F32(buf, None) => buf.at(i).cast::<F16>(),
+                            Source::F32(buf, Some(s)) => (buf.at(i) * s).cast::<F16>(),
                             _ => unreachable!("vec4 sources are read above"),
                         };
                         match valid(q) {
@@ -228,7 +243,7 @@ impl Source {
     }
 
     fn is_vec4(&self) -> bool {
-        matches!(self, Source::Vec4F16(_) | Source::Vec4F32(_))
+        matches!(self, Source::Vec4F16(_) | Source::Vec4F32(..))
     }
 }
 
@@ -391,8 +406,12 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         Product::Nt => depth,
         Product::Nn => cols,
     };
-    let a = Source::declare(k, input_name, types.input, depth.is_multiple_of(4));
-    let w = Source::declare(k, "w", types.weight, w_width.is_multiple_of(4));
+    let a_vec4 = depth.is_multiple_of(4);
+    // An f32 input is scaled (by a power of two, `Gemm::input_exponent`) before it is rounded.
+    let input_scale = (!types.input).then(|| k.param::<f32>("input_scale"));
+    let a = Source::declare(k, input_name, (types.input, a_vec4), input_scale);
+    let w_vec4 = w_width.is_multiple_of(4);
+    let w = Source::declare(k, "w", (types.weight, w_vec4), None);
     let out = match types.output {
         true => Output::F16(k.storage_rw(output_name)),
         false => Output::F32(k.storage_rw(output_name)),
@@ -722,6 +741,9 @@ pub(crate) struct Launch {
     pub subgroup: u32,
     pub accumulate: bool,
     pub scale: f32,
+    /// The f32 input is multiplied by `2^input_exponent` before rounding, the result by its
+    /// inverse (`Gemm::input_exponent`).
+    pub input_exponent: i32,
 }
 
 /// The tensor-core path for `gemm` on `gpu`, when the device offers it: the tile asked for, or
@@ -875,6 +897,7 @@ fn measure_tiles(
             subgroup,
             accumulate: false,
             scale: 1.0,
+            input_exponent: 0,
         };
         let config = BenchConfig {
             warmup: Duration::from_millis(warmup_ms),
@@ -926,6 +949,7 @@ pub(crate) fn record(
         subgroup,
         accumulate,
         scale,
+        input_exponent,
     } = *launch;
     let name = kernel_name(product);
     tile.check(name, subgroup)?;
@@ -955,7 +979,13 @@ pub(crate) fn record(
         OutputBuffer::F32(b) => args.buffer(output_name, &**b),
         OutputBuffer::F16(b) => args.buffer(output_name, &**b),
     };
-    let args = args.param("rows", m).param("scale", scale);
+    // Powers of two: both multiplies are exact.
+    let input_scale = 2f32.powi(input_exponent);
+    let args = args.param("rows", m).param("scale", scale / input_scale);
+    let args = match types.input {
+        true => args,
+        false => args.param("input_scale", input_scale),
+    };
     let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), 1];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))
 }

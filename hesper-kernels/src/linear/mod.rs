@@ -251,7 +251,16 @@ pub struct Gemm {
     /// The tensor-core GEMM's tile; `None`: the device's tuned choice for the shape
     /// ([`coop::choose_tile`]).
     pub coop_tile: Option<coop::CoopTile>,
+    /// Where the GEMM rounds an f32 input to f16 (the tensor cores), it multiplies the input by
+    /// `2^input_exponent` first and the result by `2^−input_exponent`: exact in f32, it lifts
+    /// small inputs (a backward's gradients, of the order of 1/targets) out of f16's
+    /// subnormals, where they would lose their digits or vanish. Elsewhere (f32 products, f16
+    /// inputs) it changes nothing. At most 64 either way; [`Gemm::with_input_exponent`].
+    pub input_exponent: i32,
 }
+
+/// The largest `|Gemm::input_exponent|`: the scale and its inverse stay normal f32 numbers.
+pub const MAX_INPUT_EXPONENT: i32 = 64;
 
 /// Which kernel a GEMM runs on a device ([`gemm_path`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -278,12 +287,22 @@ impl Gemm {
             tile: Tile::MEDIUM,
             precision: Precision::F32,
             coop_tile: None,
+            input_exponent: 0,
         }
     }
 
     /// The same GEMM at another precision.
     pub fn with_precision(self, precision: Precision) -> Gemm {
         Gemm { precision, ..self }
+    }
+
+    /// The same GEMM with its f32 input scaled by `2^exponent` where it is rounded to f16
+    /// ([`Gemm::input_exponent`]).
+    pub fn with_input_exponent(self, exponent: i32) -> Gemm {
+        Gemm {
+            input_exponent: exponent,
+            ..self
+        }
     }
 
     /// `(cols, depth)` of the output and the contraction.
@@ -954,6 +973,13 @@ pub fn execute_gemm<'a>(
     expect_u32(name, "m·k", gemm.m.saturating_mul(gemm.k))?;
     let tile = gemm.tile.within(&rec.gpu().kernel_limits());
     tile.check(name)?;
+    if gemm.input_exponent.abs() > MAX_INPUT_EXPONENT {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("input_exponent = {}", gemm.input_exponent),
+            why: format!("the input's scale is 2^e with |e| ≤ {MAX_INPUT_EXPONENT}"),
+        });
+    }
     match input {
         Operand::F32(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
         Operand::F16(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
@@ -1034,6 +1060,7 @@ pub fn execute_gemm<'a>(
                 subgroup,
                 accumulate: gemm.accumulate,
                 scale,
+                input_exponent: gemm.input_exponent,
             };
             coop::record(rec, &launch, input, w, output)
         }
