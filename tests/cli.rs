@@ -58,10 +58,16 @@ fn tiny_gguf(arch: &str) -> Vec<u8> {
     meta.bytes(&tensors)
 }
 
+/// The cache directory the tests' `hesper` runs share (not the user's).
+fn cache_dir() -> PathBuf {
+    std::env::temp_dir().join(format!("hesper-cli-cache-{}", std::process::id()))
+}
+
 /// `hesper ARGS…`: (exit success, stdout, stderr).
 fn hesper(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_hesper"))
         .args(args)
+        .env("HESPER_CACHE_DIR", cache_dir())
         .output()
         .expect("the hesper binary runs");
     let text = |b: Vec<u8>| String::from_utf8_lossy(&b).into_owned();
@@ -127,6 +133,9 @@ fn a_tiny_model_fine_tunes_evaluates_and_generates() {
     }
     let csv = std::fs::read_to_string(out.join("loss.csv")).unwrap();
     assert_eq!(csv.lines().count(), 4, "a header and three steps:\n{csv}");
+    // The tuned tiles are kept for the next run, tied to this device.
+    let tuned = std::fs::read_to_string(cache_dir().join("tune.txt")).unwrap();
+    assert!(tuned.starts_with("hesper tune cache"), "{tuned}");
     let (ok, stdout, stderr) = hesper(&[&["eval"][..], &common, &["--adapter", out_s]].concat());
     assert!(ok, "eval failed:\n{stdout}\n{stderr}");
     assert!(stdout.contains("perplexity"), "{stdout}");

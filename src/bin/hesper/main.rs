@@ -346,13 +346,47 @@ struct Loaded {
 }
 
 /// The device of the training commands: tensor cores where it has them, their GEMM tiles
-/// measured once per shape.
+/// measured once per shape on this machine (about a minute for SmolLM2's step on the H200),
+/// remembered with the compiled pipelines in [`cache_dir`] ([`save_caches`]).
 fn open_training_gpu() -> Result<Gpu> {
+    let dir = cache_dir();
     Ok(Gpu::with_options(GpuOptions {
         cooperative_matrix: true,
         autotune: true,
+        tune_cache_file: dir.as_ref().map(|d| d.join("tune.txt")),
+        pipeline_cache_file: dir.as_ref().map(|d| d.join("pipelines.bin")),
         ..GpuOptions::default()
     })?)
+}
+
+/// Where the training commands keep what they measured and compiled: `$HESPER_CACHE_DIR`, else
+/// `$XDG_CACHE_HOME/hesper`, else `~/.cache/hesper`; none when it cannot be made (a warning).
+fn cache_dir() -> Option<PathBuf> {
+    let var = |name: &str| {
+        std::env::var_os(name)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    let dir = var("HESPER_CACHE_DIR")
+        .or_else(|| var("XDG_CACHE_HOME").map(|d| d.join("hesper")))
+        .or_else(|| var("HOME").map(|d| d.join(".cache").join("hesper")))?;
+    match std::fs::create_dir_all(&dir) {
+        Ok(()) => Some(dir),
+        Err(e) => {
+            eprintln!("warning: no cache ({}: {e})", dir.display());
+            None
+        }
+    }
+}
+
+/// Write the tuned tiles and the pipeline cache of [`open_training_gpu`]'s device (a failure
+/// is a warning: they are only caches).
+fn save_caches(gpu: &Gpu) {
+    for saved in [gpu.save_tune_cache(), gpu.save_pipeline_cache()] {
+        if let Err(e) = saved {
+            eprintln!("warning: the cache was not saved: {e}");
+        }
+    }
 }
 
 fn open_model(gpu: &Gpu, path: &Path) -> Result<Loaded> {
@@ -568,6 +602,7 @@ fn finetune(mut args: FinetuneArgs) -> Result<()> {
         }
     });
     bar.finish();
+    save_caches(&gpu);
     let history = &trainer.state().history;
     write_loss_csv(&out.join("loss.csv"), history)?;
     plot::loss_png(&out.join("loss.png"), history)?;
@@ -827,6 +862,7 @@ fn grad(args: GradArgs) -> Result<()> {
         grads.iter().count(),
         args.out.display()
     );
+    save_caches(&gpu);
     if args.check_f64 {
         let (_, weights) = load_model(&GgufFile::open(&args.model.model)?)?;
         let (loss64, want) = loss_and_grads(c, &lora, &weights, &adapters, &batch)?;
@@ -963,6 +999,7 @@ fn bench(args: BenchArgs) -> Result<()> {
         times.len(),
         tokens / median * 1e3
     );
+    save_caches(&gpu);
     let mut generator = Generator::new(&gpu, &loaded.model)?;
     let prompt = prompt_tokens(&loaded.tokenizer, "The capital of France is", false)?;
     let started = Instant::now();
