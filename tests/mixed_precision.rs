@@ -82,16 +82,17 @@ fn lora(targets: &[Projection]) -> LoraConfig {
 /// sequences, one short, the loss in uneven chunks) against the f64 model of its f16 weights:
 /// the loss, every adapter gradient and the gradient at the embedding output.
 fn check_family(family: Family, lora: LoraConfig) {
-    check_step(ModelConfig::tiny(family), lora, (8, &[8, 5]), 3);
+    check_step(ModelConfig::tiny(family), lora, (8, &[8, 5]), 3, 2e-2);
 }
 
 /// [`check_family`] over sequences of `seq_len` with `lens` real positions each, the loss in
-/// chunks of `loss_chunk` rows.
+/// chunks of `loss_chunk` rows, the gradients within `tensor_core_tol` on tensor cores.
 fn check_step(
     config: ModelConfig,
     lora: LoraConfig,
     (seq_len, lens): (usize, &[usize]),
     loss_chunk: usize,
+    tensor_core_tol: f64,
 ) {
     let g = gpu();
     let family = config.family;
@@ -131,7 +132,7 @@ fn check_step(
     // (2⁻¹¹ relative) and its error is carried through both blocks and back.
     let tensor_cores = on_tensor_cores(g, &config, shape.batch * shape.seq_len);
     let (loss_tol, tol) = if tensor_cores {
-        (2e-3, 2e-2)
+        (2e-3, tensor_core_tol)
     } else {
         (1e-5, 1e-4)
     };
@@ -169,15 +170,17 @@ fn mixed_qwen_and_bitnet_steps_match_the_f64_model_of_their_f16_weights() {
     check_family(Family::BitNet, lora(&Projection::ALL));
 }
 
-/// Over 2048 targets the gradient of the mean loss at the logits is ~1/(97·2048) ≈ 5e-6, below
-/// f16's smallest normal number (6.1e-5): the step scales its backward GEMMs' inputs by
-/// `2^⌊log2 N⌋` before the tensor cores round them, else their digits are lost (on the H200
-/// the adapters' gradients were then 10–500% off on SmolLM2). On a device without tensor
-/// cores the GEMMs multiply in f32 and this is the f32 tolerance again.
+/// A model of 8192 classes whose logits are near uniform, over 1022 targets: the mean loss's
+/// gradient at the logits is ~1/(8192·1022) ≈ 1.2e-7, among f16's subnormals (the smallest
+/// normal is 6.1e-5). The step scales its backward GEMMs' inputs by `2^⌊log2 N⌋` before the
+/// tensor cores round them (`Gemm::input_exponent`): on the H200 the LoRA gradients are then
+/// within 6.3e-4 of the f64 model, without it 5.9e-3 (at 16 384 classes 9.6e-3; on SmolLM2,
+/// 49 152 classes over 4088 targets, 58% at the median). Without tensor cores the GEMMs
+/// multiply in f32 and this is the f32 tolerance.
 #[test]
 fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
     let config = ModelConfig {
-        vocab: 16_384,
+        vocab: 8192,
         dim: 32,
         ffn_dim: 64,
         layers: 1,
@@ -185,14 +188,8 @@ fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
         kv_heads: 1,
         ..ModelConfig::tiny(Family::Llama)
     };
-    let t = std::time::Instant::now();
-    check_step(
-        config,
-        lora(&[Projection::Q, Projection::V, Projection::Down]),
-        (256, &[256, 254]),
-        300,
-    );
-    eprintln!("{:?}", t.elapsed());
+    let lora = lora(&[Projection::Q, Projection::V, Projection::Down]);
+    check_step(config, lora, (256, &[256, 256, 256, 254]), 300, 2e-3);
 }
 
 /// The f16 model takes 2 bytes a projection weight (and untied head weight) where the f32 one
