@@ -367,6 +367,12 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             .insert(output.into(), bytes(&start, flag("output_f16")));
         run.params.insert("rows".into(), ScalarValue::U32(m as u32));
         run.params.insert("scale".into(), ScalarValue::F32(scale));
+        // An f32 input is multiplied by `input_scale` before it is rounded to f16.
+        let input_scale = if flag("input_f16") { 1.0 } else { 4.0 };
+        if !flag("input_f16") {
+            let value = ScalarValue::F32(input_scale);
+            run.params.insert("input_scale".into(), value);
+        }
         interpret(&kernel, &mut run).unwrap_or_else(|e| panic!("{}: {e}", case.name));
 
         let h = |v: f32| f16::from_f32(v).to_f64();
@@ -380,7 +386,7 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
                         } else {
                             w[k * cols + c]
                         };
-                        h(x[r * depth + k]) * h(wv)
+                        h(x[r * depth + k] * input_scale) * h(wv)
                     })
                     .sum();
                 let before = if accumulate {
