@@ -44,6 +44,7 @@ use hesper_dsl::{DslError, Features, Kernel, Limits};
 use hesper_exec::ExecError;
 
 use crate::attention::SeqTile;
+use crate::attention::coop::Which as CoopWhich;
 use crate::attention::sequence::build::Blocked;
 use crate::linear::coop::CoopTile;
 use crate::linear::{Product, Tile};
@@ -579,6 +580,17 @@ fn numbers(text: &str) -> Option<Vec<u32>> {
 }
 
 /// The sequence attention's blocked kernels, whose parameters are alike.
+/// The tensor-core sequence attention kernels.
+fn coop_attention(s: &Shape<'_>, which: CoopWhich) -> Result<Kernel, Failure> {
+    let dims = (s.u32("head_dim"), s.u32("heads"), s.u32("kv_heads"));
+    let tile = attention::coop::CoopSeqTile {
+        subgroups: s.u32("row_tiles"),
+        step: s.u32("step"),
+    };
+    let subgroup = s.u32("subgroup");
+    attention::coop::build::kernel(which, dims, (tile, subgroup), s.bool("padded"), s.limits())
+}
+
 fn blocked(s: &Shape<'_>, which: Blocked) -> Result<Kernel, Failure> {
     let dims = (s.u32("head_dim"), s.u32("heads"), s.u32("kv_heads"));
     let tile = s.parse("tile", seq_tile)?;
@@ -707,6 +719,24 @@ const SEQ_TILE: Param = Param {
           (block a multiple of 4, vk dividing it), untested on a GPU",
 };
 const SEQ_PARAMS: &[Param] = &[SEQ_HEAD_DIM, SEQ_HEADS, SEQ_KV_HEADS, PADDED, SEQ_TILE];
+const COOP_SEQ_PARAMS: &[Param] = &[
+    SEQ_HEAD_DIM,
+    SEQ_HEADS,
+    SEQ_KV_HEADS,
+    PADDED,
+    u32_param(
+        "row_tiles",
+        "2",
+        "tiles of 16 rows a workgroup owns, one a subgroup (the executor: 4, or 2 where memory \
+         is short)",
+    ),
+    u32_param(
+        "step",
+        "32",
+        "rows of the other side a step (a multiple of 16; the executor: 64, 32 or 16)",
+    ),
+    COOP_SUBGROUP,
+];
 
 const GEMM_TILE: Param = Param {
     name: "tile",
@@ -766,7 +796,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 43] = [
+static ENTRIES: [Entry; 46] = [
     // argmax
     Entry {
         name: "argmax",
@@ -774,6 +804,31 @@ static ENTRIES: [Entry; 43] = [
         summary: "greedy decoding's choice: out[offset + r] = the first maximum's index of row r",
         params: &[SUBGROUPS],
         build: |s| Ok(argmax::build(s.features(), s.limits())?),
+    },
+    // attention::coop
+    Entry {
+        name: "coop_attention_backward_kv",
+        module: "attention::coop",
+        summary: "causal attention backward on tensor cores, one workgroup per KV block: dK and \
+                  dV (f16 products, f32 sums), recomputing P = exp(τ·S − lse)",
+        params: COOP_SEQ_PARAMS,
+        build: |s| coop_attention(s, CoopWhich::KeyGrads),
+    },
+    Entry {
+        name: "coop_attention_backward_q",
+        module: "attention::coop",
+        summary: "causal attention backward on tensor cores, one workgroup per query block: dQ \
+                  (f16 products, f32 sums)",
+        params: COOP_SEQ_PARAMS,
+        build: |s| coop_attention(s, CoopWhich::QueryGrads),
+    },
+    Entry {
+        name: "coop_attention_forward",
+        module: "attention::coop",
+        summary: "causal attention over whole sequences on tensor cores (GQA): O and lse, two \
+                  passes over the keys (statistics, then P·V), f16 products, f32 softmax",
+        params: COOP_SEQ_PARAMS,
+        build: |s| coop_attention(s, CoopWhich::Forward),
     },
     // attention::decode
     Entry {

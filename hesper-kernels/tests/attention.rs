@@ -432,6 +432,9 @@ fn wgsl_snapshots() {
         "attention_backward_stats_hd64_heads9_padded",
         "attention_backward_kv_hd64_heads9_kv_heads3_block64_bk16_vk32_padded",
         "attention_backward_q_hd64_heads9_kv_heads3_block64_bk16_vk32_padded",
+        "coop_attention_forward_hd64_heads9_kv_heads3_row_tiles2_step32_padded",
+        "coop_attention_backward_kv_hd64_heads9_kv_heads3_row_tiles2_step32_padded",
+        "coop_attention_backward_q_hd64_heads9_kv_heads3_row_tiles2_step32_padded",
     ];
     let kernels = attention::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -4,6 +4,7 @@
 use hesper_exec::{Gpu, GpuBuffer};
 use hesper_kernels::attention::reference as ar;
 use hesper_kernels::attention::{self, SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths};
+use hesper_kernels::linear::Precision;
 use hesper_kernels::testing::{Rng, assert_close, check_gradient, compare, f64s, gpu};
 
 /// A shape and the valid lengths of its sequences (`None`: unpadded).
@@ -62,51 +63,104 @@ fn lengths(g: &Gpu, c: &Case) -> Option<ValidLengths> {
         .map(|l| ValidLengths::upload(g, l, c.shape.seq_len).unwrap())
 }
 
+/// The forward of case `c` on the GPU: `(O, lse)`, poisoned with NaN first.
+fn forward_on_gpu(g: &Gpu, c: &Case, d: &Data) -> (Vec<f32>, Vec<f32>) {
+    let shape = c.shape;
+    let lens = lengths(g, c);
+    let (qb, kb, vb) = (
+        g.upload(&d.q).unwrap(),
+        g.upload(&d.k).unwrap(),
+        g.upload(&d.v).unwrap(),
+    );
+    let mut o = g.filled(shape.q_len(), f32::NAN).unwrap();
+    let mut lse = g.filled(shape.tokens() * shape.heads, f32::NAN).unwrap();
+    let inputs = SeqInputs {
+        q: &qb,
+        k: &kb,
+        v: &vb,
+        lens: lens.as_ref(),
+    };
+    let mut rec = g.recorder();
+    attention::execute_attention_forward(&mut rec, shape, inputs, &mut o, &mut lse).unwrap();
+    rec.submit().unwrap();
+    (o.read(g).unwrap(), lse.read(g).unwrap())
+}
+
+fn reference_forward(c: &Case, d: &Data) -> (Vec<f64>, Vec<f64>) {
+    ar::attention_forward(
+        &c.shape,
+        c.lens.as_deref(),
+        &f64s(&d.q),
+        &f64s(&d.k),
+        &f64s(&d.v),
+    )
+}
+
 #[test]
 fn forward_matches_reference() {
     let g = gpu();
     for (seed, c) in cases().into_iter().enumerate() {
-        let shape = c.shape;
-        let d = data(&shape, 700 + seed as u64);
-        let lens = lengths(g, &c);
-        let (qb, kb, vb) = (
-            g.upload(&d.q).unwrap(),
-            g.upload(&d.k).unwrap(),
-            g.upload(&d.v).unwrap(),
+        let d = data(&c.shape, 700 + seed as u64);
+        let (o, lse) = forward_on_gpu(g, &c, &d);
+        let (want_o, want_lse) = reference_forward(&c, &d);
+        let what = format!("{:?} lens {:?}", c.shape, c.lens);
+        assert_close(&format!("O {what}"), &o, &want_o, 1e-4, 1e-5);
+        assert_close(&format!("lse {what}"), &lse, &want_lse, 1e-5, 1e-5);
+    }
+}
+
+/// At `Precision::F16` the device's tensor cores run attention where it has them (the H200:
+/// `attention::coop`), with `Q`, `K`, `V`, `dO`, `P`, `dS` rounded to f16 (2⁻¹¹ relative);
+/// elsewhere the f32 kernels. `dO` is a mean loss's gradient here (~1e-4, near f16's
+/// subnormals), which `grad_exponent` lifts before the rounding. Every case whose head
+/// dimension is a multiple of 16 (ragged lengths, padding, a sequence of padding alone, GQA),
+/// against the f64 attention: the largest error within 1% of the largest value.
+#[test]
+fn f16_precision_matches_reference_within_f16_rounding() {
+    let g = gpu();
+    let tensor_cores = hesper_kernels::linear::coop::subgroup_size(g).is_some();
+    let within = |what: &str, got: &[f32], want: &[f64]| {
+        let largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).abs())
+            .fold(0f64, |a, e| if e.is_nan() { f64::NAN } else { a.max(e) });
+        eprintln!(
+            "{what}: within {:.1e} of the largest value",
+            worst / largest
         );
-        let mut o = g.filled(shape.q_len(), f32::NAN).unwrap();
-        let mut lse = g.filled(shape.tokens() * shape.heads, f32::NAN).unwrap();
-        let inputs = SeqInputs {
-            q: &qb,
-            k: &kb,
-            v: &vb,
-            lens: lens.as_ref(),
+        assert!(
+            worst <= 1e-2 * largest,
+            "{what}: off by {worst:e} (largest {largest:e})"
+        );
+    };
+    for (seed, c) in cases().into_iter().enumerate() {
+        if !c.shape.head_dim.is_multiple_of(16) {
+            continue;
+        }
+        let c = Case {
+            shape: c
+                .shape
+                .with_precision(Precision::F16)
+                .with_grad_exponent(13),
+            lens: c.lens,
         };
-        let mut rec = g.recorder();
-        attention::execute_attention_forward(&mut rec, shape, inputs, &mut o, &mut lse).unwrap();
-        rec.submit().unwrap();
-        let (want_o, want_lse) = ar::attention_forward(
-            &shape,
-            c.lens.as_deref(),
-            &f64s(&d.q),
-            &f64s(&d.k),
-            &f64s(&d.v),
+        let mut d = data(&c.shape, 900 + seed as u64);
+        d.d_out.iter_mut().for_each(|v| *v *= 1e-4);
+        let what = format!(
+            "{:?} lens {:?} (tensor cores: {tensor_cores})",
+            c.shape, c.lens
         );
-        let what = format!("{shape:?} lens {:?}", c.lens);
-        assert_close(
-            &format!("O {what}"),
-            &o.read(g).unwrap(),
-            &want_o,
-            1e-4,
-            1e-5,
-        );
-        assert_close(
-            &format!("lse {what}"),
-            &lse.read(g).unwrap(),
-            &want_lse,
-            1e-5,
-            1e-5,
-        );
+        let (o, lse) = forward_on_gpu(g, &c, &d);
+        let (want_o, want_lse) = reference_forward(&c, &d);
+        within(&format!("O {what}"), &o, &want_o);
+        assert_close(&format!("lse {what}"), &lse, &want_lse, 0.0, 2e-3);
+        let (dq, dk, dv) = backward_on_gpu(g, &c, &d);
+        let (want_dq, want_dk, want_dv) = reference_backward(&c, &d);
+        within(&format!("dQ {what}"), &dq, &want_dq);
+        within(&format!("dK {what}"), &dk, &want_dk);
+        within(&format!("dV {what}"), &dv, &want_dv);
     }
 }
 

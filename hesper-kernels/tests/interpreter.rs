@@ -416,3 +416,115 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
         }
     }
 }
+
+/// The tensor-core attention (cooperative matrices), which lavapipe cannot run, on the
+/// interpreter with subgroups of 32 against the f64 attention: the forward's output and
+/// log-sum-exp, and the backward's dQ, dK, dV, over a padded batch (one sequence cut short),
+/// GQA, several blocks of rows and steps of keys. `dO` is small (a mean loss's gradient) and
+/// scaled by 2^10 on the way in, as the step does. Errors against f64 come from the f16
+/// rounding of `Q`, `K`, `V`, `dO`, `P`, `dS` (2⁻¹¹ relative each).
+#[test]
+fn the_tensor_core_attention_is_right_on_the_interpreter() {
+    use hesper_kernels::attention::{SeqShape, reference};
+    let (batch, seq, heads, kv_heads, hd) = (2usize, 40usize, 4usize, 2usize, 32usize);
+    let lens = [40usize, 29];
+    let shape = SeqShape::new(batch, seq, heads, kv_heads, hd);
+    let tau = shape.scale;
+    let params = [
+        ("head_dim", hd.to_string()),
+        ("heads", heads.to_string()),
+        ("kv_heads", kv_heads.to_string()),
+        ("padded", "true".to_string()),
+        ("row_tiles", "2".to_string()),
+        ("step", "16".to_string()),
+        ("subgroup", "32".to_string()),
+    ];
+    let params: Vec<(String, String)> = params
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.clone()))
+        .collect();
+    let build = |name: &str| catalog::find(name).unwrap().build(&params).unwrap();
+    let mut rng = Rng::new(77);
+    let q: Vec<f32> = (0..shape.q_len()).map(|_| rng.next_f32()).collect();
+    let k: Vec<f32> = (0..shape.kv_len()).map(|_| rng.next_f32()).collect();
+    let v: Vec<f32> = (0..shape.kv_len()).map(|_| rng.next_f32()).collect();
+    let d_out: Vec<f32> = (0..shape.q_len()).map(|_| rng.next_f32() * 1e-3).collect();
+    let to64 = |x: &[f32]| x.iter().map(|&v| v as f64).collect::<Vec<_>>();
+    let (q64, k64, v64, do64) = (to64(&q), to64(&k), to64(&v), to64(&d_out));
+    let (want_o, want_lse) = reference::attention_forward(&shape, Some(&lens), &q64, &k64, &v64);
+    let (want_dq, want_dk, want_dv) =
+        reference::attention_backward(&shape, Some(&lens), (&q64, &k64, &v64), &do64);
+    let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    let blocks = seq.div_ceil(32) as u32;
+    let base = |workgroups: [u32; 3]| {
+        let mut run = Run::new(workgroups)
+            .buffer("q", &q)
+            .buffer("k", &k)
+            .buffer("v", &v)
+            .buffer("lens", &lens32)
+            .param("seq_len", ScalarValue::U32(seq as u32))
+            .param("scale", ScalarValue::F32(tau));
+        run.subgroup_size = 32;
+        run
+    };
+    let check = |what: &str, got: &[f32], want: &[f64], tol: f64| {
+        let largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
+        assert!(largest > 0.0, "{what}: a reference of zeros tests nothing");
+        let worst = got
+            .iter()
+            .zip(want)
+            .map(|(g, w)| (*g as f64 - w).abs())
+            .fold(0f64, |a, e| if e.is_nan() { f64::NAN } else { a.max(e) });
+        println!(
+            "{what}: within {:.2e} of its largest value",
+            worst / largest
+        );
+        assert!(
+            worst <= tol * largest,
+            "{what}: off by {worst:e} (largest {largest:e})"
+        );
+    };
+
+    let nan = |n: usize| vec![f32::NAN; n];
+    let rows = batch * seq * heads;
+    let mut run = base([blocks, heads as u32, batch as u32])
+        .buffer("o", &nan(shape.q_len()))
+        .buffer("lse", &nan(rows));
+    interpret(&build("coop_attention_forward"), &mut run).unwrap();
+    let o: Vec<f32> = run.read("o").unwrap();
+    let lse: Vec<f32> = run.read("lse").unwrap();
+    check("O", &o, &want_o, 2e-3);
+    let worst_lse = lse
+        .iter()
+        .zip(&want_lse)
+        .map(|(g, w)| (*g as f64 - w).abs())
+        .fold(0f64, f64::max);
+    assert!(worst_lse < 2e-3, "lse off by {worst_lse:e}");
+
+    // The backward's statistics from the f64 forward: (lse, D = rowsum(dO ⊙ O)), 0 when padded.
+    let mut stats = vec![0f32; 2 * rows];
+    for (i, stat) in stats.chunks_mut(2).enumerate() {
+        let (t, h) = (i / heads, i % heads);
+        let (b, s) = (t / seq, t % seq);
+        if s < lens[b] {
+            let at = (t * heads + h) * hd;
+            let d: f64 = (0..hd).map(|c| do64[at + c] * want_o[at + c]).sum();
+            stat.copy_from_slice(&[want_lse[i] as f32, d as f32]);
+        }
+    }
+    let grad = |run: Run| {
+        run.buffer("d_out", &d_out)
+            .buffer("stats", &stats)
+            .param("grad_scale", ScalarValue::F32(1024.0))
+    };
+    let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
+        .buffer("d_k", &nan(shape.kv_len()))
+        .buffer("d_v", &nan(shape.kv_len()));
+    interpret(&build("coop_attention_backward_kv"), &mut run).unwrap();
+    check("dK", &run.read::<f32>("d_k").unwrap(), &want_dk, 2e-3);
+    check("dV", &run.read::<f32>("d_v").unwrap(), &want_dv, 2e-3);
+    let mut run =
+        grad(base([blocks, heads as u32, batch as u32])).buffer("d_q", &nan(shape.q_len()));
+    interpret(&build("coop_attention_backward_q"), &mut run).unwrap();
+    check("dQ", &run.read::<f32>("d_q").unwrap(), &want_dq, 2e-3);
+}

@@ -48,8 +48,8 @@ struct Ctx<'a> {
     scale: f32,
     /// The micro-batch: the first writes the adapters' gradients, the others add to them.
     micro: usize,
-    /// The backward's GEMMs scale their gradient input by `2^grad_exponent` where they round
-    /// it to f16 (`Gemm::input_exponent`): the gradient of the mean loss over `N` targets is
+    /// The backward's GEMMs (and attention, `SeqShape::grad_exponent`) scale their gradient
+    /// input by `2^grad_exponent` where they round it to f16 (`Gemm::input_exponent`): the gradient of the mean loss over `N` targets is
     /// of the order of `1/N`, which f16 holds only as subnormals or zero (at `N` = 4096 the
     /// logits' gradients are ~1e-8). Scaled by `2^⌊log2 N⌋`, the gradients are those of the
     /// summed loss, of the order of 1, far from both ends of f16's range. One that passes
@@ -480,10 +480,13 @@ fn check_buffers(
 fn context<'a>(model: &'a GpuModel, adapters: &GpuAdapters, buffers: &StepBuffers) -> Ctx<'a> {
     let c = model.config();
     let shape = buffers.shape;
+    let grad_exponent = buffers.targets.max(1).ilog2() as i32;
     Ctx {
         model,
         tokens: shape.tokens(),
-        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim),
+        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim)
+            .with_precision(model.precision())
+            .with_grad_exponent(grad_exponent),
         positions: Positions {
             seq_len: shape.seq_len as u32,
             offset: 0,
@@ -492,7 +495,7 @@ fn context<'a>(model: &'a GpuModel, adapters: &GpuAdapters, buffers: &StepBuffer
         rank: adapters.lora().rank,
         scale: adapters.lora().scale() as f32,
         micro: 0,
-        grad_exponent: buffers.targets.max(1).ilog2() as i32,
+        grad_exponent,
     }
 }
 

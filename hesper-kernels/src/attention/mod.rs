@@ -3,6 +3,7 @@
 //! ([`decode`]: the KV cache, its forward for generation and its backward), with their f64
 //! [references](mod@reference).
 
+pub mod coop;
 pub mod decode;
 pub mod reference;
 pub mod sequence;
@@ -21,5 +22,6 @@ pub use sequence::{
 pub fn kernels() -> Result<Vec<hesper_dsl::Kernel>, hesper_dsl::DslError> {
     let mut all = decode::kernels()?;
     all.extend(sequence::kernels()?);
+    all.extend(coop::kernels()?);
     Ok(all)
 }

@@ -65,7 +65,8 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
-use crate::linear::lane;
+use super::coop::{self, CoopSeqTile, Which};
+use crate::linear::{Precision, lane};
 use crate::{expect_len, expect_u32};
 
 /// Scores of excluded keys take part in no maximum: a finite stand-in for `−∞` (no `inf - inf`).
@@ -85,6 +86,13 @@ pub struct SeqShape {
     pub head_dim: usize,
     /// `τ`: [`SeqShape::new`] sets `1/√head_dim`.
     pub scale: f32,
+    /// `Precision::F16`: the products on the tensor cores ([`super::coop`]) where the device
+    /// offers them and `head_dim` is a multiple of 16; else (and at `F32`, the default) in f32.
+    pub precision: Precision,
+    /// The backward on the tensor cores multiplies `dO` by `2^grad_exponent` before rounding it
+    /// to f16 and its results by `2^−grad_exponent`: a mean loss's gradients (~1/N) keep their
+    /// digits (as `Gemm::input_exponent`). At most 64 either way; 0 by default.
+    pub grad_exponent: i32,
 }
 
 impl SeqShape {
@@ -103,6 +111,21 @@ impl SeqShape {
             kv_heads,
             head_dim,
             scale: (1.0 / (head_dim as f64).sqrt()) as f32,
+            precision: Precision::F32,
+            grad_exponent: 0,
+        }
+    }
+
+    /// The same shape at another precision.
+    pub fn with_precision(self, precision: Precision) -> Self {
+        SeqShape { precision, ..self }
+    }
+
+    /// The same shape with the backward's gradient exponent ([`SeqShape::grad_exponent`]).
+    pub fn with_grad_exponent(self, grad_exponent: i32) -> Self {
+        SeqShape {
+            grad_exponent,
+            ..self
         }
     }
 
@@ -151,6 +174,12 @@ impl SeqShape {
             return bad(
                 format!("head_dim = {head_dim}"),
                 "head_dim must be a positive multiple of 4, at most 128",
+            );
+        }
+        if self.grad_exponent.abs() > crate::linear::MAX_INPUT_EXPONENT {
+            return bad(
+                format!("grad_exponent = {}", self.grad_exponent),
+                "the gradient's scale is 2^e with |e| ≤ 64",
             );
         }
         if !self.scale.is_finite() {
@@ -1387,6 +1416,20 @@ impl SeqInputs<'_> {
         }
     }
 
+    /// As [`SeqInputs::bind`], `q`, `k`, `v` read as vec4s (the tensor-core kernels).
+    fn bind_vec4<'b>(&'b self, args: Args<'b>, shape: &SeqShape) -> Result<Args<'b>, ExecError> {
+        let args = args
+            .buffer_vec4("q", self.q)
+            .buffer_vec4("k", self.k)
+            .buffer_vec4("v", self.v)
+            .param("seq_len", expect_u32(FORWARD, "seq_len", shape.seq_len)?)
+            .param("scale", shape.scale);
+        Ok(match self.lens {
+            Some(lens) => args.buffer("lens", &lens.buffer),
+            None => args,
+        })
+    }
+
     fn bind<'b>(&'b self, args: Args<'b>, shape: &SeqShape) -> Result<Args<'b>, ExecError> {
         let args = args
             .buffer("q", self.q)
@@ -1441,6 +1484,27 @@ fn check_loops(
     })
 }
 
+/// The tensor-core kernel `which` runs at `shape` on `gpu` with this tile and subgroup size:
+/// at `Precision::F16`, on a device with 16×16 f16 cooperative matrices, `head_dim` a multiple
+/// of 16, and a standard tile within the device's workgroup memory. `None`: the f32 kernels.
+fn coop_tile(gpu: &Gpu, shape: &SeqShape, which: Which) -> Option<(CoopSeqTile, u32)> {
+    if shape.precision != Precision::F16 || !shape.head_dim.is_multiple_of(16) {
+        return None;
+    }
+    let subgroup = crate::linear::coop::subgroup_size(gpu)?;
+    if subgroup < 16 || !subgroup.is_multiple_of(16) {
+        return None;
+    }
+    let limits = gpu.kernel_limits();
+    let tile = CoopSeqTile::for_device(&limits, which, shape.head_dim as u32, subgroup)?;
+    Some((tile, subgroup))
+}
+
+fn coop_grid(shape: &SeqShape, tile: CoopSeqTile, heads: usize) -> Grid {
+    let blocks = shape.seq_len.div_ceil(tile.block() as usize);
+    Grid::Workgroups([blocks as u32, heads as u32, shape.batch as u32])
+}
+
 /// The workgroups of a sequence kernel: one per block of rows (or keys), head and sequence.
 fn grid(shape: &SeqShape, tile: SeqTile, heads: usize) -> Grid {
     let blocks = shape.seq_len.div_ceil(tile.block as usize);
@@ -1477,6 +1541,16 @@ pub fn execute_attention_forward(
     )?;
     if shape.tokens() == 0 {
         return Ok(());
+    }
+    if let Some((tile, subgroup)) = coop_tile(rec.gpu(), &shape, Which::Forward) {
+        let padded = inputs.lens.is_some();
+        let key = coop::key(Which::Forward, &shape, tile, subgroup, padded);
+        let kernel = rec.gpu().kernel(&key, Which::Forward.body())?;
+        let args = inputs
+            .bind_vec4(Args::new(), &shape)?
+            .buffer("o", o)
+            .buffer("lse", lse);
+        return rec.launch(&kernel, &args, coop_grid(&shape, tile, shape.heads));
     }
     let key = seq_key(FORWARD, &shape, tile, inputs.lens.is_some());
     let kernel = rec.gpu().kernel(&key, forward_body)?;
@@ -1542,11 +1616,30 @@ pub fn execute_attention_backward(
     let padded = saved.inputs.lens.is_some();
     let gpu = rec.gpu();
     let stats_kernel = gpu.kernel(&stats_key(&shape, padded), stats_body)?;
-    let kv_kernel = gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?;
-    let q_kernel = gpu.kernel(
-        &seq_key(QUERY_GRADS, &shape, tile, padded),
-        query_grads_body,
-    )?;
+    // Every kernel is compiled before anything is recorded: an error leaves the recorder as it
+    // was.
+    let coop_kv = coop_tile(gpu, &shape, Which::KeyGrads);
+    let coop_q = coop_tile(gpu, &shape, Which::QueryGrads);
+    let coop = match (coop_kv, coop_q) {
+        (Some((kv_tile, subgroup)), Some((q_tile, _))) => {
+            let kv_key = coop::key(Which::KeyGrads, &shape, kv_tile, subgroup, padded);
+            let q_key = coop::key(Which::QueryGrads, &shape, q_tile, subgroup, padded);
+            let kv = gpu.kernel(&kv_key, Which::KeyGrads.body())?;
+            let q = gpu.kernel(&q_key, Which::QueryGrads.body())?;
+            Some(((kv, kv_tile), (q, q_tile)))
+        }
+        _ => None,
+    };
+    let (kv_kernel, q_kernel) = match coop {
+        Some(_) => (None, None),
+        None => (
+            Some(gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?),
+            Some(gpu.kernel(
+                &seq_key(QUERY_GRADS, &shape, tile, padded),
+                query_grads_body,
+            )?),
+        ),
+    };
 
     let seq_len = expect_u32(name, "seq_len", shape.seq_len)?;
     let mut args = Args::new()
@@ -1562,6 +1655,26 @@ pub fn execute_attention_backward(
     rec.launch(&stats_kernel, &args, Grid::Threads(rows as u64))?;
 
     let stats: &GpuBuffer<f32> = grads.stats;
+    if let Some(((kv_kernel, kv_tile), (q_kernel, q_tile))) = coop {
+        let shared = || -> Result<Args<'_>, ExecError> {
+            let args = saved.inputs.bind_vec4(Args::new(), &shape)?;
+            Ok(args
+                .buffer_vec4("d_out", d_out)
+                .buffer("stats", stats)
+                .param("grad_scale", 2f32.powi(shape.grad_exponent)))
+        };
+        let args = shared()?
+            .buffer("d_k", &*grads.d_k)
+            .buffer("d_v", &*grads.d_v);
+        rec.launch(
+            &kv_kernel,
+            &args,
+            coop_grid(&shape, kv_tile, shape.kv_heads),
+        )?;
+        let args = shared()?.buffer("d_q", &*grads.d_q);
+        return rec.launch(&q_kernel, &args, coop_grid(&shape, q_tile, shape.heads));
+    }
+    let (kv_kernel, q_kernel) = (kv_kernel.expect("compiled"), q_kernel.expect("compiled"));
     let shared = || -> Result<Args<'_>, ExecError> {
         let args = saved.inputs.bind(Args::new(), &shape)?;
         Ok(args.buffer("d_out", d_out).buffer("stats", stats))

@@ -1,0 +1,796 @@
+//! Sequence attention on the tensor cores: the forward and backward of [`super::sequence`] with
+//! the products on cooperative matrices (f16 `Q`, `K`, `V`, `dO`, `P`, `dS` as they are staged,
+//! f32 accumulators), the softmax and its statistics in f32. [`super::sequence`]'s entry points
+//! take these kernels at `Precision::F16` where the device offers 16×16 f16·f16 + f32
+//! cooperative matrices and `head_dim` is a multiple of 16.
+//!
+//! ## Layout
+//! A workgroup of `subgroups` subgroups owns `16·subgroups` rows (query rows for the forward and
+//! dQ, keys for dK/dV) of one head; each subgroup owns 16 of them and keeps their operand tiles
+//! (`Q`; `K` and `V`; `Q` and `dO`) in registers as `head_dim/16` f16 fragments. A loop steps
+//! through the other side `step` rows at a time, staged in workgroup memory as f16: the score
+//! tiles (`Q·Kᵀ`, `dO·Vᵀ`, or their transposes) go through the subgroup's f32 scratch, where
+//! its invocations (`subgroup/16` a row) apply the mask and the softmax and write `P` or `dS`
+//! as f16 for the accumulating products (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`).
+//!
+//! - Forward: two passes over the keys. The first finds each row's maximum and sum (online,
+//!   per invocation, then across the row's invocations); the second multiplies the normalized
+//!   `P = exp(τ·S − m)/l` by `V` into accumulators that never need rescaling (cooperative
+//!   matrices offer no element-wise scaling). `Q·Kᵀ` is computed twice: 1.5× the forward's
+//!   products, in exchange for no round trip of the output through memory per key block.
+//! - Backward: `lse` is known, so `P` needs no rescaling either. The gradients of a mean loss
+//!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
+//!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
+
+use hesper_dsl::prelude::*;
+use hesper_dsl::{Kernel, Limits, ReadBuffer, RwBuffer, Var, WorkgroupArray};
+
+use super::sequence::SeqShape;
+use crate::linear::offset;
+
+type TileA = CoopMat<F16, CoopA>;
+type TileB = CoopMat<F16, CoopB>;
+type Acc = CoopMat<f32, CoopC>;
+
+/// Scores of excluded keys take part in no maximum: a finite stand-in for `−∞`.
+const NEG_BIG: f32 = -1.0e30;
+/// Halves of padding after each staged f16 row (against bank conflicts; rows stay 16-byte
+/// aligned, as cooperative loads want).
+const PAD: u32 = 8;
+/// Floats of padding after each scratch row.
+const SCRATCH_PAD: u32 = 4;
+
+/// A tensor-core attention kernel's blocking: `subgroups` subgroups of 16 rows each, the other
+/// side stepped `step` rows at a time.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct CoopSeqTile {
+    pub subgroups: u32,
+    pub step: u32,
+}
+
+/// The three kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    Forward,
+    KeyGrads,
+    QueryGrads,
+}
+
+impl Which {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Which::Forward => "coop_attention_forward",
+            Which::KeyGrads => "coop_attention_backward_kv",
+            Which::QueryGrads => "coop_attention_backward_q",
+        }
+    }
+
+    /// The kernel's body.
+    pub(crate) fn body(self) -> fn(&mut KernelBuilder) {
+        match self {
+            Which::Forward => forward_body,
+            Which::KeyGrads => key_grads_body,
+            Which::QueryGrads => query_grads_body,
+        }
+    }
+}
+
+impl CoopSeqTile {
+    /// Rows a workgroup owns.
+    pub fn block(&self) -> u32 {
+        16 * self.subgroups
+    }
+
+    /// Bytes of workgroup memory `which` takes at `head_dim`.
+    pub(crate) fn workgroup_bytes(&self, which: Which, head_dim: u32) -> u32 {
+        let row = 2 * (head_dim + PAD);
+        let (block, step) = (self.block(), self.step);
+        let scratch = 4 * 16 * (step + SCRATCH_PAD) * self.subgroups;
+        let probs = 2 * 16 * (step + PAD) * self.subgroups;
+        match which {
+            Which::Forward => block.max(2 * step) * row + scratch + probs,
+            Which::KeyGrads => 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step,
+            Which::QueryGrads => 2 * block.max(step) * row + 2 * scratch + probs,
+        }
+    }
+
+    /// The first of the standard tiles (4 subgroups stepping 64 or 32 rows, then 2 stepping 32
+    /// or 16) that a device with `limits` runs with subgroups of `subgroup`.
+    pub(crate) fn for_device(
+        limits: &Limits,
+        which: Which,
+        head_dim: u32,
+        subgroup: u32,
+    ) -> Option<CoopSeqTile> {
+        [(4, 64), (4, 32), (2, 32), (2, 16)]
+            .into_iter()
+            .map(|(subgroups, step)| CoopSeqTile { subgroups, step })
+            .find(|t| {
+                t.workgroup_bytes(which, head_dim) <= limits.max_workgroup_storage_bytes
+                    && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
+                    && t.step.is_multiple_of(subgroup / 16)
+            })
+    }
+}
+
+/// The kernel key of `which` at `shape`, `tile`, subgroups of `subgroup`, with or without
+/// valid lengths.
+pub(crate) fn key(
+    which: Which,
+    shape: &SeqShape,
+    tile: CoopSeqTile,
+    subgroup: u32,
+    padded: bool,
+) -> KernelKey {
+    KernelKey::new(which.name())
+        .workgroup_size(tile.subgroups * subgroup)
+        .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
+        .shape("head_dim", shape.head_dim as u32)
+        .shape("heads", shape.heads as u32)
+        .shape("kv_heads", shape.kv_heads as u32)
+        .shape("row_tiles", tile.subgroups)
+        .shape("step", tile.step)
+        .shape("subgroup", subgroup)
+        .shape("padded", padded)
+        // Reads are clamped into their sequence and stores guarded, by construction.
+        .assume_in_bounds()
+}
+
+/// What every kernel reads from its key and binds first.
+struct Place {
+    hd: u32,
+    heads: u32,
+    kv_heads: u32,
+    group: u32,
+    subgroups: u32,
+    step: u32,
+    /// Invocations a scratch row (`subgroup / 16`), and the row and part of this invocation.
+    per_row: u32,
+    row: Expr<u32>,
+    part: Expr<u32>,
+    /// The subgroup's index and its first owned row (inside the sequence).
+    sg: Expr<u32>,
+    own0: Expr<u32>,
+    seq_len: Expr<u32>,
+    last: Expr<u32>,
+    len: Expr<u32>,
+    origin: Expr<u32>,
+    token0: Expr<u32>,
+    head: Expr<u32>,
+    lid: Expr<u32>,
+    invocations: u32,
+}
+
+impl Place {
+    /// Halves (and vec4s) a staged row takes.
+    fn row_halves(&self) -> u32 {
+        self.hd + PAD
+    }
+    fn row_vec4s(&self) -> u32 {
+        self.row_halves() / 4
+    }
+    /// Floats a scratch row takes, and one subgroup's scratch.
+    fn scratch_row(&self) -> u32 {
+        self.step + SCRATCH_PAD
+    }
+    fn scratch_len(&self) -> u32 {
+        16 * self.scratch_row()
+    }
+    /// Halves a `P` / `dS` row takes, and one subgroup's tile.
+    fn probs_row(&self) -> u32 {
+        self.step + PAD
+    }
+    fn probs_len(&self) -> u32 {
+        16 * self.probs_row()
+    }
+}
+
+/// Binds the runtime values and the invocation's place; `queries`: the owned rows are query
+/// rows (the blocks with the most keys first), else keys.
+fn place(k: &mut KernelBuilder, queries: bool) -> Place {
+    let hd: u32 = k.shape("head_dim");
+    let heads: u32 = k.shape("heads");
+    let kv_heads: u32 = k.shape("kv_heads");
+    let subgroups: u32 = k.shape("row_tiles");
+    let step: u32 = k.shape("step");
+    let subgroup: u32 = k.shape("subgroup");
+    let padded = k.shape::<bool>("padded");
+    let seq_len = k.param::<u32>("seq_len");
+    let wid = k.workgroup_id();
+    let b = k.let_("b", wid.z());
+    let len = if padded {
+        let lens = k.storage::<u32>("lens");
+        k.let_("len", lens.at(&b).min(&seq_len))
+    } else {
+        seq_len.clone()
+    };
+    let last = k.let_("last", &seq_len - 1u32);
+    let block_index = if queries {
+        k.num_workgroups().x() - 1u32 - wid.x()
+    } else {
+        wid.x()
+    };
+    let origin = k.let_("origin", block_index * (16 * subgroups));
+    let token0 = k.let_("token0", &b * &seq_len);
+    let head = k.let_("head", wid.y());
+    let sg = k.let_("sg", k.subgroup_id());
+    let lane = k.let_("lane", k.subgroup_invocation_id());
+    let per_row = subgroup / 16;
+    let row = k.let_("row", &lane / per_row);
+    let part = k.let_("part", &lane % per_row);
+    let own0 = k.let_("own0", &origin + &sg * 16u32);
+    let lid = k.let_("lid", k.local_index());
+    Place {
+        hd,
+        heads,
+        kv_heads,
+        group: heads / kv_heads,
+        subgroups,
+        step,
+        per_row,
+        row,
+        part,
+        sg,
+        own0,
+        seq_len,
+        last,
+        len,
+        origin,
+        token0,
+        head,
+        lid,
+        invocations: subgroups * subgroup,
+    }
+}
+
+/// Rows of one head in a `[T, heads·hd]` buffer read as vec4s.
+struct Rows<'a> {
+    buf: &'a ReadBuffer<Vec4<f32>>,
+    /// vec4s a token (`heads·hd/4`) and the head's first vec4.
+    stride4: u32,
+    head4: Expr<u32>,
+}
+
+fn rows_of<'a>(
+    k: &mut KernelBuilder,
+    buf: &'a ReadBuffer<Vec4<f32>>,
+    p: &Place,
+    heads: u32,
+    head: &Expr<u32>,
+) -> Rows<'a> {
+    Rows {
+        buf,
+        stride4: heads * p.hd / 4,
+        head4: k.let_("head4", head * (p.hd / 4)),
+    }
+}
+
+/// Stage `rows` rows of `src` from sequence row `first` (clamped into the sequence) as f16 into
+/// `stage` from its row `at`, each multiplied by `scale` first where there is one.
+fn stage_rows(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<F16>>,
+    (src, first, rows): (&Rows<'_>, &Expr<u32>, u32),
+    at: u32,
+    scale: Option<&Expr<f32>>,
+) {
+    let per_row = p.hd / 4;
+    let slots = rows * per_row;
+    for i in 0..slots.div_ceil(p.invocations) {
+        let s = k.let_("slot", offset(&p.lid, i * p.invocations));
+        let body = |k: &mut KernelBuilder| {
+            let r = k.let_("r", &s / per_row);
+            let c4 = k.let_("c4", &s % per_row);
+            let token = &p.token0 + (first + &r).min(&p.last);
+            let v = src.buf.at(token * src.stride4 + &src.head4 + &c4);
+            let v = match scale {
+                Some(f) => v * Expr::<Vec4<f32>>::splat(f.clone()),
+                None => v,
+            };
+            let dst = (&r + at) * p.row_vec4s() + &c4;
+            k.store(stage, dst, v.cast::<Vec4<F16>>());
+        };
+        if (i + 1) * p.invocations > slots {
+            k.if_(s.lt(slots), body);
+        } else {
+            body(k);
+        }
+    }
+}
+
+/// The subgroup's own 16 rows of a staged operand (from stage row `at + 16·sg`) as the left
+/// operand: `hd/16` fragments along the head dimension.
+fn own_fragments(
+    k: &mut KernelBuilder,
+    p: &Place,
+    stage: &WorkgroupArray<Vec4<F16>>,
+    at: u32,
+) -> Vec<Expr<TileA>> {
+    let base = k.let_("own_at", (&p.sg * 16u32 + at) * p.row_vec4s());
+    (0..p.hd / 16)
+        .map(|d| k.coop_load::<TileA, _>(stage, offset(&base, d * 4), p.row_vec4s(), Major::Row))
+        .collect()
+}
+
+/// `own · staged[at .. at + step]ᵀ` (the staged rows as the product's columns) into the
+/// subgroup's scratch, 16 columns a fragment.
+fn scores_into(
+    k: &mut KernelBuilder,
+    p: &Place,
+    own: &[Expr<TileA>],
+    stage: &WorkgroupArray<Vec4<F16>>,
+    at: u32,
+    scratch: &WorkgroupArray<f32>,
+) {
+    let base = k.let_("scratch_at", &p.sg * p.scratch_len());
+    for j in 0..p.step / 16 {
+        let mut acc = Expr::<Acc>::zero();
+        for (d, a) in own.iter().enumerate() {
+            let idx = (at + j * 16) * p.row_vec4s() + d as u32 * 4;
+            let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Column);
+            acc = coop_multiply_add(a.clone(), b, acc);
+        }
+        k.coop_store(
+            scratch,
+            offset(&base, j * 16),
+            p.scratch_row(),
+            Major::Row,
+            acc,
+        );
+    }
+}
+
+/// `acc[j] += tile · staged[at .. at + step]` (the staged rows as the product's depth): the
+/// subgroup's `16 × step` f16 `tile` times `step` staged rows, `hd/16` accumulators.
+fn accumulate(
+    k: &mut KernelBuilder,
+    p: &Place,
+    tile: &WorkgroupArray<F16>,
+    stage: &WorkgroupArray<Vec4<F16>>,
+    at: u32,
+    acc: &[Var<Acc>],
+) {
+    let base = k.let_("tile_at", &p.sg * p.probs_len());
+    for kk in 0..p.step / 16 {
+        let a = k.coop_load::<TileA, _>(tile, offset(&base, kk * 16), p.probs_row(), Major::Row);
+        for (j, c) in acc.iter().enumerate() {
+            let idx = (at + kk * 16) * p.row_vec4s() + j as u32 * 4;
+            let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Row);
+            k.assign(c, coop_multiply_add(a.clone(), b, c.get()));
+        }
+    }
+}
+
+/// The scratch columns this invocation handles: `part + per_row·jj`.
+fn my_columns(p: &Place) -> impl Iterator<Item = (u32, Expr<u32>)> + '_ {
+    (0..p.step / p.per_row).map(move |jj| (jj, offset(&p.part, jj * p.per_row)))
+}
+
+/// `scratch[row][col]` of this invocation's subgroup.
+fn scratch_at(
+    k: &mut KernelBuilder,
+    p: &Place,
+    scratch: &WorkgroupArray<f32>,
+    col: &Expr<u32>,
+) -> Expr<f32> {
+    let at = &p.sg * p.scratch_len() + &p.row * p.scratch_row() + col;
+    k.let_("s", scratch.at(at))
+}
+
+/// `tile[row][col] = value` (f16) of this invocation's subgroup.
+fn tile_store(
+    k: &mut KernelBuilder,
+    p: &Place,
+    tile: &WorkgroupArray<F16>,
+    col: &Expr<u32>,
+    value: Expr<f32>,
+) {
+    let at = &p.sg * p.probs_len() + &p.row * p.probs_row() + col;
+    k.store(tile, at, value.cast::<F16>());
+}
+
+/// Store the accumulators (`16 × hd`, the subgroup's own rows) times `mult` into `out`
+/// `[T, heads·hd]` at `head`, through the scratch a fragment at a time: rows past the sequence
+/// are not stored, rows past its valid length get zeros.
+#[allow(clippy::too_many_arguments)]
+fn store_own(
+    k: &mut KernelBuilder,
+    p: &Place,
+    acc: &[Var<Acc>],
+    scratch: &WorkgroupArray<f32>,
+    out: &RwBuffer<f32>,
+    (heads, head): (u32, &Expr<u32>),
+    mult: &Expr<f32>,
+    subgroup: u32,
+) {
+    let base = k.let_("scratch_at", &p.sg * p.scratch_len());
+    let lane = k.subgroup_invocation_id();
+    let head_col = k.let_("head_col", head * p.hd);
+    for (j, c) in acc.iter().enumerate() {
+        k.workgroup_barrier();
+        k.coop_store(scratch, &base, p.scratch_row(), Major::Row, c.get());
+        k.workgroup_barrier();
+        for i in 0..256 / subgroup {
+            let e = k.let_("e", offset(&lane, i * subgroup));
+            let r = k.let_("r", &e / 16u32);
+            let col = k.let_("c", &e % 16u32);
+            let row = k.let_("at_row", &p.own0 + &r);
+            k.if_(row.lt(&p.seq_len), |k| {
+                let v = scratch.at(&base + &r * p.scratch_row() + &col) * mult;
+                let at = (&p.token0 + &row) * (heads * p.hd) + &head_col + &col + j as u32 * 16;
+                k.store(out, at, select(row.lt(&p.len), v, lit(0.0f32)));
+            });
+        }
+    }
+}
+
+fn accumulators(k: &mut KernelBuilder, p: &Place, hint: &str) -> Vec<Var<Acc>> {
+    (0..p.hd / 16)
+        .map(|_| k.var(hint, Expr::<Acc>::zero()))
+        .collect()
+}
+
+/// Key blocks of `step` up to the owned block's last real row (none for a block of padding).
+fn key_steps(k: &mut KernelBuilder, p: &Place) -> Expr<u32> {
+    let end = k.let_("end", (&p.origin + 16 * p.subgroups).min(&p.len));
+    k.let_(
+        "key_steps",
+        select(
+            p.origin.lt(&p.len),
+            (&end + (p.step - 1)) / p.step,
+            lit(0u32),
+        ),
+    )
+}
+
+/// `O = softmax(τ·Q·Kᵀ + causal)·V` and `lse` (the module doc).
+fn forward_body(k: &mut KernelBuilder) {
+    let q = k.storage::<Vec4<f32>>("q");
+    let kb = k.storage::<Vec4<f32>>("k");
+    let v = k.storage::<Vec4<f32>>("v");
+    let o = k.storage_rw::<f32>("o");
+    let lse = k.storage_rw::<f32>("lse");
+    let tau = k.param::<f32>("scale");
+    let subgroup: u32 = k.shape("subgroup");
+    let p = place(k, true);
+    let block = 16 * p.subgroups;
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
+    let scratch = k.workgroup_array::<f32>("scratch", p.subgroups * p.scratch_len());
+    let probs = k.workgroup_array::<F16>("probs", p.subgroups * p.probs_len());
+    let kv = k.let_("kv", &p.head / p.group);
+    let q_rows = rows_of(k, &q, &p, p.heads, &p.head);
+    let k_rows = rows_of(k, &kb, &p, p.kv_heads, &kv);
+    let v_rows = rows_of(k, &v, &p, p.kv_heads, &kv);
+
+    k.comment("The block's query rows, each subgroup's 16 kept as fragments.");
+    stage_rows(k, &p, &stage, (&q_rows, &p.origin, block), 0, None);
+    k.workgroup_barrier();
+    let own = own_fragments(k, &p, &stage, 0);
+    let steps = key_steps(k, &p);
+    let my_row = k.let_("my_row", &p.own0 + &p.row);
+    let valid = |k: &mut KernelBuilder, key: &Expr<u32>| {
+        k.let_("valid", key.le(&my_row).and(key.lt(&p.len)))
+    };
+
+    k.comment("First pass: the row's maximum and sum, per invocation, online.");
+    let m = k.var("m", lit(NEG_BIG));
+    let l = k.var("l", lit(0.0f32));
+    k.for_range("key_step", 0u32, &steps, |k, ks| {
+        let c0 = k.let_("c0", &ks * p.step);
+        k.workgroup_barrier();
+        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+        k.workgroup_barrier();
+        scores_into(k, &p, &own, &stage, 0, &scratch);
+        k.workgroup_barrier();
+        let mut scores = vec![];
+        for (_, col) in my_columns(&p) {
+            let s = scratch_at(k, &p, &scratch, &col) * &tau;
+            let ok = valid(k, &(&c0 + &col));
+            scores.push(k.let_("ts", select(ok, s, lit(NEG_BIG))));
+        }
+        let top = scores.iter().fold(lit(NEG_BIG), |a, s| a.max(s.clone()));
+        let m_new = k.let_("m_new", m.get().max(top));
+        let sum = scores
+            .iter()
+            .map(|s| select(s.gt(NEG_BIG), (s.clone() - &m_new).exp(), lit(0.0f32)))
+            .reduce(|a, b| a + b)
+            .unwrap_or(lit(0.0f32));
+        k.assign(&l, l.get() * (m.get() - &m_new).exp() + sum);
+        k.assign(&m, m_new);
+    });
+    k.comment("Across the row's invocations.");
+    let mut mask = 1;
+    while mask < p.per_row {
+        let m_other = k.subgroup_shuffle_xor(m.get(), mask);
+        let l_other = k.subgroup_shuffle_xor(l.get(), mask);
+        let m_new = k.let_("m_new", m.get().max(&m_other));
+        k.assign(
+            &l,
+            l.get() * (m.get() - &m_new).exp() + l_other * (m_other - &m_new).exp(),
+        );
+        k.assign(&m, m_new);
+        mask *= 2;
+    }
+    let real = k.let_("real", l.get().gt(0.0f32).and(my_row.lt(&p.len)));
+    let inv_l = k.let_("inv_l", select(real.clone(), 1.0f32 / l.get(), lit(0.0f32)));
+    k.if_(p.part.eq(0u32).and(my_row.lt(&p.seq_len)), |k| {
+        let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
+        k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
+    });
+
+    k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m)/l, no rescaling.");
+    let acc = accumulators(k, &p, "o_acc");
+    k.for_range("key_step", 0u32, &steps, |k, ks| {
+        let c0 = k.let_("c0", &ks * p.step);
+        k.workgroup_barrier();
+        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+        stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
+        k.workgroup_barrier();
+        scores_into(k, &p, &own, &stage, 0, &scratch);
+        k.workgroup_barrier();
+        for (_, col) in my_columns(&p) {
+            let s = scratch_at(k, &p, &scratch, &col) * &tau;
+            let ok = valid(k, &(&c0 + &col));
+            let prob = select(ok, (s - m.get()).exp() * &inv_l, lit(0.0f32));
+            tile_store(k, &p, &probs, &col, prob);
+        }
+        k.workgroup_barrier();
+        accumulate(k, &p, &probs, &stage, p.step, &acc);
+    });
+    store_own(
+        k,
+        &p,
+        &acc,
+        &scratch,
+        &o,
+        (p.heads, &p.head),
+        &lit(1.0f32),
+        subgroup,
+    );
+}
+
+/// The backward's reads, declared first in both kernels.
+struct Reads {
+    q: ReadBuffer<Vec4<f32>>,
+    k: ReadBuffer<Vec4<f32>>,
+    v: ReadBuffer<Vec4<f32>>,
+    d_out: ReadBuffer<Vec4<f32>>,
+    stats: ReadBuffer<f32>,
+}
+
+fn reads(k: &mut KernelBuilder) -> Reads {
+    Reads {
+        q: k.storage("q"),
+        k: k.storage("k"),
+        v: k.storage("v"),
+        d_out: k.storage("d_out"),
+        stats: k.storage("stats"),
+    }
+}
+
+/// `2^grad_exponent` and its inverse, from the runtime parameter `grad_scale`.
+fn grad_scales(k: &mut KernelBuilder) -> (Expr<f32>, Expr<f32>) {
+    let up = k.param::<f32>("grad_scale");
+    let down = k.let_("grad_unscale", 1.0f32 / &up);
+    (up, down)
+}
+
+/// `dK = τ·Σ dSᵀ·Q`, `dV = Σ Pᵀ·dO` for a block of keys of one KV head, over its `G` query heads
+/// and the query steps at or after the block.
+fn key_grads_body(k: &mut KernelBuilder) {
+    let r = reads(k);
+    let d_k = k.storage_rw::<f32>("d_k");
+    let d_v = k.storage_rw::<f32>("d_v");
+    let tau = k.param::<f32>("scale");
+    let (up, down) = grad_scales(k);
+    let subgroup: u32 = k.shape("subgroup");
+    let p = place(k, false);
+    let block = 16 * p.subgroups;
+    let rows = block.max(p.step);
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * rows * p.row_vec4s());
+    let s_scratch = k.workgroup_array::<f32>("s_scratch", p.subgroups * p.scratch_len());
+    let dp_scratch = k.workgroup_array::<f32>("dp_scratch", p.subgroups * p.scratch_len());
+    let probs = k.workgroup_array::<F16>("probs", p.subgroups * p.probs_len());
+    let grads = k.workgroup_array::<F16>("grads", p.subgroups * p.probs_len());
+    let q_stats = k.workgroup_array::<f32>("q_stats", 2 * p.step);
+    let kv = p.head.clone();
+    let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
+    let v_rows = rows_of(k, &r.v, &p, p.kv_heads, &kv);
+
+    k.comment("The block's keys and values, each subgroup's 16 kept as fragments.");
+    stage_rows(k, &p, &stage, (&k_rows, &p.origin, block), 0, None);
+    stage_rows(k, &p, &stage, (&v_rows, &p.origin, block), rows, None);
+    k.workgroup_barrier();
+    let own_k = own_fragments(k, &p, &stage, 0);
+    let own_v = own_fragments(k, &p, &stage, rows);
+    let dk = accumulators(k, &p, "dk_acc");
+    let dv = accumulators(k, &p, "dv_acc");
+    let my_key = k.let_("my_key", &p.own0 + &p.row);
+
+    k.comment("Query steps from the one holding the block's first key to the last real row.");
+    let first = k.let_("first", &p.origin / p.step);
+    let steps = k.let_("q_steps", (&p.len + (p.step - 1)) / p.step);
+    k.for_range("g", 0u32, p.group, |k, g| {
+        let h = k.let_("h", &kv * p.group + &g);
+        let q_rows = rows_of(k, &r.q, &p, p.heads, &h);
+        let do_rows = rows_of(k, &r.d_out, &p, p.heads, &h);
+        k.for_range("q_step", &first, &steps, |k, qs| {
+            let q0 = k.let_("q0", &qs * p.step);
+            k.workgroup_barrier();
+            stage_rows(k, &p, &stage, (&q_rows, &q0, p.step), 0, None);
+            stage_rows(k, &p, &stage, (&do_rows, &q0, p.step), p.step, Some(&up));
+            k.if_(p.lid.lt(p.step), |k| {
+                let q = (&q0 + &p.lid).min(&p.last);
+                let at = k.let_("stat_at", ((&p.token0 + q) * p.heads + &h) * 2u32);
+                k.store(&q_stats, &p.lid * 2u32, r.stats.at(&at));
+                k.store(&q_stats, &p.lid * 2u32 + 1u32, r.stats.at(&at + 1u32));
+            });
+            k.workgroup_barrier();
+            scores_into(k, &p, &own_k, &stage, 0, &s_scratch);
+            scores_into(k, &p, &own_v, &stage, p.step, &dp_scratch);
+            k.workgroup_barrier();
+            for (_, col) in my_columns(&p) {
+                let query = k.let_("query", &q0 + &col);
+                let ok = my_key
+                    .le(&query)
+                    .and(query.lt(&p.len))
+                    .and(my_key.lt(&p.len));
+                let lse = q_stats.at(&col * 2u32);
+                let d = q_stats.at(&col * 2u32 + 1u32) * &up;
+                let s = scratch_at(k, &p, &s_scratch, &col);
+                let dp = scratch_at(k, &p, &dp_scratch, &col);
+                let prob = k.let_("p", select(ok, (s * &tau - lse).exp(), lit(0.0f32)));
+                tile_store(k, &p, &probs, &col, prob.clone());
+                tile_store(k, &p, &grads, &col, prob * (dp - d) * &tau);
+            }
+            k.workgroup_barrier();
+            accumulate(k, &p, &probs, &stage, p.step, &dv);
+            accumulate(k, &p, &grads, &stage, 0, &dk);
+        });
+    });
+    store_own(
+        k,
+        &p,
+        &dv,
+        &s_scratch,
+        &d_v,
+        (p.kv_heads, &kv),
+        &down,
+        subgroup,
+    );
+    store_own(
+        k,
+        &p,
+        &dk,
+        &s_scratch,
+        &d_k,
+        (p.kv_heads, &kv),
+        &down,
+        subgroup,
+    );
+}
+
+/// `dQ = τ·Σ dS·K` for a block of query rows of one head, over the keys up to its last row.
+fn query_grads_body(k: &mut KernelBuilder) {
+    let r = reads(k);
+    let d_q = k.storage_rw::<f32>("d_q");
+    let tau = k.param::<f32>("scale");
+    let (up, down) = grad_scales(k);
+    let subgroup: u32 = k.shape("subgroup");
+    let p = place(k, true);
+    let block = 16 * p.subgroups;
+    let rows = block.max(p.step);
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * rows * p.row_vec4s());
+    let s_scratch = k.workgroup_array::<f32>("s_scratch", p.subgroups * p.scratch_len());
+    let dp_scratch = k.workgroup_array::<f32>("dp_scratch", p.subgroups * p.scratch_len());
+    let grads = k.workgroup_array::<F16>("grads", p.subgroups * p.probs_len());
+    let kv = k.let_("kv", &p.head / p.group);
+    let q_rows = rows_of(k, &r.q, &p, p.heads, &p.head);
+    let do_rows = rows_of(k, &r.d_out, &p, p.heads, &p.head);
+    let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
+    let v_rows = rows_of(k, &r.v, &p, p.kv_heads, &kv);
+
+    k.comment("The block's query rows and their dO, each subgroup's 16 kept as fragments.");
+    stage_rows(k, &p, &stage, (&q_rows, &p.origin, block), 0, None);
+    stage_rows(k, &p, &stage, (&do_rows, &p.origin, block), rows, Some(&up));
+    k.workgroup_barrier();
+    let own_q = own_fragments(k, &p, &stage, 0);
+    let own_do = own_fragments(k, &p, &stage, rows);
+    let my_row = k.let_("my_row", &p.own0 + &p.row);
+    let stat_at = k.let_(
+        "stat_at",
+        ((&p.token0 + my_row.min(&p.last)) * p.heads + &p.head) * 2u32,
+    );
+    let lse = k.let_("lse", r.stats.at(&stat_at));
+    let d = k.let_("delta", r.stats.at(&stat_at + 1u32) * &up);
+    let dq = accumulators(k, &p, "dq_acc");
+    let steps = key_steps(k, &p);
+    k.for_range("key_step", 0u32, &steps, |k, ks| {
+        let c0 = k.let_("c0", &ks * p.step);
+        k.workgroup_barrier();
+        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+        stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
+        k.workgroup_barrier();
+        scores_into(k, &p, &own_q, &stage, 0, &s_scratch);
+        scores_into(k, &p, &own_do, &stage, p.step, &dp_scratch);
+        k.workgroup_barrier();
+        for (_, col) in my_columns(&p) {
+            let key = k.let_("key", &c0 + &col);
+            let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
+            let s = scratch_at(k, &p, &s_scratch, &col);
+            let dp = scratch_at(k, &p, &dp_scratch, &col);
+            let prob = select(ok, (s * &tau - &lse).exp(), lit(0.0f32));
+            tile_store(k, &p, &grads, &col, prob * (dp - &d) * &tau);
+        }
+        k.workgroup_barrier();
+        accumulate(k, &p, &grads, &stage, 0, &dq);
+    });
+    store_own(
+        k,
+        &p,
+        &dq,
+        &s_scratch,
+        &d_q,
+        (p.heads, &p.head),
+        &down,
+        subgroup,
+    );
+}
+
+/// The WGSL of this module's kernels at a representative shape (SmolLM2's heads, padded
+/// batches, 2 subgroups of 32 stepping 32 rows: within the default limits' workgroup memory).
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let shape = SeqShape::new(2, 128, 9, 3, 64);
+    let tile = CoopSeqTile {
+        subgroups: 2,
+        step: 32,
+    };
+    [Which::Forward, Which::KeyGrads, Which::QueryGrads]
+        .into_iter()
+        .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
+        .collect()
+}
+
+/// Each kernel of this module at any shape and tile, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    /// `coop_attention_forward`, `coop_attention_backward_kv` or `coop_attention_backward_q`,
+    /// the shape and tile checked first.
+    pub(crate) fn kernel(
+        which: Which,
+        (head_dim, heads, kv_heads): (u32, u32, u32),
+        (tile, subgroup): (CoopSeqTile, u32),
+        padded: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        let name = which.name();
+        let shape = SeqShape::new(1, 1, heads as usize, kv_heads as usize, head_dim as usize);
+        shape.check(name)?;
+        let rule = |why: &str| {
+            Err(Failure::rule(
+                format!("{tile:?}, subgroup {subgroup}"),
+                why.into(),
+            ))
+        };
+        if !head_dim.is_multiple_of(16) {
+            return Err(Failure::rule(
+                format!("head_dim = {head_dim}"),
+                "the tensor-core kernels take head dimensions that are multiples of 16".into(),
+            ));
+        }
+        if subgroup < 16 || !subgroup.is_multiple_of(16) {
+            return rule("the subgroup must be a multiple of 16 invocations");
+        }
+        if tile.subgroups == 0 || tile.step == 0 || !tile.step.is_multiple_of(16) {
+            return rule("at least one subgroup, and a step that is a positive multiple of 16");
+        }
+        if !tile.step.is_multiple_of(subgroup / 16) {
+            return rule("the step must share out evenly among a row's subgroup/16 invocations");
+        }
+        let key = key(which, &shape, tile, subgroup, padded);
+        Ok(Kernel::build_with_limits(&key, limits, which.body())?)
+    }
+}
