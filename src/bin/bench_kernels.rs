@@ -64,7 +64,11 @@ fn bandwidth(kernel: &str, shape: String, m: Measurement, bytes: f64, target: &'
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var_os("HESPER_BENCH_QUICK").is_some();
-    let gpu = Gpu::new()?;
+    // Cooperative matrices where the device has them: the attention group's f16 rows.
+    let gpu = Gpu::with_options(hesper::exec::GpuOptions {
+        cooperative_matrix: true,
+        ..Default::default()
+    })?;
     println!("device: {}", gpu.describe());
     let config = if quick {
         BenchConfig {
@@ -333,93 +337,105 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     // --- causal attention over sequences, forward and backward (TARGETS.md, SDPA f32 anchors)
     if wanted("attention") {
         use attention::{SeqGrads, SeqInputs, SeqSaved, SeqShape};
-        // Each shape with SDPA's f32 TFLOP/s and our targets, forward and backward.
-        let shapes: Vec<(SeqShape, [f64; 2], [&str; 2])> = if quick {
-            vec![(SeqShape::new(1, 64, 4, 2, 64), [0.0; 2], ["–"; 2])]
+        use hesper::kernels::linear::Precision;
+        // Each shape with SDPA's TFLOP/s and our targets, forward and backward: f32, and f16
+        // (against SDPA bf16) where the device has tensor cores.
+        type Figures = ([f64; 2], [&'static str; 2]);
+        let shapes: Vec<(SeqShape, Figures, Figures)> = if quick {
+            let none = ([0.0; 2], ["–"; 2]);
+            vec![(SeqShape::new(1, 64, 4, 2, 64), none, none)]
         } else {
             vec![
                 (
                     SeqShape::new(8, 512, 9, 3, 64),
-                    [5.7, 8.2],
-                    ["≥ 15", "≥ 16"],
+                    ([5.7, 8.2], ["≥ 15", "≥ 16"]),
+                    ([127.0, 32.0], ["–", "≥ 64"]),
                 ),
                 (
                     SeqShape::new(8, 512, 20, 5, 128),
-                    [9.9, 19.7],
-                    ["≥ 25", "≥ 25"],
+                    ([9.9, 19.7], ["≥ 25", "≥ 25"]),
+                    ([268.0, 141.0], ["–", "≥ 150"]),
                 ),
                 (
                     SeqShape::new(2, 2048, 32, 8, 128),
-                    [11.7, 23.6],
-                    ["≥ 30", "≥ 30"],
+                    ([11.7, 23.6], ["≥ 30", "≥ 30"]),
+                    ([476.0, 361.0], ["–", "≥ 250"]),
                 ),
             ]
         };
-        for (shape, sdpa, targets) in shapes {
-            let (b, s, h, kv, hd) = (
-                shape.batch,
-                shape.seq_len,
-                shape.heads,
-                shape.kv_heads,
-                shape.head_dim,
-            );
-            let (q, k, v) = (
-                filled(&gpu, shape.q_len(), 30)?,
-                filled(&gpu, shape.kv_len(), 31)?,
-                filled(&gpu, shape.kv_len(), 32)?,
-            );
-            let d_out = filled(&gpu, shape.q_len(), 33)?;
-            let rows_h = shape.tokens() * h;
-            let z = |n: usize| gpu.zeros::<f32>(n);
-            let (mut o, mut lse, mut stats) = (z(shape.q_len())?, z(rows_h)?, z(2 * rows_h)?);
-            let (mut dq, mut dk, mut dv) =
-                (z(shape.q_len())?, z(shape.kv_len())?, z(shape.kv_len())?);
-            let inputs = SeqInputs {
-                q: &q,
-                k: &k,
-                v: &v,
-                lens: None,
-            };
-            let forward = bench(&gpu, "attention_forward", config, |rec| {
-                attention::execute_attention_forward(rec, shape, inputs, &mut o, &mut lse)
-            })?;
-            let saved = SeqSaved {
-                inputs,
-                o: &o,
-                lse: &lse,
-            };
-            let backward = bench(&gpu, "attention_backward", config, |rec| {
-                let grads = SeqGrads {
-                    stats: &mut stats,
-                    d_q: &mut dq,
-                    d_k: &mut dk,
-                    d_v: &mut dv,
+        let tensor_cores = linear::coop::subgroup_size(&gpu).is_some();
+        for (shape, f32_figures, f16_figures) in shapes {
+            let mut runs = vec![(Precision::F32, f32_figures, "f32", "SDPA f32")];
+            if tensor_cores {
+                runs.push((Precision::F16, f16_figures, "f16 tensor cores", "SDPA bf16"));
+            }
+            for (precision, (sdpa, targets), label, against) in runs {
+                let shape = shape.with_precision(precision);
+                let (b, s, h, kv, hd) = (
+                    shape.batch,
+                    shape.seq_len,
+                    shape.heads,
+                    shape.kv_heads,
+                    shape.head_dim,
+                );
+                let (q, k, v) = (
+                    filled(&gpu, shape.q_len(), 30)?,
+                    filled(&gpu, shape.kv_len(), 31)?,
+                    filled(&gpu, shape.kv_len(), 32)?,
+                );
+                let d_out = filled(&gpu, shape.q_len(), 33)?;
+                let rows_h = shape.tokens() * h;
+                let z = |n: usize| gpu.zeros::<f32>(n);
+                let (mut o, mut lse, mut stats) = (z(shape.q_len())?, z(rows_h)?, z(2 * rows_h)?);
+                let (mut dq, mut dk, mut dv) =
+                    (z(shape.q_len())?, z(shape.kv_len())?, z(shape.kv_len())?);
+                let inputs = SeqInputs {
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                    lens: None,
                 };
-                attention::execute_attention_backward(rec, shape, saved, &d_out, grads)
-            })?;
-            // PyTorch's count for causal attention: half the square.
-            let flops = 4.0 * (b * h * s * s * hd) as f64 / 2.0;
-            for (i, (name, m, flops)) in [
-                ("attention_forward", forward, flops),
-                ("attention_backward", backward, 2.5 * flops),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                let tf = m.tflop_per_s(flops);
-                rows.push(Row {
-                    bytes: 0.0,
-                    kernel: format!("{name} (causal, f32)"),
-                    shape: format!("B={b} S={s} H={h} KV={kv} hd={hd}"),
-                    rate: format!("{tf:.1} TFLOP/s"),
-                    fraction: if sdpa[i] > 0.0 {
-                        format!("{:.2}× SDPA f32 ({})", tf / sdpa[i], sdpa[i])
-                    } else {
-                        "–".into()
-                    },
-                    m,
-                    target: targets[i],
-                });
+                let forward = bench(&gpu, "attention_forward", config, |rec| {
+                    attention::execute_attention_forward(rec, shape, inputs, &mut o, &mut lse)
+                })?;
+                let saved = SeqSaved {
+                    inputs,
+                    o: &o,
+                    lse: &lse,
+                };
+                let backward = bench(&gpu, "attention_backward", config, |rec| {
+                    let grads = SeqGrads {
+                        stats: &mut stats,
+                        d_q: &mut dq,
+                        d_k: &mut dk,
+                        d_v: &mut dv,
+                    };
+                    attention::execute_attention_backward(rec, shape, saved, &d_out, grads)
+                })?;
+                // PyTorch's count for causal attention: half the square.
+                let flops = 4.0 * (b * h * s * s * hd) as f64 / 2.0;
+                for (i, (name, m, flops)) in [
+                    ("attention_forward", forward, flops),
+                    ("attention_backward", backward, 2.5 * flops),
+                ]
+                .into_iter()
+                .enumerate()
+                {
+                    let tf = m.tflop_per_s(flops);
+                    rows.push(Row {
+                        bytes: 0.0,
+                        kernel: format!("{name} (causal, {label})"),
+                        shape: format!("B={b} S={s} H={h} KV={kv} hd={hd}"),
+                        rate: format!("{tf:.1} TFLOP/s"),
+                        fraction: if sdpa[i] > 0.0 {
+                            format!("{:.2}× {against} ({})", tf / sdpa[i], sdpa[i])
+                        } else {
+                            "–".into()
+                        },
+                        m,
+                        target: targets[i],
+                    });
+                }
             }
         }
     }
