@@ -418,15 +418,23 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
 }
 
 /// The tensor-core attention (cooperative matrices), which lavapipe cannot run, on the
-/// interpreter with subgroups of 32 against the f64 attention: the forward's output and
-/// log-sum-exp, and the backward's dQ, dK, dV, over a padded batch (one sequence cut short),
-/// GQA, several blocks of rows and steps of keys. `dO` is small (a mean loss's gradient) and
-/// scaled by 2^10 on the way in, as the step does. Errors against f64 come from the f16
-/// rounding of `Q`, `K`, `V`, `dO`, `P`, `dS` (2⁻¹¹ relative each).
+/// interpreter against the f64 attention: the forward's output and log-sum-exp, and the
+/// backward's dQ, dK, dV, over a padded batch (one sequence cut short), GQA, several blocks of
+/// rows and steps of keys. `dO` is small (a mean loss's gradient) and scaled by 2^10 on the
+/// way in, as the step does. Errors against f64 come from the f16 rounding of `Q`, `K`, `V`,
+/// `dO`, `P`, `dS` (2⁻¹¹ relative each). Subgroups of 32 (NVIDIA's: two invocations a score
+/// row), 16 (one) and 64 (four), each with a tile the executor may choose.
 #[test]
 fn the_tensor_core_attention_is_right_on_the_interpreter() {
+    for (subgroup, row_tiles, step) in [(32, 2, 16), (16, 2, 16), (64, 1, 32)] {
+        tensor_core_attention_on_the_interpreter(subgroup, row_tiles, step);
+    }
+}
+
+fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, step: usize) {
     use hesper_kernels::attention::{SeqShape, reference};
-    let (batch, seq, heads, kv_heads, hd) = (2usize, 40usize, 4usize, 2usize, 32usize);
+    println!("subgroups of {subgroup}, {row_tiles} tiles of 16 rows, steps of {step}:");
+    let (batch, seq, heads, kv_heads, hd) = (2usize, 40usize, 2usize, 1usize, 32usize);
     let lens = [40usize, 29];
     let shape = SeqShape::new(batch, seq, heads, kv_heads, hd);
     let tau = shape.scale;
@@ -435,9 +443,9 @@ fn the_tensor_core_attention_is_right_on_the_interpreter() {
         ("heads", heads.to_string()),
         ("kv_heads", kv_heads.to_string()),
         ("padded", "true".to_string()),
-        ("row_tiles", "2".to_string()),
-        ("step", "16".to_string()),
-        ("subgroup", "32".to_string()),
+        ("row_tiles", row_tiles.to_string()),
+        ("step", step.to_string()),
+        ("subgroup", subgroup.to_string()),
     ];
     let params: Vec<(String, String)> = params
         .iter()
@@ -455,7 +463,7 @@ fn the_tensor_core_attention_is_right_on_the_interpreter() {
     let (want_dq, want_dk, want_dv) =
         reference::attention_backward(&shape, Some(&lens), (&q64, &k64, &v64), &do64);
     let lens32: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
-    let blocks = seq.div_ceil(32) as u32;
+    let blocks = seq.div_ceil(16 * row_tiles) as u32;
     let base = |workgroups: [u32; 3]| {
         let mut run = Run::new(workgroups)
             .buffer("q", &q)
@@ -464,7 +472,7 @@ fn the_tensor_core_attention_is_right_on_the_interpreter() {
             .buffer("lens", &lens32)
             .param("seq_len", ScalarValue::U32(seq as u32))
             .param("scale", ScalarValue::F32(tau));
-        run.subgroup_size = 32;
+        run.subgroup_size = subgroup;
         run
     };
     let check = |what: &str, got: &[f32], want: &[f64], tol: f64| {
@@ -516,6 +524,7 @@ fn the_tensor_core_attention_is_right_on_the_interpreter() {
         run.buffer("d_out", &d_out)
             .buffer("stats", &stats)
             .param("grad_scale", ScalarValue::F32(1024.0))
+            .param("grad_unscale", ScalarValue::F32(1.0 / 1024.0))
     };
     let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
         .buffer("d_k", &nan(shape.kv_len()))

@@ -25,7 +25,7 @@
 use hesper_dsl::prelude::*;
 use hesper_dsl::{Kernel, Limits, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 
-use super::sequence::SeqShape;
+use super::sequence::{SeqPlace, SeqShape, seq_place};
 use crate::linear::offset;
 
 type TileA = CoopMat<F16, CoopA>;
@@ -88,7 +88,7 @@ impl CoopSeqTile {
         let scratch = 4 * 16 * (step + SCRATCH_PAD) * self.subgroups;
         let probs = 2 * 16 * (step + PAD) * self.subgroups;
         match which {
-            Which::Forward => block.max(2 * step) * row + scratch + probs,
+            Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
             Which::KeyGrads => 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step,
             Which::QueryGrads => 2 * block.max(step) * row + 2 * scratch + probs,
         }
@@ -194,25 +194,14 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
     let subgroups: u32 = k.shape("row_tiles");
     let step: u32 = k.shape("step");
     let subgroup: u32 = k.shape("subgroup");
-    let padded = k.shape::<bool>("padded");
-    let seq_len = k.param::<u32>("seq_len");
-    let wid = k.workgroup_id();
-    let b = k.let_("b", wid.z());
-    let len = if padded {
-        let lens = k.storage::<u32>("lens");
-        k.let_("len", lens.at(&b).min(&seq_len))
-    } else {
-        seq_len.clone()
-    };
-    let last = k.let_("last", &seq_len - 1u32);
-    let block_index = if queries {
-        k.num_workgroups().x() - 1u32 - wid.x()
-    } else {
-        wid.x()
-    };
-    let origin = k.let_("origin", block_index * (16 * subgroups));
-    let token0 = k.let_("token0", &b * &seq_len);
-    let head = k.let_("head", wid.y());
+    let SeqPlace {
+        seq_len,
+        last,
+        len,
+        origin,
+        token0,
+        head,
+    } = seq_place(k, queries, 16 * subgroups);
     let sg = k.let_("sg", k.subgroup_id());
     let lane = k.let_("lane", k.subgroup_invocation_id());
     let per_row = subgroup / 16;
@@ -390,9 +379,9 @@ fn tile_store(
     k.store(tile, at, value.cast::<F16>());
 }
 
-/// Store the accumulators (`16 × hd`, the subgroup's own rows) times `mult` into `out`
-/// `[T, heads·hd]` at `head`, through the scratch a fragment at a time: rows past the sequence
-/// are not stored, rows past its valid length get zeros.
+/// Store the accumulators (`16 × hd`, the subgroup's own rows) into `out` `[T, heads·hd]` at
+/// `head`, row `r` (of 16) times `mult(r)`, through the scratch a fragment at a time: rows past
+/// the sequence are not stored, rows past its valid length get zeros.
 #[allow(clippy::too_many_arguments)]
 fn store_own(
     k: &mut KernelBuilder,
@@ -401,7 +390,7 @@ fn store_own(
     scratch: &WorkgroupArray<f32>,
     out: &RwBuffer<f32>,
     (heads, head): (u32, &Expr<u32>),
-    mult: &Expr<f32>,
+    mult: &dyn Fn(&Expr<u32>) -> Expr<f32>,
     subgroup: u32,
 ) {
     let base = k.let_("scratch_at", &p.sg * p.scratch_len());
@@ -417,7 +406,7 @@ fn store_own(
             let col = k.let_("c", &e % 16u32);
             let row = k.let_("at_row", &p.own0 + &r);
             k.if_(row.lt(&p.seq_len), |k| {
-                let v = scratch.at(&base + &r * p.scratch_row() + &col) * mult;
+                let v = scratch.at(&base + &r * p.scratch_row() + &col) * mult(&r);
                 let at = (&p.token0 + &row) * (heads * p.hd) + &head_col + &col + j as u32 * 16;
                 k.store(out, at, select(row.lt(&p.len), v, lit(0.0f32)));
             });
@@ -458,6 +447,8 @@ fn forward_body(k: &mut KernelBuilder) {
     let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
     let scratch = k.workgroup_array::<f32>("scratch", p.subgroups * p.scratch_len());
     let probs = k.workgroup_array::<F16>("probs", p.subgroups * p.probs_len());
+    // Each owned row's 1/l.
+    let row_scale = k.workgroup_array::<f32>("row_scale", block);
     let kv = k.let_("kv", &p.head / p.group);
     let q_rows = rows_of(k, &q, &p, p.heads, &p.head);
     let k_rows = rows_of(k, &kb, &p, p.kv_heads, &kv);
@@ -513,13 +504,17 @@ fn forward_body(k: &mut KernelBuilder) {
         mask *= 2;
     }
     let real = k.let_("real", l.get().gt(0.0f32).and(my_row.lt(&p.len)));
-    let inv_l = k.let_("inv_l", select(real.clone(), 1.0f32 / l.get(), lit(0.0f32)));
-    k.if_(p.part.eq(0u32).and(my_row.lt(&p.seq_len)), |k| {
-        let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
-        k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
+    k.if_(p.part.eq(0u32), |k| {
+        let inv_l = select(real.clone(), 1.0f32 / l.get(), lit(0.0f32));
+        k.store(&row_scale, &p.sg * 16u32 + &p.row, inv_l);
+        k.if_(my_row.lt(&p.seq_len), |k| {
+            let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
+            k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
+        });
     });
 
-    k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m)/l, no rescaling.");
+    k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m), at most 1 (f16 keeps its digits);");
+    k.comment("no rescaling; each row times 1/l when stored.");
     let acc = accumulators(k, &p, "o_acc");
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
@@ -532,12 +527,13 @@ fn forward_body(k: &mut KernelBuilder) {
         for (_, col) in my_columns(&p) {
             let s = scratch_at(k, &p, &scratch, &col) * &tau;
             let ok = valid(k, &(&c0 + &col));
-            let prob = select(ok, (s - m.get()).exp() * &inv_l, lit(0.0f32));
+            let prob = select(ok, (s - m.get()).exp(), lit(0.0f32));
             tile_store(k, &p, &probs, &col, prob);
         }
         k.workgroup_barrier();
         accumulate(k, &p, &probs, &stage, p.step, &acc);
     });
+    let inv_l = |r: &Expr<u32>| row_scale.at(&p.sg * 16u32 + r);
     store_own(
         k,
         &p,
@@ -545,7 +541,7 @@ fn forward_body(k: &mut KernelBuilder) {
         &scratch,
         &o,
         (p.heads, &p.head),
-        &lit(1.0f32),
+        &inv_l,
         subgroup,
     );
 }
@@ -569,11 +565,10 @@ fn reads(k: &mut KernelBuilder) -> Reads {
     }
 }
 
-/// `2^grad_exponent` and its inverse, from the runtime parameter `grad_scale`.
+/// `2^grad_exponent` and its inverse (the runtime parameters `grad_scale`, `grad_unscale`:
+/// exact, where a division in the shader need not be).
 fn grad_scales(k: &mut KernelBuilder) -> (Expr<f32>, Expr<f32>) {
-    let up = k.param::<f32>("grad_scale");
-    let down = k.let_("grad_unscale", 1.0f32 / &up);
-    (up, down)
+    (k.param::<f32>("grad_scale"), k.param::<f32>("grad_unscale"))
 }
 
 /// `dK = τ·Σ dSᵀ·Q`, `dV = Σ Pᵀ·dO` for a block of keys of one KV head, over its `G` query heads
@@ -620,12 +615,15 @@ fn key_grads_body(k: &mut KernelBuilder) {
             k.workgroup_barrier();
             stage_rows(k, &p, &stage, (&q_rows, &q0, p.step), 0, None);
             stage_rows(k, &p, &stage, (&do_rows, &q0, p.step), p.step, Some(&up));
-            k.if_(p.lid.lt(p.step), |k| {
-                let q = (&q0 + &p.lid).min(&p.last);
-                let at = k.let_("stat_at", ((&p.token0 + q) * p.heads + &h) * 2u32);
-                k.store(&q_stats, &p.lid * 2u32, r.stats.at(&at));
-                k.store(&q_stats, &p.lid * 2u32 + 1u32, r.stats.at(&at + 1u32));
-            });
+            for i in 0..p.step.div_ceil(p.invocations) {
+                let c = k.let_("stat_row", offset(&p.lid, i * p.invocations));
+                k.if_(c.lt(p.step), |k| {
+                    let q = (&q0 + &c).min(&p.last);
+                    let at = k.let_("stat_at", ((&p.token0 + q) * p.heads + &h) * 2u32);
+                    k.store(&q_stats, &c * 2u32, r.stats.at(&at));
+                    k.store(&q_stats, &c * 2u32 + 1u32, r.stats.at(&at + 1u32));
+                });
+            }
             k.workgroup_barrier();
             scores_into(k, &p, &own_k, &stage, 0, &s_scratch);
             scores_into(k, &p, &own_v, &stage, p.step, &dp_scratch);
@@ -640,15 +638,19 @@ fn key_grads_body(k: &mut KernelBuilder) {
                 let d = q_stats.at(&col * 2u32 + 1u32) * &up;
                 let s = scratch_at(k, &p, &s_scratch, &col);
                 let dp = scratch_at(k, &p, &dp_scratch, &col);
-                let prob = k.let_("p", select(ok, (s * &tau - lse).exp(), lit(0.0f32)));
+                let ok = k.let_("ok", ok);
+                let prob = k.let_("p", select(ok.clone(), (s * &tau - lse).exp(), lit(0.0f32)));
                 tile_store(k, &p, &probs, &col, prob.clone());
-                tile_store(k, &p, &grads, &col, prob * (dp - d) * &tau);
+                // Masked entries are 0 even where `dP` is not finite (0·∞ would be NaN).
+                let ds = select(ok, prob * (dp - d) * &tau, lit(0.0f32));
+                tile_store(k, &p, &grads, &col, ds);
             }
             k.workgroup_barrier();
             accumulate(k, &p, &probs, &stage, p.step, &dv);
             accumulate(k, &p, &grads, &stage, 0, &dk);
         });
     });
+    let unscale = |_: &Expr<u32>| down.clone();
     store_own(
         k,
         &p,
@@ -656,7 +658,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
         &s_scratch,
         &d_v,
         (p.kv_heads, &kv),
-        &down,
+        &unscale,
         subgroup,
     );
     store_own(
@@ -666,7 +668,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
         &s_scratch,
         &d_k,
         (p.kv_heads, &kv),
-        &down,
+        &unscale,
         subgroup,
     );
 }
@@ -720,12 +722,14 @@ fn query_grads_body(k: &mut KernelBuilder) {
             let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
             let s = scratch_at(k, &p, &s_scratch, &col);
             let dp = scratch_at(k, &p, &dp_scratch, &col);
-            let prob = select(ok, (s * &tau - &lse).exp(), lit(0.0f32));
-            tile_store(k, &p, &grads, &col, prob * (dp - &d) * &tau);
+            let ok = k.let_("ok", ok);
+            let ds = (s * &tau - &lse).exp() * (dp - &d) * &tau;
+            tile_store(k, &p, &grads, &col, select(ok, ds, lit(0.0f32)));
         }
         k.workgroup_barrier();
         accumulate(k, &p, &grads, &stage, 0, &dq);
     });
+    let unscale = |_: &Expr<u32>| down.clone();
     store_own(
         k,
         &p,
@@ -733,7 +737,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
         &s_scratch,
         &d_q,
         (p.heads, &p.head),
-        &down,
+        &unscale,
         subgroup,
     );
 }
@@ -781,8 +785,8 @@ pub(crate) mod build {
                 "the tensor-core kernels take head dimensions that are multiples of 16".into(),
             ));
         }
-        if subgroup < 16 || !subgroup.is_multiple_of(16) {
-            return rule("the subgroup must be a multiple of 16 invocations");
+        if !(16..=128).contains(&subgroup) || !subgroup.is_power_of_two() {
+            return rule("the subgroup must be 16, 32, 64 or 128 invocations");
         }
         if tile.subgroups == 0 || tile.step == 0 || !tile.step.is_multiple_of(16) {
             return rule("at least one subgroup, and a step that is a positive multiple of 16");

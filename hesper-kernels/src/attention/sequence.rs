@@ -421,11 +421,22 @@ fn dims(k: &mut KernelBuilder) -> Dims {
     }
 }
 
-/// Binds the runtime values (`seq_len`, and `lens` when the key says `padded`) and the
-/// invocation's place: workgroup `(block, head, sequence)`, the block one of query rows
-/// (`queries`) or of keys.
-fn place(k: &mut KernelBuilder, queries: bool) -> Place {
-    let dims = dims(k);
+/// Where a sequence kernel's workgroup `(block, head, sequence)` is, with the runtime values
+/// bound (`seq_len`, and `lens` when the key says `padded`): the sequence's length and first
+/// token, the head, and the first of the block's `block` rows (query rows when `queries`, else
+/// keys). Shared with the tensor-core kernels ([`super::coop`]).
+pub(crate) struct SeqPlace {
+    pub seq_len: Expr<u32>,
+    /// `S` − 1: reads clamp to it.
+    pub last: Expr<u32>,
+    /// `len_b` (or `S` without valid lengths).
+    pub len: Expr<u32>,
+    pub origin: Expr<u32>,
+    pub token0: Expr<u32>,
+    pub head: Expr<u32>,
+}
+
+pub(crate) fn seq_place(k: &mut KernelBuilder, queries: bool, block: u32) -> SeqPlace {
     let padded = k.shape::<bool>("padded");
     let seq_len = k.param::<u32>("seq_len");
     let wid = k.workgroup_id();
@@ -445,9 +456,31 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
     } else {
         wid.x()
     };
-    let origin = k.let_("origin", block_index * dims.block);
+    let origin = k.let_("origin", block_index * block);
     let token0 = k.let_("token0", &b * &seq_len);
     let head = k.let_("head", wid.y());
+    SeqPlace {
+        seq_len,
+        last,
+        len,
+        origin,
+        token0,
+        head,
+    }
+}
+
+/// Binds the runtime values and the invocation's place: workgroup `(block, head, sequence)`,
+/// the block one of query rows (`queries`) or of keys.
+fn place(k: &mut KernelBuilder, queries: bool) -> Place {
+    let dims = dims(k);
+    let SeqPlace {
+        seq_len,
+        last,
+        len,
+        origin,
+        token0,
+        head,
+    } = seq_place(k, queries, dims.block);
     let lid = k.let_("lid", k.local_index());
     let tx = k.let_("tx", &lid % dims.tx_n);
     let ty = k.let_("ty", &lid / dims.tx_n);
@@ -1416,25 +1449,19 @@ impl SeqInputs<'_> {
         }
     }
 
-    /// As [`SeqInputs::bind`], `q`, `k`, `v` read as vec4s (the tensor-core kernels).
-    fn bind_vec4<'b>(&'b self, args: Args<'b>, shape: &SeqShape) -> Result<Args<'b>, ExecError> {
-        let args = args
-            .buffer_vec4("q", self.q)
-            .buffer_vec4("k", self.k)
-            .buffer_vec4("v", self.v)
-            .param("seq_len", expect_u32(FORWARD, "seq_len", shape.seq_len)?)
-            .param("scale", shape.scale);
-        Ok(match self.lens {
-            Some(lens) => args.buffer("lens", &lens.buffer),
-            None => args,
-        })
-    }
-
-    fn bind<'b>(&'b self, args: Args<'b>, shape: &SeqShape) -> Result<Args<'b>, ExecError> {
-        let args = args
-            .buffer("q", self.q)
-            .buffer("k", self.k)
-            .buffer("v", self.v)
+    /// `q`, `k`, `v` (as vec4s for the tensor-core kernels), the lengths and the runtime values.
+    fn bind<'b>(
+        &'b self,
+        args: Args<'b>,
+        shape: &SeqShape,
+        vec4: bool,
+    ) -> Result<Args<'b>, ExecError> {
+        let args = [("q", self.q), ("k", self.k), ("v", self.v)]
+            .into_iter()
+            .fold(args, |args, (name, b)| match vec4 {
+                true => args.buffer_vec4(name, b),
+                false => args.buffer(name, b),
+            })
             .param("seq_len", expect_u32(FORWARD, "seq_len", shape.seq_len)?)
             .param("scale", shape.scale);
         Ok(match self.lens {
@@ -1492,7 +1519,7 @@ fn coop_tile(gpu: &Gpu, shape: &SeqShape, which: Which) -> Option<(CoopSeqTile, 
         return None;
     }
     let subgroup = crate::linear::coop::subgroup_size(gpu)?;
-    if subgroup < 16 || !subgroup.is_multiple_of(16) {
+    if !(16..=128).contains(&subgroup) || !subgroup.is_power_of_two() {
         return None;
     }
     let limits = gpu.kernel_limits();
@@ -1547,7 +1574,7 @@ pub fn execute_attention_forward(
         let key = coop::key(Which::Forward, &shape, tile, subgroup, padded);
         let kernel = rec.gpu().kernel(&key, Which::Forward.body())?;
         let args = inputs
-            .bind_vec4(Args::new(), &shape)?
+            .bind(Args::new(), &shape, true)?
             .buffer("o", o)
             .buffer("lse", lse);
         return rec.launch(&kernel, &args, coop_grid(&shape, tile, shape.heads));
@@ -1555,7 +1582,7 @@ pub fn execute_attention_forward(
     let key = seq_key(FORWARD, &shape, tile, inputs.lens.is_some());
     let kernel = rec.gpu().kernel(&key, forward_body)?;
     let args = inputs
-        .bind(Args::new(), &shape)?
+        .bind(Args::new(), &shape, false)?
         .buffer_vec4("o", o)
         .buffer("lse", lse);
     rec.launch(&kernel, &args, grid(&shape, tile, shape.heads))
@@ -1617,27 +1644,30 @@ pub fn execute_attention_backward(
     let gpu = rec.gpu();
     let stats_kernel = gpu.kernel(&stats_key(&shape, padded), stats_body)?;
     // Every kernel is compiled before anything is recorded: an error leaves the recorder as it
-    // was.
+    // was. The blocked kernels are the tensor-core ones where `coop_tile` says so.
     let coop_kv = coop_tile(gpu, &shape, Which::KeyGrads);
     let coop_q = coop_tile(gpu, &shape, Which::QueryGrads);
-    let coop = match (coop_kv, coop_q) {
+    let (kv_kernel, q_kernel, kv_grid, q_grid, coop) = match (coop_kv, coop_q) {
         (Some((kv_tile, subgroup)), Some((q_tile, _))) => {
             let kv_key = coop::key(Which::KeyGrads, &shape, kv_tile, subgroup, padded);
             let q_key = coop::key(Which::QueryGrads, &shape, q_tile, subgroup, padded);
-            let kv = gpu.kernel(&kv_key, Which::KeyGrads.body())?;
-            let q = gpu.kernel(&q_key, Which::QueryGrads.body())?;
-            Some(((kv, kv_tile), (q, q_tile)))
+            (
+                gpu.kernel(&kv_key, Which::KeyGrads.body())?,
+                gpu.kernel(&q_key, Which::QueryGrads.body())?,
+                coop_grid(&shape, kv_tile, shape.kv_heads),
+                coop_grid(&shape, q_tile, shape.heads),
+                true,
+            )
         }
-        _ => None,
-    };
-    let (kv_kernel, q_kernel) = match coop {
-        Some(_) => (None, None),
-        None => (
-            Some(gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?),
-            Some(gpu.kernel(
+        _ => (
+            gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?,
+            gpu.kernel(
                 &seq_key(QUERY_GRADS, &shape, tile, padded),
                 query_grads_body,
-            )?),
+            )?,
+            grid(&shape, tile, shape.kv_heads),
+            grid(&shape, tile, shape.heads),
+            false,
         ),
     };
 
@@ -1655,34 +1685,28 @@ pub fn execute_attention_backward(
     rec.launch(&stats_kernel, &args, Grid::Threads(rows as u64))?;
 
     let stats: &GpuBuffer<f32> = grads.stats;
-    if let Some(((kv_kernel, kv_tile), (q_kernel, q_tile))) = coop {
-        let shared = || -> Result<Args<'_>, ExecError> {
-            let args = saved.inputs.bind_vec4(Args::new(), &shape)?;
-            Ok(args
-                .buffer_vec4("d_out", d_out)
-                .buffer("stats", stats)
-                .param("grad_scale", 2f32.powi(shape.grad_exponent)))
-        };
-        let args = shared()?
-            .buffer("d_k", &*grads.d_k)
-            .buffer("d_v", &*grads.d_v);
-        rec.launch(
-            &kv_kernel,
-            &args,
-            coop_grid(&shape, kv_tile, shape.kv_heads),
-        )?;
-        let args = shared()?.buffer("d_q", &*grads.d_q);
-        return rec.launch(&q_kernel, &args, coop_grid(&shape, q_tile, shape.heads));
-    }
-    let (kv_kernel, q_kernel) = (kv_kernel.expect("compiled"), q_kernel.expect("compiled"));
+    // The f32 kernels read `dO` as scalars and write vec4s; the tensor-core ones the other way
+    // round, and take the gradient's scale.
     let shared = || -> Result<Args<'_>, ExecError> {
-        let args = saved.inputs.bind(Args::new(), &shape)?;
-        Ok(args.buffer("d_out", d_out).buffer("stats", stats))
+        let args = saved.inputs.bind(Args::new(), &shape, coop)?;
+        let args = args.buffer("stats", stats);
+        Ok(match coop {
+            true => args
+                .buffer_vec4("d_out", d_out)
+                .param("grad_scale", 2f32.powi(shape.grad_exponent))
+                .param("grad_unscale", 2f32.powi(-shape.grad_exponent)),
+            false => args.buffer("d_out", d_out),
+        })
     };
-    let args = shared()?
-        .buffer_vec4("d_k", &*grads.d_k)
-        .buffer_vec4("d_v", &*grads.d_v);
-    rec.launch(&kv_kernel, &args, grid(&shape, tile, shape.kv_heads))?;
-    let args = shared()?.buffer_vec4("d_q", &*grads.d_q);
-    rec.launch(&q_kernel, &args, grid(&shape, tile, shape.heads))
+    fn out<'a>(args: Args<'a>, name: &'a str, buf: &'a GpuBuffer<f32>, coop: bool) -> Args<'a> {
+        match coop {
+            true => args.buffer(name, buf),
+            false => args.buffer_vec4(name, buf),
+        }
+    }
+    let args = out(shared()?, "d_k", &*grads.d_k, coop);
+    let args = out(args, "d_v", &*grads.d_v, coop);
+    rec.launch(&kv_kernel, &args, kv_grid)?;
+    let args = out(shared()?, "d_q", &*grads.d_q, coop);
+    rec.launch(&q_kernel, &args, q_grid)
 }

@@ -979,8 +979,11 @@ pub(crate) fn record(
         OutputBuffer::F32(b) => args.buffer(output_name, &**b),
         OutputBuffer::F16(b) => args.buffer(output_name, &**b),
     };
-    // Powers of two: both multiplies are exact.
-    let input_scale = 2f32.powi(input_exponent);
+    // Powers of two: both multiplies are exact. An f16 input is read as it is.
+    let input_scale = match types.input {
+        true => 1.0,
+        false => 2f32.powi(input_exponent),
+    };
     let args = args.param("rows", m).param("scale", scale / input_scale);
     let args = match types.input {
         true => args,
