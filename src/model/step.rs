@@ -49,12 +49,12 @@ struct Ctx<'a> {
     /// The micro-batch: the first writes the adapters' gradients, the others add to them.
     micro: usize,
     /// The backward's GEMMs (and attention, `SeqShape::grad_exponent`) scale their gradient
-    /// input by `2^grad_exponent` where they round it to f16 (`Gemm::input_exponent`): the gradient of the mean loss over `N` targets is
-    /// of the order of `1/N`, which f16 holds only as subnormals or zero (at `N` = 4096 the
-    /// logits' gradients are ~1e-8). Scaled by `2^⌊log2 N⌋`, the gradients are those of the
-    /// summed loss, of the order of 1, far from both ends of f16's range. One that passes
-    /// 65504 even so rounds to ±∞ on the tensor cores: the adapters' gradients are then not
-    /// finite, and the trainer skips the step.
+    /// input by `2^grad_exponent` where they round it to f16 (`Gemm::input_exponent`): the
+    /// gradient of the mean loss over `N` targets is of the order of `1/N`, which f16 holds
+    /// only as subnormals or zero (at `N` = 4096 the logits' gradients are ~1e-8). Scaled by
+    /// `2^⌊log2 N⌋`, the gradients are those of the summed loss, of the order of 1, far from
+    /// both ends of f16's range. One that passes 65504 even so rounds to ±∞ on the tensor
+    /// cores: the adapters' gradients are then not finite, and the trainer skips the step.
     grad_exponent: i32,
 }
 
@@ -444,7 +444,9 @@ impl Ctx<'_> {
                 &mut loss.token_loss_chunk,
             )?;
             if let Some(dn) = dn.as_deref_mut() {
-                let gemm = (self.model.gemm(Product::Nn, (chunk, vocab, d), false))
+                let gemm = self
+                    .model
+                    .gemm(Product::Nn, (chunk, vocab, d), false)
                     .with_input_exponent(self.grad_exponent);
                 execute_gemm(rec, &gemm, &loss.d_logits, head, &mut loss.d_n_chunk)?;
                 rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;

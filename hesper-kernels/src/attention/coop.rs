@@ -352,8 +352,8 @@ fn accumulate(
 }
 
 /// The scratch columns this invocation handles: `part + per_row·jj`.
-fn my_columns(p: &Place) -> impl Iterator<Item = (u32, Expr<u32>)> + '_ {
-    (0..p.step / p.per_row).map(move |jj| (jj, offset(&p.part, jj * p.per_row)))
+fn my_columns(p: &Place) -> impl Iterator<Item = Expr<u32>> + '_ {
+    (0..p.step / p.per_row).map(move |jj| offset(&p.part, jj * p.per_row))
 }
 
 /// `scratch[row][col]` of this invocation's subgroup.
@@ -475,7 +475,7 @@ fn forward_body(k: &mut KernelBuilder) {
         scores_into(k, &p, &own, &stage, 0, &scratch);
         k.workgroup_barrier();
         let mut scores = vec![];
-        for (_, col) in my_columns(&p) {
+        for col in my_columns(&p) {
             let s = scratch_at(k, &p, &scratch, &col) * &tau;
             let ok = valid(k, &(&c0 + &col));
             scores.push(k.let_("ts", select(ok, s, lit(NEG_BIG))));
@@ -524,7 +524,7 @@ fn forward_body(k: &mut KernelBuilder) {
         k.workgroup_barrier();
         scores_into(k, &p, &own, &stage, 0, &scratch);
         k.workgroup_barrier();
-        for (_, col) in my_columns(&p) {
+        for col in my_columns(&p) {
             let s = scratch_at(k, &p, &scratch, &col) * &tau;
             let ok = valid(k, &(&c0 + &col));
             let prob = select(ok, (s - m.get()).exp(), lit(0.0f32));
@@ -628,7 +628,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
             scores_into(k, &p, &own_k, &stage, 0, &s_scratch);
             scores_into(k, &p, &own_v, &stage, p.step, &dp_scratch);
             k.workgroup_barrier();
-            for (_, col) in my_columns(&p) {
+            for col in my_columns(&p) {
                 let query = k.let_("query", &q0 + &col);
                 let ok = my_key
                     .le(&query)
@@ -717,7 +717,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
         scores_into(k, &p, &own_q, &stage, 0, &s_scratch);
         scores_into(k, &p, &own_do, &stage, p.step, &dp_scratch);
         k.workgroup_barrier();
-        for (_, col) in my_columns(&p) {
+        for col in my_columns(&p) {
             let key = k.let_("key", &c0 + &col);
             let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
             let s = scratch_at(k, &p, &s_scratch, &col);
