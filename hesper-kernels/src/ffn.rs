@@ -498,3 +498,34 @@ pub fn execute_ffn_backward(
         true,
     )
 }
+
+/// Prologue of a GEMM whose input is `gate` ([`crate::linear::execute_gemm_fused`]): it
+/// multiplies `silu(gate)·up` element by element, so `h = silu(gate)·up` feeds the down
+/// projection without being written (the backward needs `gate` and `up`, not `h`).
+pub struct SwigluInput<'a> {
+    /// `[rows, depth]`, as the GEMM's input (`gate`).
+    pub up: &'a GpuBuffer<f32>,
+}
+
+impl crate::linear::GemmFusion for SwigluInput<'_> {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+    fn build(&self, k: &mut KernelBuilder, width: u32) -> crate::linear::fusion::ElementFn {
+        let up = k.storage::<f32>("up");
+        // As `swiglu_forward` computes it.
+        Box::new(move |_, row, col, g| g.clone() / ((-g).exp() + 1.0f32) * up.at(row * width + col))
+    }
+    fn check(&self, kernel: &str, rows: usize, width: usize) -> Result<(), ExecError> {
+        expect_len(
+            kernel,
+            "up",
+            self.up,
+            rows * width,
+            "as the GEMM's input (gate)",
+        )
+    }
+    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
+        args.buffer("up", self.up)
+    }
+}

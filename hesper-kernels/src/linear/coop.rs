@@ -22,6 +22,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use hesper_exec::{ExecError, Gpu};
 
+use super::fusion::{ElementFn, Fusion};
 use super::{HalfBuffers, Product};
 use crate::bad_tile;
 
@@ -189,13 +190,14 @@ impl Source {
     /// The four elements from flat indices `at` (one index on the vec4 paths, a multiple of
     /// 4; four otherwise) as f16, zero where `valid(q)` fails (on the vec4 paths `valid(0)`
     /// speaks for all four). Where a read may pass the buffer, `last` (its last element)
-    /// clamps the index.
+    /// clamps the index. `prologue` (lane, value) runs on each element, in f32, first.
     fn read(
         &self,
         k: &mut KernelBuilder,
         at: &[Expr<u32>],
         valid: &dyn Fn(u32) -> Option<Expr<bool>>,
         last: Option<&Expr<u32>>,
+        prologue: Option<&LaneFn>,
     ) -> Expr<Vec4<F16>> {
         let clamp = |i: &Expr<u32>| match last {
             Some(last) => i.min(last),
@@ -206,6 +208,9 @@ impl Source {
             Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero.clone())),
             None => v,
         };
+        if let Some(prologue) = prologue {
+            return self.read_fused(k, at, (valid, &clamp), prologue);
+        }
         match self {
             Source::Vec4F16(buf) => guard4(buf.at(clamp(&at[0]) / 4u32)),
             Source::Vec4F32(buf, scale) => {
@@ -242,10 +247,77 @@ impl Source {
         }
     }
 
+    /// [`Source::read`] with a prologue: each element read as f32, run through it, scaled
+    /// (f32 sources), then rounded to f16.
+    fn read_fused(
+        &self,
+        k: &mut KernelBuilder,
+        at: &[Expr<u32>],
+        (valid, clamp): (
+            &dyn Fn(u32) -> Option<Expr<bool>>,
+            &dyn Fn(&Expr<u32>) -> Expr<u32>,
+        ),
+        prologue: &LaneFn,
+    ) -> Expr<Vec4<F16>> {
+        let (raw, scale): (Vec<Expr<f32>>, _) = match self {
+            Source::Vec4F16(_) | Source::Vec4F32(..) => {
+                let (v, scale) = match self {
+                    Source::Vec4F16(buf) => {
+                        (buf.at(clamp(&at[0]) / 4u32).cast::<Vec4<f32>>(), None)
+                    }
+                    Source::Vec4F32(buf, scale) => (buf.at(clamp(&at[0]) / 4u32), scale.clone()),
+                    _ => unreachable!("vec4 sources"),
+                };
+                let v = k.let_("fused_in", v);
+                ((0..4).map(|q| super::lane(&v, q)).collect(), scale)
+            }
+            Source::F16(buf) => {
+                let lanes = (0..4).map(|q| buf.at(clamp(&at[q as usize])).cast::<f32>());
+                (lanes.collect(), None)
+            }
+            Source::F32(buf, scale) => {
+                let lanes = (0..4).map(|q| buf.at(clamp(&at[q as usize])));
+                (lanes.collect(), scale.clone())
+            }
+        };
+        let zero = Expr::<F16>::lit(0.0);
+        let lanes: Vec<Expr<F16>> = raw
+            .into_iter()
+            .enumerate()
+            .map(|(q, v)| {
+                let v = prologue(k, q as u32, v);
+                let v = match &scale {
+                    Some(s) => v * s,
+                    None => v,
+                };
+                let v = k.let_("fused", v.cast::<F16>());
+                // The vec4 paths' `valid(0)` speaks for all four lanes.
+                let ok = if self.is_vec4() {
+                    valid(0)
+                } else {
+                    valid(q as u32)
+                };
+                match ok {
+                    Some(ok) => select(ok, v, zero.clone()),
+                    None => v,
+                }
+            })
+            .collect();
+        vec4(
+            lanes[0].clone(),
+            lanes[1].clone(),
+            lanes[2].clone(),
+            lanes[3].clone(),
+        )
+    }
+
     fn is_vec4(&self) -> bool {
         matches!(self, Source::Vec4F16(_) | Source::Vec4F32(..))
     }
 }
+
+/// A prologue at one slot: `(lane, value) → value`, the slot's row and depth bound.
+type LaneFn<'a> = dyn Fn(&mut KernelBuilder, u32, Expr<f32>) -> Expr<f32> + 'a;
 
 /// One vec4 of a step's slice that this invocation stages: row `row` of the staged slice, vec4
 /// `c4` along it, read from the flat index `base` (+ the step's offset; four indices on the
@@ -255,6 +327,8 @@ struct Slot {
     c4: Expr<u32>,
     base: Vec<Expr<u32>>,
     next: Var<Vec4<F16>>,
+    /// The operand's row in memory (clamped), where a prologue needs it.
+    source_row: Option<Expr<u32>>,
 }
 
 /// Which way an operand's rows run in memory.
@@ -276,6 +350,8 @@ struct Staged<'a> {
     fixed_last: Expr<u32>,
     /// Elements a row of the operand in memory.
     width: u32,
+    /// Runs on each element read (`A` only: rows along the depth).
+    prologue: Option<&'a ElementFn>,
     depth: u32,
     /// The depth is not a multiple of the step: the last step passes it.
     partial: bool,
@@ -303,9 +379,14 @@ impl Staged<'_> {
         (0..rows * per_row / threads)
             .map(|i| {
                 let row = super::offset(&row0, i * (threads / per_row));
+                let mut source_row = None;
                 let base = match self.along {
                     Along::Depth => {
-                        let r = (self.origin + &row).min(&self.fixed_last);
+                        let mut r = (self.origin + &row).min(&self.fixed_last);
+                        if self.prologue.is_some() {
+                            r = k.let_(&format!("{operand}_source_row"), r);
+                            source_row = Some(r.clone());
+                        }
                         vec![k.let_(&format!("{operand}_base"), r * self.width + &col0)]
                     }
                     Along::Columns => {
@@ -327,6 +408,7 @@ impl Staged<'_> {
                         &format!("{operand}_next"),
                         Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0)),
                     ),
+                    source_row,
                 }
             })
             .collect()
@@ -351,9 +433,28 @@ impl Staged<'_> {
                     Along::Columns => (d0 + &slot.row).lt(depth),
                 })
             };
-            let value = self
-                .source
-                .read(k, &at, &valid, self.partial.then_some(&self.last));
+            // The prologue sees the element's row and depth (clamped: a lane past the depth
+            // is zeroed after it).
+            let prologue = match (self.prologue, &slot.source_row) {
+                (Some(f), Some(row)) => {
+                    let d = k.let_("fused_d", d0 + &slot.c4 * 4u32);
+                    Some(
+                        Box::new(move |k: &mut KernelBuilder, q: u32, v: Expr<f32>| {
+                            let col = super::offset(&d, q);
+                            let col = if partial { col.min(depth - 1) } else { col };
+                            f(k, row, &col, v)
+                        }) as Box<LaneFn>,
+                    )
+                }
+                _ => None,
+            };
+            let value = self.source.read(
+                k,
+                &at,
+                &valid,
+                self.partial.then_some(&self.last),
+                prologue.as_deref(),
+            );
             k.assign(&slot.next, value);
         }
     }
@@ -372,8 +473,9 @@ enum Output {
     F16(RwBuffer<F16>),
 }
 
-/// `out[m, cols] (+)= s·A[m, depth]·B(depth, cols)` on cooperative matrices (the module doc).
-pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
+/// `out[m, cols] (+)= s·A[m, depth]·B(depth, cols)` on cooperative matrices (the module doc),
+/// with `fusion`'s code on `A`'s elements and the output's.
+pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_>) {
     let cols = k.shape::<u32>("cols");
     let depth = k.shape::<u32>("depth");
     let tile = CoopTile {
@@ -418,6 +520,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
     };
     let rows = k.param::<u32>("rows");
     let scale = k.param::<f32>("scale");
+    let fused = fusion.build(k, (cols, depth));
 
     let threads = tile.subgroups() * subgroup;
     let sg = k.let_("sg", k.subgroup_id());
@@ -443,6 +546,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         origin: &m0,
         fixed_last: k.let_("last_row", &rows - 1u32),
         width: depth,
+        prologue: fused.prologue.as_ref(),
         depth,
         partial,
         last: k.let_("a_last", &rows * depth - 1u32),
@@ -456,6 +560,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         origin: &n0,
         fixed_last: lit(cols - 1),
         width: w_width,
+        prologue: None,
         depth,
         partial,
         last: lit(cols * depth - 1),
@@ -543,9 +648,12 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product) {
         cols,
         scale: &scale,
         accumulate,
+        fused: fused.epilogue.as_ref(),
     };
+    // An epilogue works element by element: through workgroup memory.
     if let Output::F32(y) = &out
         && cols.is_multiple_of(4)
+        && fused.epilogue.is_none()
     {
         let mut inside = (&m0 + tile.bm).le(&rows);
         if !cols.is_multiple_of(tile.bn) {
@@ -598,6 +706,8 @@ struct Epilogue<'a> {
     cols: u32,
     scale: &'a Expr<f32>,
     accumulate: bool,
+    /// The fusion's epilogues, on each element before it is stored.
+    fused: Option<&'a ElementFn>,
 }
 
 impl Epilogue<'_> {
@@ -644,7 +754,11 @@ impl Epilogue<'_> {
                 let c = k.let_("c", &col + &idx % 16u32);
                 k.if_(r.lt(self.rows).and(c.lt(self.cols)), |k| {
                     let at = k.let_("at", &r * self.cols + &c);
-                    let value = k.let_("value", c_tile.at(&mine + &idx) * self.scale);
+                    let mut value = k.let_("value", c_tile.at(&mine + &idx) * self.scale);
+                    if let Some(f) = self.fused {
+                        let fused = f(k, &r, &c, value);
+                        value = k.let_("fused", fused);
+                    }
                     match self.out {
                         Output::F32(y) if self.accumulate => {
                             k.store_op(y, &at, BinaryOp::Add, value)
@@ -676,7 +790,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     };
     let build = |product, shape, types, accumulate| {
         Kernel::build(&key(product, shape, tile, 32, types, accumulate), |k| {
-            kernel(k, product)
+            kernel(k, product, &Fusion::NONE)
         })
     };
     let f32_in = HalfBuffers {
@@ -712,7 +826,7 @@ pub(crate) mod build {
         tile.check(kernel_name(product), subgroup)?;
         let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
         Ok(Kernel::build_with_limits(&key, limits, |k| {
-            kernel(k, product)
+            kernel(k, product, &Fusion::NONE)
         })?)
     }
 }
@@ -908,7 +1022,14 @@ fn measure_tiles(
                 Scratch::F16(b) => super::OutputBuffer::F16(b),
                 Scratch::F32(b) => super::OutputBuffer::F32(b),
             };
-            record(rec, &launch, operand(&input), operand(&w), out)
+            record(
+                rec,
+                &launch,
+                operand(&input),
+                operand(&w),
+                out,
+                &Fusion::NONE,
+            )
         });
         measured.map(|m| m.median_ns()).map_err(|e| e.to_string())
     };
@@ -931,13 +1052,15 @@ fn measure_tiles(
     best
 }
 
-/// Record the launch: `output (+)= scale·input·B(W)`.
-pub(crate) fn record(
+/// Record the launch: `output (+)= scale·input·B(W)`, with `fusion`'s code (its buffers
+/// checked by the caller).
+pub(crate) fn record<'a>(
     rec: &mut hesper_exec::Recorder<'_>,
     launch: &Launch,
-    input: super::Operand<'_>,
-    w: super::Operand<'_>,
-    output: super::OutputBuffer<'_>,
+    input: super::Operand<'a>,
+    w: super::Operand<'a>,
+    output: super::OutputBuffer<'a>,
+    fusion: &Fusion<'a>,
 ) -> Result<(), ExecError> {
     use super::{Operand, OutputBuffer};
     use hesper_exec::{Args, Grid};
@@ -958,8 +1081,11 @@ pub(crate) fn record(
         weight: matches!(w, Operand::F16(_)),
         output: matches!(output, OutputBuffer::F16(_)),
     };
-    let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
-    let kernel = rec.gpu().kernel(&key, |k| kernel(k, product))?;
+    let key = fusion.key(
+        name,
+        key(product, (cols, depth), tile, subgroup, types, accumulate),
+    )?;
+    let kernel = rec.gpu().kernel(&key, |k| kernel(k, product, fusion))?;
     let (input_name, output_name) = product.names();
     let w_width = match product {
         Product::Nt => depth,
@@ -989,6 +1115,7 @@ pub(crate) fn record(
         true => args,
         false => args.param("input_scale", input_scale),
     };
+    let args = fusion.bind(args);
     let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), 1];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))
 }

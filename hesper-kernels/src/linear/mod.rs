@@ -40,7 +40,11 @@ use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 use crate::{bad_tile, expect_len, expect_u32};
 
 pub mod coop;
+pub mod fusion;
 pub mod gemv;
+
+pub use fusion::{Fusion, GemmFusion};
+use std::rc::Rc;
 
 /// Ternary weights per packed `u32` (2 bits each).
 pub const TERNARY_PER_WORD: usize = 16;
@@ -480,7 +484,7 @@ fn row_slots(
     k: &mut KernelBuilder,
     operand: &str,
     (rows, origin, last): (u32, &Expr<u32>, Option<Expr<u32>>),
-    elements: &Elements,
+    (elements, prologue): (&Elements, Option<&Rc<fusion::ElementFn>>),
     (bk, depth): (u32, u32),
 ) -> Vec<Slot> {
     let threads = k.invocations();
@@ -490,19 +494,35 @@ fn row_slots(
             let s = offset(&lid, i * threads);
             let kk = k.let_(&format!("{operand}_kk"), &s % bk);
             let j = k.let_(&format!("{operand}_j"), &s / bk);
-            let bases: Vec<Expr<u32>> = (0..4)
+            let (bases, rows): (Vec<Expr<u32>>, Vec<Expr<u32>>) = (0..4)
                 .map(|q| {
                     let row = offset(&(origin + &j * 4u32), q);
-                    let row = match &last {
+                    let mut row = match &last {
                         Some(last) => row.min(last),
                         None => row,
                     };
-                    k.let_(&format!("{operand}_base"), row * depth)
+                    if prologue.is_some() {
+                        // The prologue sees the row.
+                        row = k.let_(&format!("{operand}_row"), row);
+                    }
+                    (k.let_(&format!("{operand}_base"), &row * depth), row)
                 })
-                .collect();
+                .unzip();
             let elements = elements.clone();
+            let prologue = prologue.cloned();
             let read: Reader = Box::new(move |k, d| {
-                let v: Vec<Expr<f32>> = bases.iter().map(|b| elements.at(k, b + &d)).collect();
+                let v: Vec<Expr<f32>> = (0..4)
+                    .map(|q| {
+                        let v = elements.at(k, &bases[q] + &d);
+                        match &prologue {
+                            Some(f) => {
+                                let fused = f(k, &rows[q], &d, v);
+                                k.let_("fused", fused)
+                            }
+                            None => v,
+                        }
+                    })
+                    .collect();
                 vec4(v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone())
             });
             let next = k.var(&format!("{operand}_next"), Expr::<Vec4<f32>>::splat(0.0f32));
@@ -643,8 +663,9 @@ enum Output {
     ScalarF16(RwBuffer<F16>),
 }
 
-/// `out[rows, cols] (+)= s·A[rows, depth]·B[depth, cols]`, `B` read out of `W` as `product` says.
-fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
+/// `out[rows, cols] (+)= s·A[rows, depth]·B[depth, cols]`, `B` read out of `W` as `product` says,
+/// with `fusion`'s code on `A`'s elements and the output's.
+fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool, fusion: &Fusion<'_>) {
     let cols = k.shape::<u32>("cols");
     let depth = k.shape::<u32>("depth");
     let tile = Tile {
@@ -688,6 +709,8 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
     let rows = k.param::<u32>("rows");
     // Every product takes a scale (1 for plain dense weights): one multiply in the epilogue.
     let scale = k.param::<f32>("scale");
+    let fused = fusion.build(k, (cols, depth));
+    let prologue = fused.prologue.map(Rc::new);
 
     // Invocation (tx, ty) owns rows `ty·4 + g·4·down + (0..4)` and columns
     // `tx·4 + h·4·across + (0..4)` of the tile.
@@ -710,11 +733,17 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
 
     let steps = (tile.bk, depth);
     let last_row = k.let_("last_row", &rows - 1u32);
-    let a_slots = row_slots(k, "a", (tile.bm, &m0, Some(last_row)), &a, steps);
+    let a_slots = row_slots(
+        k,
+        "a",
+        (tile.bm, &m0, Some(last_row)),
+        (&a, prologue.as_ref()),
+        steps,
+    );
     let b_slots = match &w {
         WeightReads::Rows(w) => {
             let last = (!cols.is_multiple_of(tile.bn)).then(|| lit(cols - 1));
-            row_slots(k, "b", (tile.bn, &n0, last), w, steps)
+            row_slots(k, "b", (tile.bn, &n0, last), (w, None), steps)
         }
         WeightReads::Columns(source) => column_slots(k, &n0, source, (tile.bn, tile.bk), cols),
     };
@@ -778,7 +807,15 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool) {
             k.if_(row.lt(&rows), |k| {
                 for (h, col) in col_at.iter().enumerate() {
                     let i = (g * 4 + q) * col_blocks + h as u32;
-                    let value = acc.at(i) * &scale;
+                    let mut value = acc.at(i) * &scale;
+                    if let Some(f) = &fused.epilogue {
+                        // Columns past the edge (never stored) are clamped into it.
+                        let at = |_: &mut KernelBuilder, q: u32| match guard_cols {
+                            true => offset(col, q).min(cols - 1),
+                            false => offset(col, q),
+                        };
+                        value = fusion::per_lane(k, f, &row, &at, value);
+                    }
                     write_out(k, &out, (&row, col), value, (cols, guard_cols), accumulate);
                 }
             });
@@ -868,7 +905,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     };
     let build = |product, ternary, shape, accumulate| {
         Kernel::build(&gemm_key(product, ternary, shape, tile, accumulate), |k| {
-            gemm_kernel(k, product, ternary)
+            gemm_kernel(k, product, ternary, &Fusion::NONE)
         })
     };
     // f16 weight and output, read and written as f32 (the fallback of `Precision::F16`).
@@ -883,7 +920,9 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         build(Product::Nn, false, (32, 64), true)?,
         build(Product::Nt, true, (64, 32), false)?,
         build(Product::Nn, true, (32, 64), true)?,
-        Kernel::build(&half_key, |k| gemm_kernel(k, Product::Nn, false))?,
+        Kernel::build(&half_key, |k| {
+            gemm_kernel(k, Product::Nn, false, &Fusion::NONE)
+        })?,
     ]
     .into_iter()
     .chain(coop::kernels()?)
@@ -908,7 +947,7 @@ pub(crate) mod build {
         tile.check(kernel_name(product, ternary))?;
         let key = gemm_key_with(product, ternary, (cols, depth), tile, accumulate, half);
         Ok(Kernel::build_with_limits(&key, limits, |k| {
-            gemm_kernel(k, product, ternary)
+            gemm_kernel(k, product, ternary, &Fusion::NONE)
         })?)
     }
 }
@@ -951,7 +990,23 @@ pub fn execute_gemm<'a>(
     rec: &mut Recorder<'_>,
     gemm: &Gemm,
     input: impl Into<Operand<'a>>,
-    weights: Weights<'_>,
+    weights: Weights<'a>,
+    output: impl Into<OutputBuffer<'a>>,
+) -> Result<(), ExecError> {
+    execute_gemm_fused(rec, gemm, &Fusion::NONE, input, weights, output)
+}
+
+/// [`execute_gemm`] with `fusion`'s code ([`fusion`]): its prologue on each element of the
+/// input before the product, its epilogues on each element of `scale·input·B(W)` before it is
+/// stored (or added, with `gemm.accumulate`), in one launch. Its buffers are checked with the
+/// GEMM's; a fused GEMM needs a depth of at least 1 (an empty sum would skip the epilogues).
+/// On the f32 tiled GEMM and the tensor cores alike (never [`gemv`]).
+pub fn execute_gemm_fused<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    fusion: &Fusion<'a>,
+    input: impl Into<Operand<'a>>,
+    weights: Weights<'a>,
     output: impl Into<OutputBuffer<'a>>,
 ) -> Result<(), ExecError> {
     let (input, output) = (input.into(), output.into());
@@ -980,6 +1035,14 @@ pub fn execute_gemm<'a>(
             why: format!("the input's scale is 2^e with |e| ≤ {MAX_INPUT_EXPONENT}"),
         });
     }
+    if !fusion.is_empty() && depth == 0 {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: "a fused GEMM over a depth of 0".into(),
+            why: "a fused GEMM needs a depth of at least 1 (an empty sum would skip its code)"
+                .into(),
+        });
+    }
     match input {
         Operand::F32(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
         Operand::F16(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
@@ -1001,6 +1064,7 @@ pub fn execute_gemm<'a>(
         OutputBuffer::F32(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
         OutputBuffer::F16(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
     }
+    fusion.check(name, (gemm.m, cols, depth))?;
     let scale = match weights {
         Weights::Dense(_) => 1.0,
         Weights::ScaledDense { scale, .. }
@@ -1027,7 +1091,12 @@ pub fn execute_gemm<'a>(
             },
         });
     }
-    match gemm_path(rec.gpu(), gemm, &weights, half) {
+    let path = match gemm_path(rec.gpu(), gemm, &weights, half) {
+        // gemv has no fusion.
+        GemmPath::Gemv if !fusion.is_empty() => GemmPath::Tiled(tile),
+        path => path,
+    };
+    match path {
         GemmPath::Empty if depth == 0 && gemm.m > 0 && cols > 0 && !gemm.accumulate => {
             // An empty sum: zero.
             match output {
@@ -1062,7 +1131,7 @@ pub fn execute_gemm<'a>(
                 scale,
                 input_exponent: gemm.input_exponent,
             };
-            coop::record(rec, &launch, input, w, output)
+            coop::record(rec, &launch, input, w, output, fusion)
         }
         GemmPath::Tiled(tile) => {
             // One step of `bk` of the depth an iteration.
@@ -1070,9 +1139,10 @@ pub fn execute_gemm<'a>(
             crate::expect_loops(rec.gpu(), name, || format!("depth {depth}"), iterations)?;
             let shape = (cols as u32, depth as u32);
             let key = gemm_key_with(product, ternary, shape, tile, gemm.accumulate, half);
+            let key = fusion.key(name, key)?;
             let kernel = rec
                 .gpu()
-                .kernel(&key, |k| gemm_kernel(k, product, ternary))?;
+                .kernel(&key, |k| gemm_kernel(k, product, ternary, fusion))?;
             let vec4_cols = vec4_columns(shape.0);
             let args = match input {
                 Operand::F32(b) => Args::new().buffer(input_name, b),
@@ -1097,12 +1167,52 @@ pub fn execute_gemm<'a>(
                 (OutputBuffer::F16(out), true) => args.buffer_vec4(output_name, &**out),
                 (OutputBuffer::F16(out), false) => args.buffer(output_name, &**out),
             };
-            let args = args.param("rows", m).param("scale", scale);
+            let args = fusion.bind(args.param("rows", m).param("scale", scale));
             let Tile { bm, bn, .. } = tile;
             let groups = [shape.0.div_ceil(bn), m.div_ceil(bm), 1];
             rec.launch(&kernel, &args, Grid::Workgroups(groups))
         }
     }
+}
+
+/// The kernel a fused dense GEMM runs on `path` (the f32 tiled GEMM or the tensor cores), as
+/// [`execute_gemm_fused`] builds it: for snapshots, review and the DSL's interpreter. `half`
+/// says which buffers hold f16 (the tensor cores' key always names all three).
+pub fn fused_kernel(
+    gemm: &Gemm,
+    path: GemmPath,
+    half: HalfBuffers,
+    fusion: &Fusion<'_>,
+) -> Result<Kernel, ExecError> {
+    let product = gemm.product;
+    let (cols, depth) = gemm.cols_depth();
+    let shape = (
+        expect_u32(kernel_name(product, false), "cols", cols)?,
+        expect_u32(kernel_name(product, false), "depth", depth)?,
+    );
+    let (name, key) = match path {
+        GemmPath::Tiled(tile) => {
+            let key = gemm_key_with(product, false, shape, tile, gemm.accumulate, half);
+            (kernel_name(product, false), key)
+        }
+        GemmPath::TensorCores { tile, subgroup } => {
+            let key = coop::key(product, shape, tile, subgroup, half, gemm.accumulate);
+            (coop::kernel_name(product), key)
+        }
+        GemmPath::Empty | GemmPath::Gemv => {
+            return Err(ExecError::Dispatch {
+                kernel: kernel_name(product, false).into(),
+                what: format!("{path:?}"),
+                why: "a fused GEMM runs tiled or on the tensor cores".into(),
+            });
+        }
+    };
+    let key = fusion.key(name, key)?;
+    let kernel = Kernel::build(&key, |k| match path {
+        GemmPath::TensorCores { .. } => coop::kernel(k, product, fusion),
+        _ => gemm_kernel(k, product, false, fusion),
+    })?;
+    Ok(kernel)
 }
 
 /// `y (+)= x·Wᵀ`: `x: [m, k]`, `w: [n, k]`, `y: [m, n]` (the forward through a frozen weight).
@@ -1271,7 +1381,9 @@ mod tests {
                 (Product::Nn, true),
             ] {
                 let key = gemm_key(product, ternary, (1536, 576), tile, false);
-                let kernel = Kernel::build(&key, |k| gemm_kernel(k, product, ternary)).unwrap();
+                let kernel =
+                    Kernel::build(&key, |k| gemm_kernel(k, product, ternary, &Fusion::NONE))
+                        .unwrap();
                 let used = kernel.workgroup_memory_bytes();
                 assert!(used <= tile.workgroup_bytes(), "{key}");
                 assert!(tile.check(kernel.name()).is_ok(), "{key}");

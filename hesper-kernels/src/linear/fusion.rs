@@ -1,0 +1,238 @@
+//! Fusion: DSL code that a GEMM runs on each element of its input as it reads it (a prologue)
+//! and on each element of its output before it stores it (epilogues), so that an activation, a
+//! norm's scaling, a bias, a residual or a LoRA up-projection rides along with the GEMM instead
+//! of taking a launch and a pass over the activations of its own — without copying the GEMM.
+//!
+//! A fusion is elementwise code over a `[rows, width]` matrix: `(row, col, value) → value`.
+//! As a prologue it sees the input `A[rows, depth]` (`width` = the depth) and gives the element
+//! the GEMM multiplies; as an epilogue it sees `s·Σ` of the output `[rows, cols]` (`width` =
+//! `cols`) and gives what is stored (or, with `accumulate`, added to what is there). Epilogues
+//! run in the order given. Its author implements [`GemmFusion`]: the kernel-key entries that
+//! name the code, the code itself (which may declare buffers and runtime parameters of its
+//! own), the checks of its buffers, and their binding. [`super::execute_gemm_fused`] runs a
+//! GEMM with them, on the f32 tiled GEMM and on the tensor cores alike.
+//!
+//! Kernels of other modules provide their own: [`crate::lora::LoraUp`] (the LoRA
+//! up-projection as an epilogue), [`crate::ffn::SwigluInput`] (SwiGLU as a prologue); this
+//! module [`Residual`] and [`Bias`].
+
+use hesper_dsl::ShapeValue;
+use hesper_dsl::prelude::*;
+use hesper_exec::{Args, ExecError, GpuBuffer};
+
+use crate::expect_len;
+
+/// A fusion's element function: `(builder, row, col, value) → value`.
+pub type ElementFn =
+    Box<dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>, Expr<f32>) -> Expr<f32>>;
+
+/// Elementwise code a GEMM runs on its input or output (the module's doc).
+pub trait GemmFusion {
+    /// A name for the code, unique among fusions (it goes into the kernel key and errors).
+    fn name(&self) -> &'static str;
+
+    /// Compile-time values the code depends on, as kernel-key shape entries (their names unique
+    /// to this fusion, e.g. prefixed by its name). [`GemmFusion::build`] must read what it
+    /// depends on from these (through `KernelBuilder::shape`) and nothing else: a GEMM's
+    /// pipeline is built once per key.
+    fn shape(&self) -> Vec<(String, ShapeValue)> {
+        vec![]
+    }
+
+    /// Declares the buffers and runtime parameters the code reads (named apart from the GEMM's
+    /// own: `x`, `w`, `y`, `dy`, `dx`, `rows`, `scale`, `input_scale`) and returns the element
+    /// function over a `[rows, width]` matrix. Indices it is given are in range: a row below
+    /// the GEMM's `rows`, a column below `width`.
+    fn build(&self, k: &mut KernelBuilder, width: u32) -> ElementFn;
+
+    /// `Ok` when the fusion's buffers fit a `[rows, width]` matrix; else an error naming
+    /// `kernel` and the buffer.
+    fn check(&self, kernel: &str, rows: usize, width: usize) -> Result<(), ExecError>;
+
+    /// Binds what [`GemmFusion::build`] declared.
+    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a>;
+}
+
+/// The fusions of one GEMM: at most one prologue, any number of epilogues.
+#[derive(Clone, Copy, Default)]
+pub struct Fusion<'a> {
+    pub prologue: Option<&'a dyn GemmFusion>,
+    pub epilogues: &'a [&'a dyn GemmFusion],
+}
+
+impl<'a> Fusion<'a> {
+    /// No fusion: the plain GEMM.
+    pub const NONE: Fusion<'static> = Fusion {
+        prologue: None,
+        epilogues: &[],
+    };
+
+    /// Whether there is no code to fuse.
+    pub fn is_empty(&self) -> bool {
+        self.prologue.is_none() && self.epilogues.is_empty()
+    }
+
+    /// The key with this fusion's entries added: `prologue_<name>` and `epilogue<i>_<name>`
+    /// (the order matters), then each fusion's own shape entries. An error when two fusions
+    /// share a name or a shape entry, or an entry would replace one of the GEMM's.
+    pub(crate) fn key(&self, kernel: &str, mut key: KernelKey) -> Result<KernelKey, ExecError> {
+        let taken: Vec<String> = key.shape_params().iter().map(|(n, _)| n.clone()).collect();
+        let mut added: Vec<String> = vec![];
+        let mut add = |key: KernelKey, name: String, value: ShapeValue| {
+            if taken.contains(&name) || added.contains(&name) {
+                return Err(ExecError::Dispatch {
+                    kernel: kernel.into(),
+                    what: format!("fusion key entry `{name}`"),
+                    why: "two fusions of one GEMM, or a fusion and the GEMM, use it".into(),
+                });
+            }
+            added.push(name.clone());
+            Ok(key.shape(name, value))
+        };
+        let mut names = vec![];
+        if let Some(p) = self.prologue {
+            key = add(key, format!("prologue_{}", p.name()), true.into())?;
+            names.push(p.name());
+        }
+        for (i, e) in self.epilogues.iter().enumerate() {
+            key = add(key, format!("epilogue{i}_{}", e.name()), true.into())?;
+            if names.contains(&e.name()) {
+                return Err(ExecError::Dispatch {
+                    kernel: kernel.into(),
+                    what: format!("fusion `{}`", e.name()),
+                    why: "a fusion runs at most once in a GEMM".into(),
+                });
+            }
+            names.push(e.name());
+        }
+        for f in self.prologue.iter().chain(self.epilogues) {
+            for (name, value) in f.shape() {
+                key = add(key, name, value)?;
+            }
+        }
+        Ok(key)
+    }
+
+    /// Checks every fusion's buffers: the prologue's against `[rows, depth]`, the epilogues'
+    /// against `[rows, cols]`.
+    pub(crate) fn check(
+        &self,
+        kernel: &str,
+        (rows, cols, depth): (usize, usize, usize),
+    ) -> Result<(), ExecError> {
+        if let Some(p) = self.prologue {
+            p.check(kernel, rows, depth)?;
+        }
+        self.epilogues
+            .iter()
+            .try_for_each(|e| e.check(kernel, rows, cols))
+    }
+
+    /// Binds every fusion's buffers and parameters.
+    pub(crate) fn bind<'b>(&self, mut args: Args<'b>) -> Args<'b>
+    where
+        'a: 'b,
+    {
+        for f in self.prologue.iter().chain(self.epilogues) {
+            args = f.bind(args);
+        }
+        args
+    }
+
+    /// Builds the code inside a GEMM's kernel: the prologue's element function (over
+    /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one.
+    pub(crate) fn build(&self, k: &mut KernelBuilder, (cols, depth): (u32, u32)) -> Built {
+        let prologue = self.prologue.map(|p| p.build(k, depth));
+        let epilogues: Vec<ElementFn> = self.epilogues.iter().map(|e| e.build(k, cols)).collect();
+        let epilogue: Option<ElementFn> = (!epilogues.is_empty()).then(|| {
+            Box::new(
+                move |k: &mut KernelBuilder, row: &Expr<u32>, col: &Expr<u32>, v| {
+                    epilogues.iter().fold(v, |v, e| e(k, row, col, v))
+                },
+            ) as ElementFn
+        });
+        Built { prologue, epilogue }
+    }
+}
+
+/// A fusion's code inside a GEMM kernel.
+pub(crate) struct Built {
+    pub prologue: Option<ElementFn>,
+    pub epilogue: Option<ElementFn>,
+}
+
+/// The element function applied to each lane of `v` at columns `col + q` (`col(q)` gives
+/// them), as one vec4.
+pub(crate) fn per_lane(
+    k: &mut KernelBuilder,
+    f: &ElementFn,
+    row: &Expr<u32>,
+    col: &dyn Fn(&mut KernelBuilder, u32) -> Expr<u32>,
+    v: Expr<Vec4<f32>>,
+) -> Expr<Vec4<f32>> {
+    let v = k.let_("fused_in", v);
+    let lanes: Vec<Expr<f32>> = (0..4)
+        .map(|q| {
+            let c = col(k, q);
+            let value = f(k, row, &c, super::lane(&v, q));
+            k.let_("fused", value)
+        })
+        .collect();
+    vec4(
+        lanes[0].clone(),
+        lanes[1].clone(),
+        lanes[2].clone(),
+        lanes[3].clone(),
+    )
+}
+
+/// Epilogue: `value + r[row, col]` — a residual connection (`x + o·Wᵀ`) without a copy of `x`
+/// into the output first.
+pub struct Residual<'a> {
+    /// `[rows, cols]`, f32.
+    pub residual: &'a GpuBuffer<f32>,
+}
+
+impl GemmFusion for Residual<'_> {
+    fn name(&self) -> &'static str {
+        "residual"
+    }
+    fn build(&self, k: &mut KernelBuilder, width: u32) -> ElementFn {
+        let r = k.storage::<f32>("residual");
+        Box::new(move |_, row, col, v| v + r.at(row * width + col))
+    }
+    fn check(&self, kernel: &str, rows: usize, width: usize) -> Result<(), ExecError> {
+        expect_len(
+            kernel,
+            "residual",
+            self.residual,
+            rows * width,
+            "[rows, cols]",
+        )
+    }
+    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
+        args.buffer("residual", self.residual)
+    }
+}
+
+/// Epilogue: `value + bias[col]`.
+pub struct Bias<'a> {
+    /// `[cols]`, f32.
+    pub bias: &'a GpuBuffer<f32>,
+}
+
+impl GemmFusion for Bias<'_> {
+    fn name(&self) -> &'static str {
+        "bias"
+    }
+    fn build(&self, k: &mut KernelBuilder, _: u32) -> ElementFn {
+        let b = k.storage::<f32>("bias");
+        Box::new(move |_, _, col, v| v + b.at(col))
+    }
+    fn check(&self, kernel: &str, _: usize, width: usize) -> Result<(), ExecError> {
+        expect_len(kernel, "bias", self.bias, width, "[cols]")
+    }
+    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
+        args.buffer("bias", self.bias)
+    }
+}
