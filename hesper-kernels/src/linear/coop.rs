@@ -253,10 +253,7 @@ impl Source {
         &self,
         k: &mut KernelBuilder,
         at: &[Expr<u32>],
-        (valid, clamp): (
-            &dyn Fn(u32) -> Option<Expr<bool>>,
-            &dyn Fn(&Expr<u32>) -> Expr<u32>,
-        ),
+        (valid, clamp): (&Validity, &Clamp),
         prologue: &LaneFn,
     ) -> Expr<Vec4<F16>> {
         let (raw, scale): (Vec<Expr<f32>>, _) = match self {
@@ -315,6 +312,12 @@ impl Source {
         matches!(self, Source::Vec4F16(_) | Source::Vec4F32(..))
     }
 }
+
+/// Whether lane `q` of a read is within the depth (`None`: always).
+type Validity<'a> = dyn Fn(u32) -> Option<Expr<bool>> + 'a;
+
+/// An index clamped into its buffer.
+type Clamp<'a> = dyn Fn(&Expr<u32>) -> Expr<u32> + 'a;
 
 /// A prologue at one slot: `(lane, value) → value`, the slot's row and depth bound.
 type LaneFn<'a> = dyn Fn(&mut KernelBuilder, u32, Expr<f32>) -> Expr<f32> + 'a;
