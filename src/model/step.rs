@@ -13,13 +13,17 @@ use hesper_kernels::attention::{
     SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths, execute_attention_backward,
     execute_attention_forward,
 };
-use hesper_kernels::elementwise::{execute_add, execute_add_bias, execute_embedding};
+use hesper_kernels::elementwise::{execute_add, execute_embedding};
 use hesper_kernels::ffn::{
-    execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
-    execute_swiglu_forward,
+    SwigluInput, execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward,
+    execute_swiglu_backward, execute_swiglu_forward,
 };
-use hesper_kernels::linear::{Product, execute_gemm};
-use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
+use hesper_kernels::linear::fusion::{Bias, Residual};
+use hesper_kernels::linear::{Fusion, GemmFusion, Product, execute_gemm, execute_gemm_fused};
+use hesper_kernels::lora::{
+    LoraBackward, LoraUp, MAX_FUSED_RANK, UpWeight, execute_lora_backward, execute_lora_down,
+    execute_lora_forward, execute_lora_weight_backward,
+};
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
     execute_cross_entropy_rows,
@@ -58,45 +62,89 @@ struct Ctx<'a> {
     grad_exponent: i32,
 }
 
+/// How a projection's forward reads its input and what its output starts from.
+#[derive(Clone, Copy)]
+enum ProjectionInput<'a> {
+    /// `x` as it is.
+    Plain(&'a GpuBuffer<f32>),
+    /// `silu(gate)·up`, computed as the GEMM reads it (the down projection's `h`, unwritten).
+    Swiglu {
+        gate: &'a GpuBuffer<f32>,
+        up: &'a GpuBuffer<f32>,
+    },
+}
+
 impl Ctx<'_> {
-    /// `y (+)= x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer`, saving `x·Aᵀ` in
-    /// `lora_h` where LoRA adapts it.
+    /// `y = residual + x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer` (no residual:
+    /// `y` is overwritten), saving `x·Aᵀ` in `lora_h` where LoRA adapts it: one GEMM, the
+    /// bias, the residual and LoRA's up-projection its epilogues (`linear::fusion`), after
+    /// LoRA's down-projection.
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
         rec: &mut Recorder<'_>,
         adapters: &GpuAdapters,
         (layer, projection): (usize, Projection),
-        x: &GpuBuffer<f32>,
+        input: ProjectionInput<'_>,
         y: &mut GpuBuffer<f32>,
         lora_h: &mut [GpuBuffer<f32>],
-        accumulate: bool,
+        residual: Option<&GpuBuffer<f32>>,
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
-        let (out, input) = projection.shape(self.model.config());
+        let (out, width) = projection.shape(self.model.config());
         let gemm = self
             .model
-            .gemm(Product::Nt, (self.tokens, out, input), accumulate);
-        execute_gemm(
-            rec,
-            &gemm,
-            x,
-            weights.projection(projection).weights(),
-            &mut *y,
-        )?;
-        if let Some(bias) = weights.bias(projection) {
-            execute_add_bias(rec, y, bias)?;
-        }
-        if let Some(i) = adapters.index(layer, projection) {
-            let adapter = &adapters.adapters[i];
+            .gemm(Product::Nt, (self.tokens, out, width), false);
+        let adapter = adapters.index(layer, projection).map(|i| {
             let h = &mut lora_h[i % adapters.lora().targets.len()];
+            (&adapters.adapters[i], h)
+        });
+        let fused_lora = self.rank <= MAX_FUSED_RANK;
+        let (x, swiglu) = match input {
+            ProjectionInput::Plain(x) => (x, None),
+            ProjectionInput::Swiglu { gate, up } => (gate, Some(SwigluInput { up })),
+        };
+        // LoRA reads the projection's input: never an `h` left unwritten.
+        debug_assert!(swiglu.is_none() || adapter.is_none());
+        let (lora_up, unfused) = match adapter {
+            Some((adapter, h)) if fused_lora => {
+                execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
+                let up = LoraUp {
+                    h,
+                    weight: UpWeight::B(&adapter.b),
+                    rank: self.rank,
+                    scale: self.scale,
+                };
+                (Some(up), None)
+            }
+            other => (None, other),
+        };
+        let bias = weights.bias(projection).map(|bias| Bias { bias });
+        let residual = residual.map(|residual| Residual { residual });
+        let epilogues: Vec<&dyn GemmFusion> = [
+            lora_up.as_ref().map(|f| f as &dyn GemmFusion),
+            bias.as_ref().map(|f| f as &dyn GemmFusion),
+            residual.as_ref().map(|f| f as &dyn GemmFusion),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        let fusion = Fusion {
+            prologue: swiglu.as_ref().map(|f| f as &dyn GemmFusion),
+            epilogues: &epilogues,
+        };
+        let frozen = weights.projection(projection).weights();
+        execute_gemm_fused(rec, &gemm, &fusion, x, frozen, &mut *y)?;
+        if let Some((adapter, h)) = unfused {
+            // A rank past the fused epilogue's: LoRA's own kernels, after the GEMM.
             execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?;
         }
         Ok(())
     }
 
     /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer`, and its adapter's gradients
-    /// (written by the first micro-batch, added to by the others).
+    /// (written by the first micro-batch, added to by the others): `dh = dy·B` and the
+    /// adapter's gradients first, then one GEMM with `s·dh·A` its epilogue.
     #[allow(clippy::too_many_arguments)]
     fn project_backward(
         &self,
@@ -115,14 +163,9 @@ impl Ctx<'_> {
             .model
             .gemm(Product::Nn, (self.tokens, out, input), accumulate)
             .with_input_exponent(self.grad_exponent);
-        execute_gemm(
-            rec,
-            &gemm,
-            dy,
-            weights.projection(projection).weights(),
-            &mut *dx,
-        )?;
+        let frozen = weights.projection(projection).weights();
         let Some(i) = adapters.index(layer, projection) else {
+            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
             return Ok(());
         };
         let target = i % adapters.lora().targets.len();
@@ -144,12 +187,29 @@ impl Ctx<'_> {
         };
         let (rank, scale) = (self.rank, self.scale);
         let (dh, scratch) = (&mut work.dh, &mut work.scratch);
-        if self.micro == 0 {
-            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, da, db, dx)?;
+        let (grad_a, grad_b) = match self.micro {
+            0 => (&mut *da, &mut *db),
+            _ => (&mut *micro_da, &mut *micro_db),
+        };
+        if rank <= MAX_FUSED_RANK {
+            execute_lora_weight_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b)?;
+            let lora_up = LoraUp {
+                h: dh,
+                weight: UpWeight::A(a),
+                rank,
+                scale,
+            };
+            let fusion = Fusion {
+                prologue: None,
+                epilogues: &[&lora_up as &dyn GemmFusion],
+            };
+            execute_gemm_fused(rec, &gemm, &fusion, dy, frozen, &mut *dx)?;
         } else {
-            execute_lora_backward(
-                rec, &inputs, rank, scale, dh, scratch, micro_da, micro_db, dx,
-            )?;
+            // A rank past the fused epilogue's: LoRA's own kernels, after the GEMM.
+            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
+            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b, dx)?;
+        }
+        if self.micro > 0 {
             execute_add(rec, micro_da, da)?;
             execute_add(rec, micro_db, db)?;
         }
@@ -175,29 +235,29 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Q),
-            &a.n1,
+            ProjectionInput::Plain(&a.n1),
             q_out,
             &mut a.lora_h,
-            false,
+            None,
         )?;
         let k_out = a.k_pre.as_mut().unwrap_or(&mut a.k);
         self.project(
             rec,
             adapters,
             at(Projection::K),
-            &a.n1,
+            ProjectionInput::Plain(&a.n1),
             k_out,
             &mut a.lora_h,
-            false,
+            None,
         )?;
         self.project(
             rec,
             adapters,
             at(Projection::V),
-            &a.n1,
+            ProjectionInput::Plain(&a.n1),
             &mut a.v,
             &mut a.lora_h,
-            false,
+            None,
         )?;
         if let (Some(q_pre), Some(k_pre), Some(rstd_q), Some(rstd_k), Some(q_norm), Some(k_norm)) = (
             &a.q_pre,
@@ -224,16 +284,15 @@ impl Ctx<'_> {
         {
             execute_rms_norm_forward(rec, &a.o, gamma, o_sub, rstd_o, eps)?;
         }
-        rec.copy(&a.x, &a.x1)?;
         let o_in = a.o_sub.as_ref().unwrap_or(&a.o);
         self.project(
             rec,
             adapters,
             at(Projection::O),
-            o_in,
+            ProjectionInput::Plain(o_in),
             &mut a.x1,
             &mut a.lora_h,
-            true,
+            Some(&a.x),
         )?;
 
         execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n2, &mut a.rstd2, eps)?;
@@ -241,29 +300,37 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Gate),
-            &a.n2,
+            ProjectionInput::Plain(&a.n2),
             &mut a.gate,
             &mut a.lora_h,
-            false,
+            None,
         )?;
         self.project(
             rec,
             adapters,
             at(Projection::Up),
-            &a.n2,
+            ProjectionInput::Plain(&a.n2),
             &mut a.up,
             &mut a.lora_h,
-            false,
+            None,
         )?;
-        match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
+        // The backward needs `gate` and `up`; `h` only where LoRA adapts the down projection
+        // (its input) or a norm follows (BitNet): else SwiGLU runs as the GEMM reads its input.
+        let h_in = match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
             (Some(h_sub), Some(rstd_h), Some(gamma)) => {
                 execute_relu_sqr_mul_forward(rec, &a.gate, &a.up, &mut a.h)?;
                 execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
+                ProjectionInput::Plain(h_sub)
             }
-            _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
-        }
-        rec.copy(&a.x1, out)?;
-        let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
+            _ if adapters.index(layer, Projection::Down).is_some() => {
+                execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?;
+                ProjectionInput::Plain(&a.h)
+            }
+            _ => ProjectionInput::Swiglu {
+                gate: &a.gate,
+                up: &a.up,
+            },
+        };
         self.project(
             rec,
             adapters,
@@ -271,7 +338,7 @@ impl Ctx<'_> {
             h_in,
             out,
             &mut a.lora_h,
-            true,
+            Some(&a.x1),
         )
     }
 

@@ -248,6 +248,25 @@ pub fn execute_lora_forward(
     up::project_up(rec, (h, b, y), (t, output, r), Layout::RankMinor, scale)
 }
 
+/// `h = x·Aᵀ` (`[T, r]`) alone: the LoRA forward's product into `r`, for a frozen projection
+/// whose GEMM adds `s·h·Bᵀ` itself ([`LoraUp`]).
+pub fn execute_lora_down(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    a: &GpuBuffer<f32>,
+    rank: usize,
+    h: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "lora_down";
+    let (r, input) = adapter(name, "a", a, rank)?;
+    let t = rows(name, "x", x, input as usize, "in")?;
+    expect_len(name, "h", h, t as usize * r as usize, "[tokens, rank]")?;
+    if t == 0 {
+        return Ok(());
+    }
+    down::project(rec, (x, a, h), (t, input, r), Layout::RankMajor)
+}
+
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
 pub fn execute_grad_dh(
     rec: &mut Recorder<'_>,
@@ -397,6 +416,33 @@ pub fn execute_lora_backward(
     db: &mut GpuBuffer<f32>,
     dx: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
+    let (_, input) = adapter("lora_backward", "a", inputs.a, rank)?;
+    let t = rows("lora_backward", "x", inputs.x, input as usize, "in")? as usize;
+    expect_len(
+        "lora_backward",
+        "dx",
+        dx,
+        t * input as usize,
+        "[tokens, in]",
+    )?;
+    execute_lora_weight_backward(rec, inputs, rank, scale, dh, scratch, da, db)?;
+    execute_input_grad(rec, dh, inputs.a, rank, scale, dx)
+}
+
+/// The LoRA backward of one projection but its input gradient: `dh = dy·B`, `dB = s·dyᵀ·h`,
+/// `dA = s·dhᵀ·x` — for a frozen projection whose GEMM adds `s·dh·A` to `dx` itself
+/// ([`LoraUp`] with [`UpWeight::A`] over `dh`). Buffers as [`execute_lora_backward`]'s.
+#[allow(clippy::too_many_arguments)]
+pub fn execute_lora_weight_backward(
+    rec: &mut Recorder<'_>,
+    inputs: &LoraBackward<'_>,
+    rank: usize,
+    scale: f32,
+    dh: &mut GpuBuffer<f32>,
+    scratch: &mut GpuBuffer<f32>,
+    da: &mut GpuBuffer<f32>,
+    db: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
     // Check every buffer before recording anything: an error must not leave half a backward
     // in the caller's recorder.
     let name = "lora_backward";
@@ -410,7 +456,6 @@ pub fn execute_lora_backward(
         ("dh", &*dh, t * rank, "[tokens, rank]"),
         ("da", &*da, rank * input, "[rank, in]"),
         ("db", &*db, output * rank, "[out, rank]"),
-        ("dx", &*dx, t * input, "[tokens, in]"),
     ] {
         expect_len(name, binding, buf, len, what)?;
     }
@@ -438,8 +483,7 @@ pub fn execute_lora_backward(
         grad: da,
         n: input,
     };
-    weight_grad::launch(rec, (&db, GRAD_B.layout), Some(&da), (t, r, scale), scratch)?;
-    execute_input_grad(rec, dh, inputs.a, rank, scale, dx)
+    weight_grad::launch(rec, (&db, GRAD_B.layout), Some(&da), (t, r, scale), scratch)
 }
 
 /// The adapter matrix a [`LoraUp`] epilogue multiplies by.
