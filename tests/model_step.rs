@@ -143,18 +143,6 @@ fn llama_step_matches_the_f64_model_on_all_seven_projections() {
     check_family(Family::Llama, lora(&Projection::ALL, 4, 8.0, false));
 }
 
-/// A rank past what the GEMMs' fused LoRA epilogue takes (`lora::MAX_FUSED_RANK`): LoRA's own
-/// kernels after the frozen projections' GEMMs, on a projection of the attention and the down
-/// projection (whose input `h` is then written, not fused).
-#[test]
-fn a_rank_past_the_fused_epilogue_matches_the_f64_model() {
-    let rank = hesper_kernels::lora::MAX_FUSED_RANK + 1;
-    check_family(
-        Family::Llama,
-        lora(&[Projection::Q, Projection::Down], rank, 8.0, false),
-    );
-}
-
 /// Sizes that are multiples of nothing: 3 sequences of 5 (T = 15, lengths 5, 2 and 0 — one
 /// all padding), the loss in chunks of 4, rank 3, LoRA on o, up and down.
 #[test]

@@ -3,8 +3,9 @@
 //! mixed precision on tensor cores with tuned tiles: ms per step (wall clock, record +
 //! submit, each step's loss read while the next runs; the mean of 10 steps), tokens/s, launches and submissions per
 //! step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
-//! (timestamp queries, one step), and with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
-//! by one at several tiles. Prints markdown for BENCHMARKS.md.
+//! (timestamp queries, one step), with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
+//! by one at several tiles, and with `HESPER_BENCH_FUSION=1` the step's fused GEMMs against
+//! their plain ones at the step's precision. Prints markdown for BENCHMARKS.md.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
@@ -17,9 +18,13 @@ use std::time::Instant;
 
 use hesper::exec::profile::{BenchConfig, bench};
 use hesper::exec::{Gpu, GpuBuffer, GpuOptions, PendingRead};
+use hesper::kernels::ffn::SwigluInput;
+use hesper::kernels::linear::fusion::Residual;
 use hesper::kernels::linear::{
-    Gemm, Precision, Product, Tile, Weights as GemmWeights, execute_gemm,
+    Fusion, Gemm, GemmFusion, Precision, Product, Tile, Weights as GemmWeights, execute_gemm,
+    execute_gemm_fused,
 };
+use hesper::kernels::lora::{LoraUp, UpWeight};
 use hesper::kernels::testing::Rng;
 use hesper::model::config::{Family, LoraConfig, ModelConfig};
 use hesper::model::reference::{Adapters, Batch, Weights};
@@ -79,6 +84,7 @@ fn family(kernel: &str) -> &'static str {
         ),
         ("lora", "LoRA"),
         ("attention", "attention"),
+        ("coop_attention", "attention on tensor cores"),
         ("cross_entropy", "cross-entropy"),
         ("rms_norm", "RMSNorm"),
         ("rope", "RoPE"),
@@ -225,6 +231,132 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for batch in [8, 32] {
             gemm_sweep(&gpu, &config, batch * seq_len, quick)?;
         }
+    }
+    if std::env::var_os("HESPER_BENCH_FUSION").is_some() {
+        fusion_sweep(&gpu, &config, 8 * seq_len, precision, quick)?;
+    }
+    Ok(())
+}
+
+/// The step's GEMMs over `t` tokens with the fusions the step gives them, against the same
+/// GEMMs plain (f16 weights at `Precision::F16`, as the step holds them): µs, medians.
+fn fusion_sweep(
+    gpu: &Gpu,
+    c: &ModelConfig,
+    t: usize,
+    precision: Precision,
+    quick: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use hesper::exec::half::f16;
+    let (d, i, kv, r) = (c.dim, c.ffn_dim, c.kv_heads * c.head_dim, 8);
+    let config = match quick {
+        true => BenchConfig {
+            warmup: std::time::Duration::from_millis(50),
+            reps: 3,
+        },
+        false => BenchConfig::default(),
+    };
+    let widest = i.max(d);
+    let mut rng = Rng::new(7);
+    let input = gpu.upload(&rng.vec(t * widest, 1.0))?;
+    let other = gpu.upload(&rng.vec(t * widest, 1.0))?;
+    let out = gpu.zeros::<f32>(t * widest)?;
+    let lora_h = gpu.upload(&rng.vec(t * r, 1.0))?;
+    let lora_w = gpu.upload(&rng.vec(widest * r, 0.1))?;
+    let w32 = rng.vec(widest * widest, 0.05);
+    let w16: Vec<f16> = w32.iter().map(|v| f16::from_f32(*v)).collect();
+    let (w32, w16) = (gpu.upload(&w32)?, gpu.upload(&w16)?);
+    let slice = |b: &GpuBuffer<f32>, len: usize| -> Result<GpuBuffer<f32>, hesper::exec::ExecError> {
+        let s = gpu.zeros::<f32>(len)?;
+        let mut rec = gpu.recorder();
+        rec.copy_range(b, 0, &s, 0, len)?;
+        rec.submit()?;
+        Ok(s)
+    };
+    println!();
+    println!("The step's fused GEMMs ({t} tokens, {precision:?}), µs, medians, against plain:");
+    println!();
+    println!("| GEMM | m×n×k | plain | plain, accumulating | fused | fusion |");
+    println!("|---|---|---|---|---|---|");
+    // (what, product, n, k, fusion): `lora` 'B' forward, 'A' backward; `residual`; `swiglu`.
+    let cases = [
+        ("q forward", Product::Nt, d, d, "lora_b"),
+        ("v forward", Product::Nt, kv, d, "lora_b"),
+        ("o forward", Product::Nt, d, d, "residual"),
+        ("down forward", Product::Nt, d, i, "residual"),
+        ("down forward", Product::Nt, d, i, "swiglu+residual"),
+        ("q backward", Product::Nn, d, d, "lora_a"),
+        ("v backward", Product::Nn, kv, d, "lora_a"),
+    ];
+    for (what, product, n, k, fusion_name) in cases {
+        let (cols, depth) = match product {
+            Product::Nt => (n, k),
+            Product::Nn => (k, n),
+        };
+        let x = slice(&input, t * depth)?;
+        let up = slice(&other, t * depth)?;
+        let residual = slice(&other, t * cols)?;
+        let mut y = slice(&out, t * cols)?;
+        let h = slice(&lora_h, t * r)?;
+        let lw = slice(&lora_w, cols * r)?;
+        let w16n = gpu.zeros::<f16>(n * k)?;
+        let w32n = slice(&w32, n * k)?;
+        {
+            let mut rec = gpu.recorder();
+            rec.copy_range(&w16, 0, &w16n, 0, n * k)?;
+            rec.submit()?;
+        }
+        let weights = || match precision {
+            Precision::F16 => GemmWeights::Half {
+                w: &w16n,
+                scale: 1.0,
+            },
+            Precision::F32 => GemmWeights::Dense(&w32n),
+        };
+        let gemm = Gemm::new(product, (t, n, k), false).with_precision(precision);
+        let plain = bench(gpu, what, config, |rec| {
+            execute_gemm(rec, &gemm, &x, weights(), &mut y)
+        })?;
+        // What a residual replaces: the GEMM adding into a copy of it.
+        let adding = Gemm {
+            accumulate: true,
+            ..gemm
+        };
+        let accumulating = bench(gpu, what, config, |rec| {
+            execute_gemm(rec, &adding, &x, weights(), &mut y)
+        })?;
+        let lora = LoraUp {
+            h: &h,
+            weight: match fusion_name {
+                "lora_a" => UpWeight::A(&lw),
+                _ => UpWeight::B(&lw),
+            },
+            rank: r,
+            scale: 2.0,
+        };
+        let residual = Residual {
+            residual: &residual,
+        };
+        let swiglu = SwigluInput { up: &up };
+        let (prologue, epilogues): (Option<&dyn GemmFusion>, Vec<&dyn GemmFusion>) =
+            match fusion_name {
+                "residual" => (None, vec![&residual]),
+                "swiglu+residual" => (Some(&swiglu), vec![&residual]),
+                _ => (None, vec![&lora]),
+            };
+        let fusion = Fusion {
+            prologue,
+            epilogues: &epilogues,
+        };
+        let fused = bench(gpu, what, config, |rec| {
+            execute_gemm_fused(rec, &gemm, &fusion, &x, weights(), &mut y)
+        })?;
+        println!(
+            "| {what} | {t}×{n}×{k} | {:.1} | {:.1} | {:.1} | {fusion_name} |",
+            plain.median_ns() / 1e3,
+            accumulating.median_ns() / 1e3,
+            fused.median_ns() / 1e3
+        );
     }
     Ok(())
 }

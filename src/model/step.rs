@@ -13,17 +13,14 @@ use hesper_kernels::attention::{
     SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths, execute_attention_backward,
     execute_attention_forward,
 };
-use hesper_kernels::elementwise::{execute_add, execute_embedding};
+use hesper_kernels::elementwise::{execute_add, execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{
-    SwigluInput, execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward,
-    execute_swiglu_backward, execute_swiglu_forward,
+    execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
+    execute_swiglu_forward,
 };
-use hesper_kernels::linear::fusion::{Bias, Residual};
+use hesper_kernels::linear::fusion::Residual;
 use hesper_kernels::linear::{Fusion, GemmFusion, Product, execute_gemm, execute_gemm_fused};
-use hesper_kernels::lora::{
-    LoraBackward, LoraUp, MAX_FUSED_RANK, UpWeight, execute_lora_backward, execute_lora_down,
-    execute_lora_forward, execute_lora_weight_backward,
-};
+use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
     execute_cross_entropy_rows,
@@ -62,89 +59,52 @@ struct Ctx<'a> {
     grad_exponent: i32,
 }
 
-/// How a projection's forward reads its input and what its output starts from.
-#[derive(Clone, Copy)]
-enum ProjectionInput<'a> {
-    /// `x` as it is.
-    Plain(&'a GpuBuffer<f32>),
-    /// `silu(gate)·up`, computed as the GEMM reads it (the down projection's `h`, unwritten).
-    Swiglu {
-        gate: &'a GpuBuffer<f32>,
-        up: &'a GpuBuffer<f32>,
-    },
-}
-
 impl Ctx<'_> {
-    /// `y = residual + x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer` (no residual:
-    /// `y` is overwritten), saving `x·Aᵀ` in `lora_h` where LoRA adapts it: one GEMM, the
-    /// bias, the residual and LoRA's up-projection its epilogues (`linear::fusion`), after
-    /// LoRA's down-projection.
+    /// `y = residual + x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer` (no
+    /// residual: `y` is overwritten), saving `x·Aᵀ` in `lora_h` where LoRA adapts it. The
+    /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first. LoRA's
+    /// up-projection and the bias are not fused: on the H200 the fused GEMM costs more than
+    /// their own kernels (BENCHMARKS.md, "Fusion").
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
         rec: &mut Recorder<'_>,
         adapters: &GpuAdapters,
         (layer, projection): (usize, Projection),
-        input: ProjectionInput<'_>,
+        x: &GpuBuffer<f32>,
         y: &mut GpuBuffer<f32>,
         lora_h: &mut [GpuBuffer<f32>],
         residual: Option<&GpuBuffer<f32>>,
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
-        let (out, width) = projection.shape(self.model.config());
+        let (out, input) = projection.shape(self.model.config());
         let gemm = self
             .model
-            .gemm(Product::Nt, (self.tokens, out, width), false);
-        let adapter = adapters.index(layer, projection).map(|i| {
-            let h = &mut lora_h[i % adapters.lora().targets.len()];
-            (&adapters.adapters[i], h)
-        });
-        let fused_lora = self.rank <= MAX_FUSED_RANK;
-        let (x, swiglu) = match input {
-            ProjectionInput::Plain(x) => (x, None),
-            ProjectionInput::Swiglu { gate, up } => (gate, Some(SwigluInput { up })),
-        };
-        // LoRA reads the projection's input: never an `h` left unwritten.
-        debug_assert!(swiglu.is_none() || adapter.is_none());
-        let (lora_up, unfused) = match adapter {
-            Some((adapter, h)) if fused_lora => {
-                execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
-                let up = LoraUp {
-                    h,
-                    weight: UpWeight::B(&adapter.b),
-                    rank: self.rank,
-                    scale: self.scale,
-                };
-                (Some(up), None)
-            }
-            other => (None, other),
-        };
-        let bias = weights.bias(projection).map(|bias| Bias { bias });
+            .gemm(Product::Nt, (self.tokens, out, input), false);
         let residual = residual.map(|residual| Residual { residual });
-        let epilogues: Vec<&dyn GemmFusion> = [
-            lora_up.as_ref().map(|f| f as &dyn GemmFusion),
-            bias.as_ref().map(|f| f as &dyn GemmFusion),
-            residual.as_ref().map(|f| f as &dyn GemmFusion),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
+        let epilogues: Vec<&dyn GemmFusion> = residual
+            .iter()
+            .map(|r| r as &dyn GemmFusion)
+            .collect();
         let fusion = Fusion {
-            prologue: swiglu.as_ref().map(|f| f as &dyn GemmFusion),
+            prologue: None,
             epilogues: &epilogues,
         };
         let frozen = weights.projection(projection).weights();
         execute_gemm_fused(rec, &gemm, &fusion, x, frozen, &mut *y)?;
-        if let Some((adapter, h)) = unfused {
-            // A rank past the fused epilogue's: LoRA's own kernels, after the GEMM.
+        if let Some(bias) = weights.bias(projection) {
+            execute_add_bias(rec, y, bias)?;
+        }
+        if let Some(i) = adapters.index(layer, projection) {
+            let adapter = &adapters.adapters[i];
+            let h = &mut lora_h[i % adapters.lora().targets.len()];
             execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?;
         }
         Ok(())
     }
 
     /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer`, and its adapter's gradients
-    /// (written by the first micro-batch, added to by the others): `dh = dy·B` and the
-    /// adapter's gradients first, then one GEMM with `s·dh·A` its epilogue.
+    /// (written by the first micro-batch, added to by the others).
     #[allow(clippy::too_many_arguments)]
     fn project_backward(
         &self,
@@ -163,9 +123,14 @@ impl Ctx<'_> {
             .model
             .gemm(Product::Nn, (self.tokens, out, input), accumulate)
             .with_input_exponent(self.grad_exponent);
-        let frozen = weights.projection(projection).weights();
+        execute_gemm(
+            rec,
+            &gemm,
+            dy,
+            weights.projection(projection).weights(),
+            &mut *dx,
+        )?;
         let Some(i) = adapters.index(layer, projection) else {
-            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
             return Ok(());
         };
         let target = i % adapters.lora().targets.len();
@@ -187,29 +152,12 @@ impl Ctx<'_> {
         };
         let (rank, scale) = (self.rank, self.scale);
         let (dh, scratch) = (&mut work.dh, &mut work.scratch);
-        let (grad_a, grad_b) = match self.micro {
-            0 => (&mut *da, &mut *db),
-            _ => (&mut *micro_da, &mut *micro_db),
-        };
-        if rank <= MAX_FUSED_RANK {
-            execute_lora_weight_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b)?;
-            let lora_up = LoraUp {
-                h: dh,
-                weight: UpWeight::A(a),
-                rank,
-                scale,
-            };
-            let fusion = Fusion {
-                prologue: None,
-                epilogues: &[&lora_up as &dyn GemmFusion],
-            };
-            execute_gemm_fused(rec, &gemm, &fusion, dy, frozen, &mut *dx)?;
+        if self.micro == 0 {
+            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, da, db, dx)?;
         } else {
-            // A rank past the fused epilogue's: LoRA's own kernels, after the GEMM.
-            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
-            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b, dx)?;
-        }
-        if self.micro > 0 {
+            execute_lora_backward(
+                rec, &inputs, rank, scale, dh, scratch, micro_da, micro_db, dx,
+            )?;
             execute_add(rec, micro_da, da)?;
             execute_add(rec, micro_db, db)?;
         }
@@ -235,7 +183,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Q),
-            ProjectionInput::Plain(&a.n1),
+            &a.n1,
             q_out,
             &mut a.lora_h,
             None,
@@ -245,7 +193,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::K),
-            ProjectionInput::Plain(&a.n1),
+            &a.n1,
             k_out,
             &mut a.lora_h,
             None,
@@ -254,7 +202,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::V),
-            ProjectionInput::Plain(&a.n1),
+            &a.n1,
             &mut a.v,
             &mut a.lora_h,
             None,
@@ -289,7 +237,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::O),
-            ProjectionInput::Plain(o_in),
+            o_in,
             &mut a.x1,
             &mut a.lora_h,
             Some(&a.x),
@@ -300,7 +248,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Gate),
-            ProjectionInput::Plain(&a.n2),
+            &a.n2,
             &mut a.gate,
             &mut a.lora_h,
             None,
@@ -309,28 +257,19 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Up),
-            ProjectionInput::Plain(&a.n2),
+            &a.n2,
             &mut a.up,
             &mut a.lora_h,
             None,
         )?;
-        // The backward needs `gate` and `up`; `h` only where LoRA adapts the down projection
-        // (its input) or a norm follows (BitNet): else SwiGLU runs as the GEMM reads its input.
-        let h_in = match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
+        match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
             (Some(h_sub), Some(rstd_h), Some(gamma)) => {
                 execute_relu_sqr_mul_forward(rec, &a.gate, &a.up, &mut a.h)?;
                 execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
-                ProjectionInput::Plain(h_sub)
             }
-            _ if adapters.index(layer, Projection::Down).is_some() => {
-                execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?;
-                ProjectionInput::Plain(&a.h)
-            }
-            _ => ProjectionInput::Swiglu {
-                gate: &a.gate,
-                up: &a.up,
-            },
-        };
+            _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
+        }
+        let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
         self.project(
             rec,
             adapters,

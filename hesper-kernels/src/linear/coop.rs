@@ -653,10 +653,16 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         accumulate,
         fused: fused.epilogue.as_ref(),
     };
-    // An epilogue works element by element: through workgroup memory.
+    // An epilogue works element by element, through workgroup memory; one that adds
+    // matrices, tile by tile.
+    let direct_matrices = match (&fused.epilogue, &fused.added_matrices) {
+        (None, _) => Some(&[][..]),
+        (Some(_), Some(matrices)) => Some(&matrices[..]),
+        (Some(_), None) => None,
+    };
     if let Output::F32(y) = &out
         && cols.is_multiple_of(4)
-        && fused.epilogue.is_none()
+        && let Some(matrices) = direct_matrices
     {
         let mut inside = (&m0 + tile.bm).le(&rows);
         if !cols.is_multiple_of(tile.bn) {
@@ -665,7 +671,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         }
         k.if_else(
             inside,
-            |k| epilogue.direct(k, y),
+            |k| epilogue.direct(k, y, matrices),
             |k| epilogue.staged(k, &c_tile, &sg, subgroup),
         );
     } else {
@@ -723,12 +729,16 @@ impl Epilogue<'_> {
         )
     }
 
-    /// Every fragment straight into `y` (a tile inside `out`, f32, rows 16-byte aligned).
-    fn direct(&self, k: &mut KernelBuilder, y: &RwBuffer<f32>) {
+    /// Every fragment straight into `y` (a tile inside `out`, f32, rows 16-byte aligned),
+    /// `matrices` (`[rows, cols]`) added to it.
+    fn direct(&self, k: &mut KernelBuilder, y: &RwBuffer<f32>, matrices: &[ReadBuffer<f32>]) {
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
             let at = k.let_("at", row * self.cols + col);
             let mut value = acc.get() * self.scale;
+            for m in matrices {
+                value = value + k.coop_load::<Acc, _>(m, &at, self.cols, Major::Row);
+            }
             if self.accumulate {
                 value = value + k.coop_load::<Acc, _>(y, &at, self.cols, Major::Row);
             }

@@ -51,6 +51,14 @@ pub trait GemmFusion {
 
     /// Binds what [`GemmFusion::build`] declared.
     fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a>;
+
+    /// `Some(binding)` where the code is exactly `value + m[row·width + col]` for an f32
+    /// buffer `m` that [`GemmFusion::build`] declares as `binding` (a residual): the tensor
+    /// cores then add it a 16×16 tile at a time and store their tiles directly, where other
+    /// epilogues go through workgroup memory element by element.
+    fn added_matrix(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 /// The fusions of one GEMM: at most one prologue, any number of epilogues.
@@ -140,10 +148,27 @@ impl<'a> Fusion<'a> {
     }
 
     /// Builds the code inside a GEMM's kernel: the prologue's element function (over
-    /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one.
+    /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; and where
+    /// every epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
     pub(crate) fn build(&self, k: &mut KernelBuilder, (cols, depth): (u32, u32)) -> Built {
         let prologue = self.prologue.map(|p| p.build(k, depth));
-        let epilogues: Vec<ElementFn> = self.epilogues.iter().map(|e| e.build(k, cols)).collect();
+        let all_matrices = self.epilogues.iter().all(|e| e.added_matrix().is_some());
+        let mut added_matrices = vec![];
+        let epilogues: Vec<ElementFn> = self
+            .epilogues
+            .iter()
+            .map(|e| match (all_matrices, e.added_matrix()) {
+                (true, Some(binding)) => {
+                    // The GEMM declares it, to add it by tiles as well.
+                    let m = k.storage::<f32>(binding);
+                    added_matrices.push(m.clone());
+                    Box::new(move |_: &mut KernelBuilder, row: &Expr<u32>, col: &Expr<u32>, v| {
+                        v + m.at(row * cols + col)
+                    }) as ElementFn
+                }
+                _ => e.build(k, cols),
+            })
+            .collect();
         let epilogue: Option<ElementFn> = (!epilogues.is_empty()).then(|| {
             Box::new(
                 move |k: &mut KernelBuilder, row: &Expr<u32>, col: &Expr<u32>, v| {
@@ -151,7 +176,11 @@ impl<'a> Fusion<'a> {
                 },
             ) as ElementFn
         });
-        Built { prologue, epilogue }
+        Built {
+            prologue,
+            epilogue,
+            added_matrices: (!self.epilogues.is_empty() && all_matrices).then_some(added_matrices),
+        }
     }
 }
 
@@ -159,6 +188,8 @@ impl<'a> Fusion<'a> {
 pub(crate) struct Built {
     pub prologue: Option<ElementFn>,
     pub epilogue: Option<ElementFn>,
+    /// Where every epilogue adds a matrix: those matrices (`[rows, cols]`, f32), in order.
+    pub added_matrices: Option<Vec<hesper_dsl::ReadBuffer<f32>>>,
 }
 
 /// The element function applied to each lane of `v` at columns `col + q` (`col(q)` gives
@@ -212,6 +243,9 @@ impl GemmFusion for Residual<'_> {
     }
     fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
         args.buffer("residual", self.residual)
+    }
+    fn added_matrix(&self) -> Option<&'static str> {
+        Some("residual")
     }
 }
 

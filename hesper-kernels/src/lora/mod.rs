@@ -244,7 +244,7 @@ pub fn execute_lora_forward(
     if t == 0 {
         return Ok(());
     }
-    down::project(rec, (x, a, h), (t, input, r), Layout::RankMajor)?;
+    execute_lora_down(rec, x, a, rank, h)?;
     up::project_up(rec, (h, b, y), (t, output, r), Layout::RankMinor, scale)
 }
 
