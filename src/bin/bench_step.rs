@@ -266,13 +266,14 @@ fn fusion_sweep(
     let w32 = rng.vec(widest * widest, 0.05);
     let w16: Vec<f16> = w32.iter().map(|v| f16::from_f32(*v)).collect();
     let (w32, w16) = (gpu.upload(&w32)?, gpu.upload(&w16)?);
-    let slice = |b: &GpuBuffer<f32>, len: usize| -> Result<GpuBuffer<f32>, hesper::exec::ExecError> {
-        let s = gpu.zeros::<f32>(len)?;
-        let mut rec = gpu.recorder();
-        rec.copy_range(b, 0, &s, 0, len)?;
-        rec.submit()?;
-        Ok(s)
-    };
+    let slice =
+        |b: &GpuBuffer<f32>, len: usize| -> Result<GpuBuffer<f32>, hesper::exec::ExecError> {
+            let s = gpu.zeros::<f32>(len)?;
+            let mut rec = gpu.recorder();
+            rec.copy_range(b, 0, &s, 0, len)?;
+            rec.submit()?;
+            Ok(s)
+        };
     println!();
     println!("The step's fused GEMMs ({t} tokens, {precision:?}), µs, medians, against plain:");
     println!();

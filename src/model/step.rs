@@ -82,10 +82,8 @@ impl Ctx<'_> {
             .model
             .gemm(Product::Nt, (self.tokens, out, input), false);
         let residual = residual.map(|residual| Residual { residual });
-        let epilogues: Vec<&dyn GemmFusion> = residual
-            .iter()
-            .map(|r| r as &dyn GemmFusion)
-            .collect();
+        let epilogues: Vec<&dyn GemmFusion> =
+            residual.iter().map(|r| r as &dyn GemmFusion).collect();
         let fusion = Fusion {
             prologue: None,
             epilogues: &epilogues,

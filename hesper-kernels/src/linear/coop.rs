@@ -731,7 +731,13 @@ impl Epilogue<'_> {
 
     /// Every fragment straight into `y` (a tile inside `out`, f32, rows 16-byte aligned),
     /// `matrices` (`[rows, cols]`) added to it.
+    /// Where tiles are read (added matrices, `accumulate`), every fragment's reads come before
+    /// the first store: a store into `y` may alias any later read, so the driver would keep
+    /// each read waiting on the store before it — a whole wave's latency a fragment (the down
+    /// projection's GEMM took 56% longer accumulating, BENCHMARKS.md "Fusion").
     fn direct(&self, k: &mut KernelBuilder, y: &RwBuffer<f32>, matrices: &[ReadBuffer<f32>]) {
+        let reads = self.accumulate || !matrices.is_empty();
+        let mut pending = vec![];
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
             let at = k.let_("at", row * self.cols + col);
@@ -742,6 +748,13 @@ impl Epilogue<'_> {
             if self.accumulate {
                 value = value + k.coop_load::<Acc, _>(y, &at, self.cols, Major::Row);
             }
+            if reads {
+                pending.push((at, k.let_("value", value)));
+            } else {
+                k.coop_store(y, &at, self.cols, Major::Row, value);
+            }
+        }
+        for (at, value) in pending {
             k.coop_store(y, &at, self.cols, Major::Row, value);
         }
     }

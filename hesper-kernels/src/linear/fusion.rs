@@ -162,9 +162,11 @@ impl<'a> Fusion<'a> {
                     // The GEMM declares it, to add it by tiles as well.
                     let m = k.storage::<f32>(binding);
                     added_matrices.push(m.clone());
-                    Box::new(move |_: &mut KernelBuilder, row: &Expr<u32>, col: &Expr<u32>, v| {
-                        v + m.at(row * cols + col)
-                    }) as ElementFn
+                    Box::new(
+                        move |_: &mut KernelBuilder, row: &Expr<u32>, col: &Expr<u32>, v| {
+                            v + m.at(row * cols + col)
+                        },
+                    ) as ElementFn
                 }
                 _ => e.build(k, cols),
             })
