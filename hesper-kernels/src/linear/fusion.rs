@@ -75,6 +75,11 @@ impl<'a> Fusion<'a> {
         epilogues: &[],
     };
 
+    /// Whether some epilogue adds a matrix ([`GemmFusion::added_matrix`]).
+    pub(crate) fn adds_matrices(&self) -> bool {
+        self.epilogues.iter().any(|e| e.added_matrix().is_some())
+    }
+
     /// Whether there is no code to fuse.
     pub fn is_empty(&self) -> bool {
         self.prologue.is_none() && self.epilogues.is_empty()

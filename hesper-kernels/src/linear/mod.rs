@@ -1091,7 +1091,13 @@ pub fn execute_gemm_fused<'a>(
             },
         });
     }
-    let path = match gemm_path(rec.gpu(), gemm, &weights, half) {
+    // A fused GEMM that adds matrices reads its output's tiles as an accumulating one does:
+    // its tile is chosen as for one.
+    let chooses_as = Gemm {
+        accumulate: gemm.accumulate || fusion.adds_matrices(),
+        ..*gemm
+    };
+    let path = match gemm_path(rec.gpu(), &chooses_as, &weights, half) {
         // gemv has no fusion.
         GemmPath::Gemv if !fusion.is_empty() => GemmPath::Tiled(tile),
         path => path,
