@@ -237,12 +237,7 @@ impl Source {
                         }
                     })
                     .collect();
-                vec4(
-                    lanes[0].clone(),
-                    lanes[1].clone(),
-                    lanes[2].clone(),
-                    lanes[3].clone(),
-                )
+                super::vec4_of(lanes)
             }
         }
     }
@@ -300,12 +295,7 @@ impl Source {
                 }
             })
             .collect();
-        vec4(
-            lanes[0].clone(),
-            lanes[1].clone(),
-            lanes[2].clone(),
-            lanes[3].clone(),
-        )
+        super::vec4_of(lanes)
     }
 
     fn is_vec4(&self) -> bool {

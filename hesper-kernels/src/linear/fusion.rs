@@ -216,12 +216,7 @@ pub(crate) fn per_lane(
             k.let_("fused", value)
         })
         .collect();
-    vec4(
-        lanes[0].clone(),
-        lanes[1].clone(),
-        lanes[2].clone(),
-        lanes[3].clone(),
-    )
+    super::vec4_of(lanes)
 }
 
 /// Epilogue: `value + r[row, col]` — a residual connection (`x + o·Wᵀ`) without a copy of `x`

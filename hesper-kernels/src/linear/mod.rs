@@ -467,6 +467,15 @@ fn let_offset(k: &mut KernelBuilder, hint: &str, e: &Expr<u32>, c: u32) -> Expr<
     }
 }
 
+/// `vec4(l0, l1, l2, l3)` from four lanes.
+pub(crate) fn vec4_of<S: hesper_dsl::ty::ScalarType>(lanes: Vec<Expr<S>>) -> Expr<Vec4<S>> {
+    let [a, b, c, d]: [Expr<S>; 4] = match lanes.try_into() {
+        Ok(lanes) => lanes,
+        Err(lanes) => unreachable!("a vec4 of {} lanes", lanes.len()),
+    };
+    vec4(a, b, c, d)
+}
+
 /// Component `q` of `v`.
 pub(crate) fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
     match q {
@@ -523,7 +532,7 @@ fn row_slots(
                         }
                     })
                     .collect();
-                vec4(v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone())
+                vec4_of(v)
             });
             let next = k.var(&format!("{operand}_next"), Expr::<Vec4<f32>>::splat(0.0f32));
             Slot {
@@ -595,7 +604,7 @@ fn column_slots(
                         let row = k.let_("w_row", d * cols);
                         let v: Vec<Expr<f32>> =
                             at.iter().map(|c| elements.at(k, &row + c)).collect();
-                        vec4(v[0].clone(), v[1].clone(), v[2].clone(), v[3].clone())
+                        vec4_of(v)
                     })
                 }
             };

@@ -257,14 +257,7 @@ pub fn execute_lora_down(
     rank: usize,
     h: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = "lora_down";
-    let (r, input) = adapter(name, "a", a, rank)?;
-    let t = rows(name, "x", x, input as usize, "in")?;
-    expect_len(name, "h", h, t as usize * r as usize, "[tokens, rank]")?;
-    if t == 0 {
-        return Ok(());
-    }
-    down::project(rec, (x, a, h), (t, input, r), Layout::RankMajor)
+    into_rank(rec, &LORA_DOWN, (x, a, h), rank)
 }
 
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
@@ -275,14 +268,60 @@ pub fn execute_grad_dh(
     rank: usize,
     dh: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = "grad_dh";
-    let (r, output) = adapter(name, "b", b, rank)?;
-    let t = rows(name, "dy", dy, output as usize, "out")?;
-    expect_len(name, "dh", dh, t as usize * r as usize, "[tokens, rank]")?;
+    into_rank(rec, &GRAD_DH, (dy, b, dh), rank)
+}
+
+/// A product into `r`, `out[T, r] = u[T, n]·W(n, r)`, as an `execute_*` function names it.
+struct IntoRank {
+    kernel: &'static str,
+    /// The bindings `u`, `W` and `out`, and what `n` is.
+    u: &'static str,
+    w: &'static str,
+    out: &'static str,
+    width: &'static str,
+    layout: Layout,
+}
+
+/// `h = x·Aᵀ`: `A: [r, in]`.
+const LORA_DOWN: IntoRank = IntoRank {
+    kernel: "lora_down",
+    u: "x",
+    w: "a",
+    out: "h",
+    width: "in",
+    layout: Layout::RankMajor,
+};
+
+/// `dh = dy·B`: `B: [out, r]`.
+const GRAD_DH: IntoRank = IntoRank {
+    kernel: "grad_dh",
+    u: "dy",
+    w: "b",
+    out: "dh",
+    width: "out",
+    layout: Layout::RankMinor,
+};
+
+fn into_rank(
+    rec: &mut Recorder<'_>,
+    names: &IntoRank,
+    (u, w, out): (&GpuBuffer<f32>, &GpuBuffer<f32>, &mut GpuBuffer<f32>),
+    rank: usize,
+) -> Result<(), ExecError> {
+    let name = names.kernel;
+    let (r, n) = adapter(name, names.w, w, rank)?;
+    let t = rows(name, names.u, u, n as usize, names.width)?;
+    expect_len(
+        name,
+        names.out,
+        out,
+        t as usize * r as usize,
+        "[tokens, rank]",
+    )?;
     if t == 0 {
         return Ok(());
     }
-    down::project(rec, (dy, b, dh), (t, output, r), Layout::RankMinor)
+    down::project(rec, (u, w, out), (t, n, r), names.layout)
 }
 
 /// `dB = s·dyᵀ·h` (`[out, r]`, overwritten), summed over tokens through `scratch`
