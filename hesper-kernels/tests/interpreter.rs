@@ -288,7 +288,8 @@ fn every_kernel_matches_lavapipe_on_the_interpreter() {
 
 /// The tensor-core GEMM (cooperative matrices), which lavapipe cannot run, on the interpreter
 /// against the f64 reference of its f16-rounded inputs: both products, f32 inputs rounded as they
-/// are loaded and f16 inputs, f32 and f16 outputs, accumulation and scale, ragged rows.
+/// are loaded and f16 inputs, f32 and f16 outputs, accumulation and scale, ragged rows, columns
+/// and depth.
 #[test]
 fn the_tensor_core_gemm_is_right_on_the_interpreter() {
     use hesper_exec::half::f16;
@@ -317,6 +318,18 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
                 ("output_f16", "false"),
                 ("accumulate", "true"),
             ],
+        },
+        // A whole number of steps deep, rows of 4 (vec4 reads): the tiles inside `rows` and
+        // `cols` read by one index a operand, the ragged ones clamp each row.
+        Case {
+            name: "coop_matmul_nt",
+            rows: 50,
+            shape: &[("cols", "48"), ("depth", "64")],
+        },
+        Case {
+            name: "coop_matmul_nn",
+            rows: 70,
+            shape: &[("cols", "40"), ("depth", "48"), ("input_f16", "false")],
         },
     ];
     for case in cases {

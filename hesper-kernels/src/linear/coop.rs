@@ -161,7 +161,7 @@ pub(crate) fn key(
         .assume_in_bounds()
 }
 
-/// Where a staged operand comes from: f16 or f32 (rounded to f16 as it is read, after a
+/// Where a staged operand comes from: f16 or f32 (rounded to f16 when it is staged, after a
 /// multiply by the scale where there is one), four elements at once when its rows are a
 /// multiple of 4 long, else one by one.
 enum Source {
@@ -169,6 +169,15 @@ enum Source {
     Vec4F32(ReadBuffer<Vec4<f32>>, Option<Expr<f32>>),
     F16(ReadBuffer<F16>),
     F32(ReadBuffer<f32>, Option<Expr<f32>>),
+}
+
+/// Four elements of a slot between their read and their staging, as the source holds them.
+/// Nothing is computed from a read until it is staged: the tensor cores' work on the current
+/// step hides the read's latency only if no instruction waits for it before (an f32 input
+/// rounded as it was read made the gate projection's GEMM 16% slower on the H200).
+enum Raw {
+    F16(Var<Vec4<F16>>),
+    F32(Var<Vec4<f32>>),
 }
 
 impl Source {
@@ -187,108 +196,96 @@ impl Source {
         }
     }
 
-    /// The four elements from flat indices `at` (one index on the vec4 paths, a multiple of
-    /// 4; four otherwise) as f16, zero where `valid(q)` fails (on the vec4 paths `valid(0)`
-    /// speaks for all four). Where a read may pass the buffer, `last` (its last element)
-    /// clamps the index. `prologue` (lane, value) runs on each element, in f32, first.
-    fn read(
-        &self,
-        k: &mut KernelBuilder,
-        at: &[Expr<u32>],
-        valid: &dyn Fn(u32) -> Option<Expr<bool>>,
-        last: Option<&Expr<u32>>,
-        prologue: Option<&LaneFn>,
-    ) -> Expr<Vec4<F16>> {
-        let clamp = |i: &Expr<u32>| match last {
-            Some(last) => i.min(last),
-            None => i.clone(),
-        };
-        let zero = Expr::<F16>::lit(0.0);
-        let guard4 = |v: Expr<Vec4<F16>>| match valid(0) {
-            Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero.clone())),
-            None => v,
-        };
-        if let Some(prologue) = prologue {
-            return self.read_fused(k, at, (valid, &clamp), prologue);
-        }
+    fn is_vec4(&self) -> bool {
+        matches!(self, Source::Vec4F16(_) | Source::Vec4F32(..))
+    }
+
+    /// A register for one slot's four elements.
+    fn raw(&self, k: &mut KernelBuilder, name: &str) -> Raw {
         match self {
-            Source::Vec4F16(buf) => guard4(buf.at(clamp(&at[0]) / 4u32)),
-            Source::Vec4F32(buf, scale) => {
-                let v = buf.at(clamp(&at[0]) / 4u32);
-                let v = match scale {
-                    Some(s) => v * Expr::<Vec4<f32>>::splat(s.clone()),
-                    None => v,
-                };
-                guard4(v.cast::<Vec4<F16>>())
+            Source::Vec4F16(_) | Source::F16(_) => {
+                Raw::F16(k.var(name, Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0))))
             }
-            Source::F16(_) | Source::F32(..) => {
-                let lanes: Vec<Expr<F16>> = (0..4)
-                    .map(|q| {
-                        let i = k.let_("at", clamp(&at[q as usize]));
-                        let v = match self {
-                            Source::F16(buf) => buf.at(i),
-                            Source::F32(buf, None) => buf.at(i).cast::<F16>(),
-                            Source::F32(buf, Some(s)) => (buf.at(i) * s).cast::<F16>(),
-                            _ => unreachable!("vec4 sources are read above"),
-                        };
-                        match valid(q) {
-                            Some(ok) => select(ok, v, zero.clone()),
-                            None => v,
-                        }
-                    })
-                    .collect();
-                super::vec4_of(lanes)
+            Source::Vec4F32(..) | Source::F32(..) => {
+                Raw::F32(k.var(name, Expr::<Vec4<f32>>::splat(lit(0.0f32))))
             }
         }
     }
 
-    /// [`Source::read`] with a prologue: each element read as f32, run through it, scaled
-    /// (f32 sources), then rounded to f16.
-    fn read_fused(
+    /// Reads four elements into `raw`: on the vec4 paths the vec4 at index `at[0]` (counted
+    /// in vec4s), else the elements at the four indices `at`.
+    fn load(&self, k: &mut KernelBuilder, at: &[Expr<u32>], raw: &Raw) {
+        let scalar = |q: usize| at[q].clone();
+        match (self, raw) {
+            (Source::Vec4F16(buf), Raw::F16(v)) => k.assign(v, buf.at(&at[0])),
+            (Source::Vec4F32(buf, _), Raw::F32(v)) => k.assign(v, buf.at(&at[0])),
+            (Source::F16(buf), Raw::F16(v)) => k.assign(
+                v,
+                super::vec4_of((0..4).map(|q| buf.at(scalar(q))).collect()),
+            ),
+            (Source::F32(buf, _), Raw::F32(v)) => k.assign(
+                v,
+                super::vec4_of((0..4).map(|q| buf.at(scalar(q))).collect()),
+            ),
+            _ => unreachable!("a slot's register has its source's element type"),
+        }
+    }
+
+    /// The four elements of `raw` as staged: each through `prologue` (lane, value) in f32
+    /// first, multiplied by the scale (f32 sources), rounded to f16, zero where `valid(q)`
+    /// fails (on the vec4 paths `valid(0)` speaks for all four).
+    fn finish(
         &self,
         k: &mut KernelBuilder,
-        at: &[Expr<u32>],
-        (valid, clamp): (&Validity, &Clamp),
-        prologue: &LaneFn,
+        raw: &Raw,
+        valid: &Validity,
+        prologue: Option<&LaneFn>,
     ) -> Expr<Vec4<F16>> {
-        let (raw, scale): (Vec<Expr<f32>>, _) = match self {
-            Source::Vec4F16(_) | Source::Vec4F32(..) => {
-                let (v, scale) = match self {
-                    Source::Vec4F16(buf) => {
-                        (buf.at(clamp(&at[0]) / 4u32).cast::<Vec4<f32>>(), None)
-                    }
-                    Source::Vec4F32(buf, scale) => (buf.at(clamp(&at[0]) / 4u32), scale.clone()),
-                    _ => unreachable!("vec4 sources"),
-                };
-                let v = k.let_("fused_in", v);
-                ((0..4).map(|q| super::lane(&v, q)).collect(), scale)
-            }
-            Source::F16(buf) => {
-                let lanes = (0..4).map(|q| buf.at(clamp(&at[q as usize])).cast::<f32>());
-                (lanes.collect(), None)
-            }
-            Source::F32(buf, scale) => {
-                let lanes = (0..4).map(|q| buf.at(clamp(&at[q as usize])));
-                (lanes.collect(), scale.clone())
-            }
-        };
         let zero = Expr::<F16>::lit(0.0);
-        let lanes: Vec<Expr<F16>> = raw
-            .into_iter()
-            .enumerate()
-            .map(|(q, v)| {
-                let v = prologue(k, q as u32, v);
-                let v = match &scale {
-                    Some(s) => v * s,
-                    None => v,
+        let scale = match self {
+            Source::Vec4F32(_, s) | Source::F32(_, s) => s.clone(),
+            Source::Vec4F16(_) | Source::F16(_) => None,
+        };
+        let scaled = |v: Expr<f32>| match &scale {
+            Some(s) => v * s,
+            None => v,
+        };
+        if prologue.is_none() && self.is_vec4() {
+            let v = match raw {
+                Raw::F16(v) => v.get(),
+                Raw::F32(v) => {
+                    let v = match &scale {
+                        Some(s) => v.get() * Expr::<Vec4<f32>>::splat(s.clone()),
+                        None => v.get(),
+                    };
+                    v.cast::<Vec4<F16>>()
+                }
+            };
+            return match valid(0) {
+                Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero)),
+                None => v,
+            };
+        }
+        let raw = match raw {
+            Raw::F16(v) => v.get().cast::<Vec4<f32>>(),
+            Raw::F32(v) => v.get(),
+        };
+        let raw = match prologue {
+            Some(_) => k.let_("fused_in", raw),
+            None => raw,
+        };
+        let lanes: Vec<Expr<F16>> = (0..4)
+            .map(|q| {
+                let v = super::lane(&raw, q);
+                let v = match prologue {
+                    Some(prologue) => {
+                        let v = prologue(k, q, v);
+                        k.let_("fused", scaled(v).cast::<F16>())
+                    }
+                    None => scaled(v).cast::<F16>(),
                 };
-                let v = k.let_("fused", v.cast::<F16>());
                 // The vec4 paths' `valid(0)` speaks for all four lanes.
-                let ok = if self.is_vec4() {
-                    valid(0)
-                } else {
-                    valid(q as u32)
-                };
+                let ok = if self.is_vec4() { valid(0) } else { valid(q) };
                 match ok {
                     Some(ok) => select(ok, v, zero.clone()),
                     None => v,
@@ -297,30 +294,25 @@ impl Source {
             .collect();
         super::vec4_of(lanes)
     }
-
-    fn is_vec4(&self) -> bool {
-        matches!(self, Source::Vec4F16(_) | Source::Vec4F32(..))
-    }
 }
 
 /// Whether lane `q` of a read is within the depth (`None`: always).
 type Validity<'a> = dyn Fn(u32) -> Option<Expr<bool>> + 'a;
 
-/// An index clamped into its buffer.
-type Clamp<'a> = dyn Fn(&Expr<u32>) -> Expr<u32> + 'a;
-
 /// A prologue at one slot: `(lane, value) → value`, the slot's row and depth bound.
 type LaneFn<'a> = dyn Fn(&mut KernelBuilder, u32, Expr<f32>) -> Expr<f32> + 'a;
 
 /// One vec4 of a step's slice that this invocation stages: row `row` of the staged slice, vec4
-/// `c4` along it, read from the flat index `base` (+ the step's offset; four indices on the
-/// scalar paths), held in `next` between the read and the store.
+/// `c4` along it, read from index `at` at depth 0 (+ the step's offset), held in `next`
+/// between the read and the staging.
 struct Slot {
     row: Expr<u32>,
     c4: Expr<u32>,
-    base: Vec<Expr<u32>>,
-    next: Var<Vec4<F16>>,
-    /// The operand's row in memory (clamped), where a prologue needs it.
+    /// With [`Addressing::Vec4s`], one index counted in vec4s; else the element index (one on
+    /// the vec4 paths, four otherwise), clamped where it may pass the operand.
+    at: Vec<Expr<u32>>,
+    next: Raw,
+    /// The operand's row in memory, where a prologue needs it.
     source_row: Option<Expr<u32>>,
 }
 
@@ -331,6 +323,19 @@ enum Along {
     Depth,
     /// `[depth, cols]`: `W` read through `·W`. A slice is `bk × cols`.
     Columns,
+}
+
+/// How a slot's reads are indexed.
+#[derive(Clone, Copy, PartialEq)]
+enum Addressing {
+    /// Element indices, each slot's row clamped into the operand, every read clamped to the
+    /// buffer where the depth is ragged: any tile, any shape.
+    Clamped,
+    /// One index counted in vec4s a invocation, each slot a constant past it (vec4 sources,
+    /// the depth a whole number of steps, no slot's row past the operand's rows). The driver
+    /// folds the constants into the reads; a dozen clamped indices held in registers made
+    /// the 128×256 tile's `·W` GEMM at 8192³ 1.6× slower on the H200 (176 against 281 TFLOP/s).
+    Vec4s,
 }
 
 /// How one operand's slices are read. The dimension that is not the depth (`A`'s rows, the
@@ -353,40 +358,68 @@ struct Staged<'a> {
 }
 
 impl Staged<'_> {
+    /// Whether [`Addressing::Vec4s`] can serve this operand (where its rows fit, along the
+    /// depth).
+    fn vec4_addressing(&self) -> bool {
+        self.source.is_vec4() && !self.partial
+    }
+
     /// The slots of this operand's slice (`rows × width` halves staged, shared by `threads`
-    /// invocations), their loop-invariant read positions computed once.
+    /// invocations), their loop-invariant read positions computed once. `Vec4s` addressing
+    /// for `Along::Depth` asks that no slot's row passes `fixed_last` (the caller's branch);
+    /// along the columns one clamp serves every slot.
     fn slots(
         &self,
         k: &mut KernelBuilder,
         operand: &str,
         (rows, width): (u32, u32),
         threads: u32,
+        addressing: Addressing,
     ) -> Vec<Slot> {
         let lid = k.local_index();
         let per_row = width / 4;
         // Invocations cover whole rows of the slice per round (CoopTile::check): every slot's
         // position is the first's plus constants.
+        let rows_per_round = threads / per_row;
         let row0 = k.let_(&format!("{operand}_row"), &lid / per_row);
         let c4 = k.let_(&format!("{operand}_c4"), &lid % per_row);
-        let col0 = k.let_(&format!("{operand}_col"), &c4 * 4u32);
+        // The first element's column: along the columns, and along the depth when clamped.
+        let col0 = (self.along == Along::Columns || addressing == Addressing::Clamped)
+            .then(|| k.let_(&format!("{operand}_col"), &c4 * 4u32));
+        let col0 = || col0.clone().expect("a column where one is read");
+        let vec4_base = (addressing == Addressing::Vec4s).then(|| {
+            let w4 = self.width / 4;
+            let base = match self.along {
+                Along::Depth => (self.origin + &row0) * w4 + &c4,
+                Along::Columns => &row0 * w4 + (self.origin + col0()).min(&self.fixed_last) / 4u32,
+            };
+            k.let_(&format!("{operand}_at"), base)
+        });
         (0..rows * per_row / threads)
             .map(|i| {
-                let row = super::offset(&row0, i * (threads / per_row));
+                let row = super::offset(&row0, i * rows_per_round);
                 let mut source_row = None;
-                let base = match self.along {
-                    Along::Depth => {
+                let at = match (&vec4_base, self.along) {
+                    (Some(base), _) => {
+                        if self.along == Along::Depth && self.prologue.is_some() {
+                            let r = super::offset(&(self.origin + &row0), i * rows_per_round);
+                            source_row = Some(k.let_(&format!("{operand}_source_row"), r));
+                        }
+                        vec![super::offset(base, i * rows_per_round * (self.width / 4))]
+                    }
+                    (None, Along::Depth) => {
                         let mut r = (self.origin + &row).min(&self.fixed_last);
                         if self.prologue.is_some() {
                             r = k.let_(&format!("{operand}_source_row"), r);
                             source_row = Some(r.clone());
                         }
-                        vec![k.let_(&format!("{operand}_base"), r * self.width + &col0)]
+                        vec![k.let_(&format!("{operand}_base"), r * self.width + col0())]
                     }
-                    Along::Columns => {
+                    (None, Along::Columns) => {
                         let lanes = if self.source.is_vec4() { 1 } else { 4 };
                         (0..lanes)
                             .map(|q| {
-                                let c = super::offset(&(self.origin + &col0), q);
+                                let c = super::offset(&(self.origin + col0()), q);
                                 let c = c.min(&self.fixed_last);
                                 k.let_(&format!("{operand}_base"), &row * self.width + c)
                             })
@@ -396,29 +429,57 @@ impl Staged<'_> {
                 Slot {
                     row,
                     c4: c4.clone(),
-                    base,
-                    next: k.var(
-                        &format!("{operand}_next"),
-                        Expr::<Vec4<F16>>::splat(Expr::<F16>::lit(0.0)),
-                    ),
+                    at,
+                    next: self.source.raw(k, &format!("{operand}_next")),
                     source_row,
                 }
             })
             .collect()
     }
 
-    /// Read each slot's vec4 for the step starting at depth `d0`.
-    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>) {
-        let step = match self.along {
-            Along::Depth => d0.clone(),
-            Along::Columns => k.let_("d0_offset", d0 * self.width),
+    /// Read each slot's four elements for the step starting at depth `d0` into its register.
+    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>, addressing: Addressing) {
+        let w4 = self.width / 4;
+        let step = match (self.along, addressing) {
+            (Along::Depth, Addressing::Vec4s) => d0 / 4u32,
+            (Along::Columns, Addressing::Vec4s) => k.let_("d0_offset", d0 * w4),
+            (Along::Depth, Addressing::Clamped) => d0.clone(),
+            (Along::Columns, Addressing::Clamped) => k.let_("d0_offset", d0 * self.width),
+        };
+        let clamp = |i: Expr<u32>| match self.partial {
+            true => i.min(&self.last),
+            false => i,
         };
         for slot in slots {
-            let at: Vec<Expr<u32>> = match (&slot.base[..], self.source.is_vec4()) {
-                ([base], true) => vec![base + &step],
-                ([base], false) => (0..4).map(|q| super::offset(&(base + &step), q)).collect(),
-                (bases, _) => bases.iter().map(|b| b + &step).collect(),
+            let at: Vec<Expr<u32>> = match (&slot.at[..], addressing, self.source.is_vec4()) {
+                ([at], Addressing::Vec4s, _) => vec![at + &step],
+                ([base], Addressing::Clamped, true) => vec![clamp(base + &step) / 4u32],
+                ([base], Addressing::Clamped, false) => (0..4)
+                    .map(|q| clamp(super::offset(&(base + &step), q)))
+                    .collect(),
+                (bases, _, _) => bases.iter().map(|b| clamp(b + &step)).collect(),
             };
+            let at: Vec<Expr<u32>> = at
+                .into_iter()
+                .map(|i| match self.source.is_vec4() {
+                    true => i,
+                    false => k.let_("at", i),
+                })
+                .collect();
+            self.source.load(k, &at, &slot.next);
+        }
+    }
+
+    /// Store each slot's four elements, for the step starting at depth `d0`, into `tile` as
+    /// f16 (rows `stride` halves apart), each through the prologue, scaled and rounded.
+    fn stage(
+        &self,
+        k: &mut KernelBuilder,
+        slots: &[Slot],
+        d0: &Expr<u32>,
+        (tile, stride): (&WorkgroupArray<Vec4<F16>>, u32),
+    ) {
+        for slot in slots {
             let (depth, partial) = (self.depth, self.partial);
             let valid = |q: u32| {
                 partial.then(|| match self.along {
@@ -441,22 +502,11 @@ impl Staged<'_> {
                 }
                 _ => None,
             };
-            let value = self.source.read(
-                k,
-                &at,
-                &valid,
-                self.partial.then_some(&self.last),
-                prologue.as_deref(),
-            );
-            k.assign(&slot.next, value);
+            let value = self
+                .source
+                .finish(k, &slot.next, &valid, prologue.as_deref());
+            k.store(tile, &slot.row * (stride / 4) + &slot.c4, value);
         }
-    }
-}
-
-/// Store each slot's vec4 into `tile`, rows `stride` halves apart.
-fn stage(k: &mut KernelBuilder, slots: &[Slot], tile: &WorkgroupArray<Vec4<F16>>, stride: u32) {
-    for slot in slots {
-        k.store(tile, &slot.row * (stride / 4) + &slot.c4, slot.next.get());
     }
 }
 
@@ -558,13 +608,6 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         partial,
         last: lit(cols * depth - 1),
     };
-    let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads);
-    let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads);
-    let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
-        staged_a.fetch(k, &a_slots, d0);
-        staged_w.fetch(k, &b_slots, d0);
-    };
-
     let (frag_rows, frag_cols) = (tile.wm / 16, tile.wn / 16);
     let acc: Vec<Var<Acc>> = (0..frag_rows * frag_cols)
         .map(|_| k.var("acc", Expr::<Acc>::zero()))
@@ -575,58 +618,97 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         Product::Nn => k.let_("b_base", &wn0 / 4u32),
     };
 
-    k.comment("Stage the first step.");
-    fetch(k, &lit(0u32));
-    stage(k, &a_slots, &a_tile, a_stride);
-    stage(k, &b_slots, &b_tile, b_stride);
-    k.workgroup_barrier();
-    let steps = depth.div_ceil(tile.bk);
-    k.for_range("step", 0u32, steps, |k, step| {
-        let more = k.let_("more", (&step + 1u32).lt(steps));
-        k.comment("Read the next step's slices into registers while this one multiplies.");
-        k.if_(&more, |k| {
+    // The main loop, its reads addressed as `addressing` says for A and W.
+    let main_loop = |k: &mut KernelBuilder, (a_at, w_at): (Addressing, Addressing)| {
+        let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads, a_at);
+        let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads, w_at);
+        let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
+            staged_a.fetch(k, &a_slots, d0, a_at);
+            staged_w.fetch(k, &b_slots, d0, w_at);
+        };
+        let stage = |k: &mut KernelBuilder, d0: &Expr<u32>| {
+            staged_a.stage(k, &a_slots, d0, (&a_tile, a_stride));
+            staged_w.stage(k, &b_slots, d0, (&b_tile, b_stride));
+        };
+        k.comment("Stage the first step.");
+        fetch(k, &lit(0u32));
+        stage(k, &lit(0u32));
+        k.workgroup_barrier();
+        let steps = depth.div_ceil(tile.bk);
+        k.for_range("step", 0u32, steps, |k, step| {
+            let more = k.let_("more", (&step + 1u32).lt(steps));
             let d0 = k.let_("d0", (&step + 1u32) * tile.bk);
-            fetch(k, &d0);
-        });
-        for kf in 0..tile.bk / 16 {
-            let a_frags: Vec<Expr<TileA>> = (0..frag_rows)
-                .map(|i| {
-                    let at = super::offset(&a_base, i * 16 * a_stride / 4 + kf * 4);
-                    k.coop_load::<TileA, _>(&a_tile, at, a_stride / 4, Major::Row)
-                })
-                .collect();
-            let b_frags: Vec<Expr<TileB>> = (0..frag_cols)
-                .map(|j| match product {
-                    // B(k, n) = W[n, k]: column n of B is row n of the staged slice.
-                    Product::Nt => {
-                        let at = super::offset(&b_base, j * 16 * b_stride / 4 + kf * 4);
-                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Column)
+            k.comment("Read the next step's slices into registers while this one multiplies.");
+            k.if_(&more, |k| fetch(k, &d0));
+            for kf in 0..tile.bk / 16 {
+                let a_frags: Vec<Expr<TileA>> = (0..frag_rows)
+                    .map(|i| {
+                        let at = super::offset(&a_base, i * 16 * a_stride / 4 + kf * 4);
+                        k.coop_load::<TileA, _>(&a_tile, at, a_stride / 4, Major::Row)
+                    })
+                    .collect();
+                let b_frags: Vec<Expr<TileB>> = (0..frag_cols)
+                    .map(|j| match product {
+                        // B(k, n) = W[n, k]: column n of B is row n of the staged slice.
+                        Product::Nt => {
+                            let at = super::offset(&b_base, j * 16 * b_stride / 4 + kf * 4);
+                            k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Column)
+                        }
+                        Product::Nn => {
+                            let at = super::offset(&b_base, kf * 16 * b_stride / 4 + j * 4);
+                            k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Row)
+                        }
+                    })
+                    .collect();
+                for i in 0..frag_rows {
+                    for j in 0..frag_cols {
+                        let c = &acc[(i * frag_cols + j) as usize];
+                        let product = coop_multiply_add(
+                            a_frags[i as usize].clone(),
+                            b_frags[j as usize].clone(),
+                            c.get(),
+                        );
+                        k.assign(c, product);
                     }
-                    Product::Nn => {
-                        let at = super::offset(&b_base, kf * 16 * b_stride / 4 + j * 4);
-                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Row)
-                    }
-                })
-                .collect();
-            for i in 0..frag_rows {
-                for j in 0..frag_cols {
-                    let c = &acc[(i * frag_cols + j) as usize];
-                    let product = coop_multiply_add(
-                        a_frags[i as usize].clone(),
-                        b_frags[j as usize].clone(),
-                        c.get(),
-                    );
-                    k.assign(c, product);
                 }
             }
-        }
-        k.workgroup_barrier();
-        k.if_(&more, |k| {
-            stage(k, &a_slots, &a_tile, a_stride);
-            stage(k, &b_slots, &b_tile, b_stride);
+            k.workgroup_barrier();
+            k.if_(&more, |k| stage(k, &d0));
+            k.workgroup_barrier();
         });
-        k.workgroup_barrier();
-    });
+    };
+    // A tile whose rows all lie within `rows` (and, through `·Wᵀ`, whose columns all lie
+    // within `cols`) reads with one index a operand; the others clamp each slot's row.
+    // `&`, not `&&`: naga counts a short-circuit's result as varying.
+    let rows_fit = k.let_("rows_fit", (&m0 + tile.bm).le(&rows));
+    let cols_fit =
+        (!cols.is_multiple_of(tile.bn)).then(|| k.let_("cols_fit", (&n0 + tile.bn).le(cols)));
+    let w_columns = product == Product::Nn || cols_fit.is_none();
+    let vec4s = |ok: bool| {
+        if ok {
+            Addressing::Vec4s
+        } else {
+            Addressing::Clamped
+        }
+    };
+    let w_always = staged_w.vec4_addressing() && w_columns;
+    if staged_a.vec4_addressing() || (staged_w.vec4_addressing() && !w_columns) {
+        let fits = match (&cols_fit, product) {
+            (Some(cols_fit), Product::Nt) => rows_fit.clone() & cols_fit.clone(),
+            _ => rows_fit.clone(),
+        };
+        let inside = (
+            vec4s(staged_a.vec4_addressing()),
+            vec4s(staged_w.vec4_addressing()),
+        );
+        k.if_else(
+            fits,
+            |k| main_loop(k, inside),
+            |k| main_loop(k, (Addressing::Clamped, vec4s(w_always))),
+        );
+    } else {
+        main_loop(k, (Addressing::Clamped, vec4s(w_always)));
+    }
 
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
@@ -654,11 +736,10 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         && cols.is_multiple_of(4)
         && let Some(matrices) = direct_matrices
     {
-        let mut inside = (&m0 + tile.bm).le(&rows);
-        if !cols.is_multiple_of(tile.bn) {
-            // `&`, not `&&`: naga counts a short-circuit's result as varying.
-            inside = inside & (&n0 + tile.bn).le(cols);
-        }
+        let inside = match &cols_fit {
+            Some(cols_fit) => rows_fit.clone() & cols_fit.clone(),
+            None => rows_fit.clone(),
+        };
         k.if_else(
             inside,
             |k| epilogue.direct(k, y, matrices),
