@@ -329,12 +329,14 @@ enum Along {
 #[derive(Clone, Copy, PartialEq)]
 enum Addressing {
     /// Element indices, each slot's row clamped into the operand, every read clamped to the
-    /// buffer where the depth is ragged: any tile, any shape.
+    /// buffer where the depth is ragged: any operand, any shape.
     Clamped,
-    /// One index counted in vec4s a invocation, each slot a constant past it (vec4 sources,
-    /// the depth a whole number of steps, no slot's row past the operand's rows). The driver
-    /// folds the constants into the reads; a dozen clamped indices held in registers made
-    /// the 128×256 tile's `·W` GEMM at 8192³ 1.6× slower on the H200 (176 against 281 TFLOP/s).
+    /// One index a invocation counted in vec4s, each slot a constant past it: `W` through
+    /// `·W` (its column, clamped once, is every slot's) from vec4s, the depth a whole number
+    /// of steps. On the H200 (BENCHMARKS.md "Tensor cores, second pass") the lm-head's `·W`
+    /// GEMM took 1478 µs against 2220 with clamped indices, the gate projection's 58.3 against
+    /// 67.6. The same addressing for the operands along the depth, in the tiles inside the
+    /// output, was slower there (the 8192³ `·W` GEMM 228 against 274 TFLOP/s): not used.
     Vec4s,
 }
 
@@ -358,24 +360,24 @@ struct Staged<'a> {
 }
 
 impl Staged<'_> {
-    /// Whether [`Addressing::Vec4s`] can serve this operand (where its rows fit, along the
-    /// depth).
-    fn vec4_addressing(&self) -> bool {
-        self.source.is_vec4() && !self.partial
+    /// How this operand's reads are indexed.
+    fn addressing(&self) -> Addressing {
+        match self.along == Along::Columns && self.source.is_vec4() && !self.partial {
+            true => Addressing::Vec4s,
+            false => Addressing::Clamped,
+        }
     }
 
     /// The slots of this operand's slice (`rows × width` halves staged, shared by `threads`
-    /// invocations), their loop-invariant read positions computed once. `Vec4s` addressing
-    /// for `Along::Depth` asks that no slot's row passes `fixed_last` (the caller's branch);
-    /// along the columns one clamp serves every slot.
+    /// invocations), their loop-invariant read positions computed once.
     fn slots(
         &self,
         k: &mut KernelBuilder,
         operand: &str,
         (rows, width): (u32, u32),
         threads: u32,
-        addressing: Addressing,
     ) -> Vec<Slot> {
+        let addressing = self.addressing();
         let lid = k.local_index();
         let per_row = width / 4;
         // Invocations cover whole rows of the slice per round (CoopTile::check): every slot's
@@ -383,17 +385,10 @@ impl Staged<'_> {
         let rows_per_round = threads / per_row;
         let row0 = k.let_(&format!("{operand}_row"), &lid / per_row);
         let c4 = k.let_(&format!("{operand}_c4"), &lid % per_row);
-        // The first element's column: along the columns, and along the depth when clamped.
-        let col0 = (self.along == Along::Columns || addressing == Addressing::Clamped)
-            .then(|| k.let_(&format!("{operand}_col"), &c4 * 4u32));
-        let col0 = || col0.clone().expect("a column where one is read");
+        let col0 = k.let_(&format!("{operand}_col"), &c4 * 4u32);
         let vec4_base = (addressing == Addressing::Vec4s).then(|| {
-            let w4 = self.width / 4;
-            let base = match self.along {
-                Along::Depth => (self.origin + &row0) * w4 + &c4,
-                Along::Columns => &row0 * w4 + (self.origin + col0()).min(&self.fixed_last) / 4u32,
-            };
-            k.let_(&format!("{operand}_at"), base)
+            let column = (self.origin + &col0).min(&self.fixed_last) / 4u32;
+            k.let_(&format!("{operand}_at"), &row0 * (self.width / 4) + column)
         });
         (0..rows * per_row / threads)
             .map(|i| {
@@ -401,10 +396,6 @@ impl Staged<'_> {
                 let mut source_row = None;
                 let at = match (&vec4_base, self.along) {
                     (Some(base), _) => {
-                        if self.along == Along::Depth && self.prologue.is_some() {
-                            let r = super::offset(&(self.origin + &row0), i * rows_per_round);
-                            source_row = Some(k.let_(&format!("{operand}_source_row"), r));
-                        }
                         vec![super::offset(base, i * rows_per_round * (self.width / 4))]
                     }
                     (None, Along::Depth) => {
@@ -413,13 +404,13 @@ impl Staged<'_> {
                             r = k.let_(&format!("{operand}_source_row"), r);
                             source_row = Some(r.clone());
                         }
-                        vec![k.let_(&format!("{operand}_base"), r * self.width + col0())]
+                        vec![k.let_(&format!("{operand}_base"), r * self.width + &col0)]
                     }
                     (None, Along::Columns) => {
                         let lanes = if self.source.is_vec4() { 1 } else { 4 };
                         (0..lanes)
                             .map(|q| {
-                                let c = super::offset(&(self.origin + col0()), q);
+                                let c = super::offset(&(self.origin + &col0), q);
                                 let c = c.min(&self.fixed_last);
                                 k.let_(&format!("{operand}_base"), &row * self.width + c)
                             })
@@ -438,12 +429,11 @@ impl Staged<'_> {
     }
 
     /// Read each slot's four elements for the step starting at depth `d0` into its register.
-    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>, addressing: Addressing) {
-        let w4 = self.width / 4;
+    fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>) {
+        let addressing = self.addressing();
         let step = match (self.along, addressing) {
-            (Along::Depth, Addressing::Vec4s) => d0 / 4u32,
-            (Along::Columns, Addressing::Vec4s) => k.let_("d0_offset", d0 * w4),
-            (Along::Depth, Addressing::Clamped) => d0.clone(),
+            (Along::Depth, _) => d0.clone(),
+            (Along::Columns, Addressing::Vec4s) => k.let_("d0_offset", d0 * (self.width / 4)),
             (Along::Columns, Addressing::Clamped) => k.let_("d0_offset", d0 * self.width),
         };
         let clamp = |i: Expr<u32>| match self.partial {
@@ -618,97 +608,62 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         Product::Nn => k.let_("b_base", &wn0 / 4u32),
     };
 
-    // The main loop, its reads addressed as `addressing` says for A and W.
-    let main_loop = |k: &mut KernelBuilder, (a_at, w_at): (Addressing, Addressing)| {
-        let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads, a_at);
-        let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads, w_at);
-        let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
-            staged_a.fetch(k, &a_slots, d0, a_at);
-            staged_w.fetch(k, &b_slots, d0, w_at);
-        };
-        let stage = |k: &mut KernelBuilder, d0: &Expr<u32>| {
-            staged_a.stage(k, &a_slots, d0, (&a_tile, a_stride));
-            staged_w.stage(k, &b_slots, d0, (&b_tile, b_stride));
-        };
-        k.comment("Stage the first step.");
-        fetch(k, &lit(0u32));
-        stage(k, &lit(0u32));
-        k.workgroup_barrier();
-        let steps = depth.div_ceil(tile.bk);
-        k.for_range("step", 0u32, steps, |k, step| {
-            let more = k.let_("more", (&step + 1u32).lt(steps));
-            let d0 = k.let_("d0", (&step + 1u32) * tile.bk);
-            k.comment("Read the next step's slices into registers while this one multiplies.");
-            k.if_(&more, |k| fetch(k, &d0));
-            for kf in 0..tile.bk / 16 {
-                let a_frags: Vec<Expr<TileA>> = (0..frag_rows)
-                    .map(|i| {
-                        let at = super::offset(&a_base, i * 16 * a_stride / 4 + kf * 4);
-                        k.coop_load::<TileA, _>(&a_tile, at, a_stride / 4, Major::Row)
-                    })
-                    .collect();
-                let b_frags: Vec<Expr<TileB>> = (0..frag_cols)
-                    .map(|j| match product {
-                        // B(k, n) = W[n, k]: column n of B is row n of the staged slice.
-                        Product::Nt => {
-                            let at = super::offset(&b_base, j * 16 * b_stride / 4 + kf * 4);
-                            k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Column)
-                        }
-                        Product::Nn => {
-                            let at = super::offset(&b_base, kf * 16 * b_stride / 4 + j * 4);
-                            k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Row)
-                        }
-                    })
-                    .collect();
-                for i in 0..frag_rows {
-                    for j in 0..frag_cols {
-                        let c = &acc[(i * frag_cols + j) as usize];
-                        let product = coop_multiply_add(
-                            a_frags[i as usize].clone(),
-                            b_frags[j as usize].clone(),
-                            c.get(),
-                        );
-                        k.assign(c, product);
+    let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads);
+    let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads);
+    let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
+        staged_a.fetch(k, &a_slots, d0);
+        staged_w.fetch(k, &b_slots, d0);
+    };
+    let stage = |k: &mut KernelBuilder, d0: &Expr<u32>| {
+        staged_a.stage(k, &a_slots, d0, (&a_tile, a_stride));
+        staged_w.stage(k, &b_slots, d0, (&b_tile, b_stride));
+    };
+    k.comment("Stage the first step.");
+    fetch(k, &lit(0u32));
+    stage(k, &lit(0u32));
+    k.workgroup_barrier();
+    let steps = depth.div_ceil(tile.bk);
+    k.for_range("step", 0u32, steps, |k, step| {
+        let more = k.let_("more", (&step + 1u32).lt(steps));
+        let d0 = k.let_("d0", (&step + 1u32) * tile.bk);
+        k.comment("Read the next step's slices into registers while this one multiplies.");
+        k.if_(&more, |k| fetch(k, &d0));
+        for kf in 0..tile.bk / 16 {
+            let a_frags: Vec<Expr<TileA>> = (0..frag_rows)
+                .map(|i| {
+                    let at = super::offset(&a_base, i * 16 * a_stride / 4 + kf * 4);
+                    k.coop_load::<TileA, _>(&a_tile, at, a_stride / 4, Major::Row)
+                })
+                .collect();
+            let b_frags: Vec<Expr<TileB>> = (0..frag_cols)
+                .map(|j| match product {
+                    // B(k, n) = W[n, k]: column n of B is row n of the staged slice.
+                    Product::Nt => {
+                        let at = super::offset(&b_base, j * 16 * b_stride / 4 + kf * 4);
+                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Column)
                     }
+                    Product::Nn => {
+                        let at = super::offset(&b_base, kf * 16 * b_stride / 4 + j * 4);
+                        k.coop_load::<TileB, _>(&b_tile, at, b_stride / 4, Major::Row)
+                    }
+                })
+                .collect();
+            for i in 0..frag_rows {
+                for j in 0..frag_cols {
+                    let c = &acc[(i * frag_cols + j) as usize];
+                    let product = coop_multiply_add(
+                        a_frags[i as usize].clone(),
+                        b_frags[j as usize].clone(),
+                        c.get(),
+                    );
+                    k.assign(c, product);
                 }
             }
-            k.workgroup_barrier();
-            k.if_(&more, |k| stage(k, &d0));
-            k.workgroup_barrier();
-        });
-    };
-    // A tile whose rows all lie within `rows` (and, through `·Wᵀ`, whose columns all lie
-    // within `cols`) reads with one index a operand; the others clamp each slot's row.
-    // `&`, not `&&`: naga counts a short-circuit's result as varying.
-    let rows_fit = k.let_("rows_fit", (&m0 + tile.bm).le(&rows));
-    let cols_fit =
-        (!cols.is_multiple_of(tile.bn)).then(|| k.let_("cols_fit", (&n0 + tile.bn).le(cols)));
-    let w_columns = product == Product::Nn || cols_fit.is_none();
-    let vec4s = |ok: bool| {
-        if ok {
-            Addressing::Vec4s
-        } else {
-            Addressing::Clamped
         }
-    };
-    let w_always = staged_w.vec4_addressing() && w_columns;
-    if staged_a.vec4_addressing() || (staged_w.vec4_addressing() && !w_columns) {
-        let fits = match (&cols_fit, product) {
-            (Some(cols_fit), Product::Nt) => rows_fit.clone() & cols_fit.clone(),
-            _ => rows_fit.clone(),
-        };
-        let inside = (
-            vec4s(staged_a.vec4_addressing()),
-            vec4s(staged_w.vec4_addressing()),
-        );
-        k.if_else(
-            fits,
-            |k| main_loop(k, inside),
-            |k| main_loop(k, (Addressing::Clamped, vec4s(w_always))),
-        );
-    } else {
-        main_loop(k, (Addressing::Clamped, vec4s(w_always)));
-    }
+        k.workgroup_barrier();
+        k.if_(&more, |k| stage(k, &d0));
+        k.workgroup_barrier();
+    });
 
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
@@ -736,10 +691,11 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         && cols.is_multiple_of(4)
         && let Some(matrices) = direct_matrices
     {
-        let inside = match &cols_fit {
-            Some(cols_fit) => rows_fit.clone() & cols_fit.clone(),
-            None => rows_fit.clone(),
-        };
+        let mut inside = (&m0 + tile.bm).le(&rows);
+        if !cols.is_multiple_of(tile.bn) {
+            // `&`, not `&&`: naga counts a short-circuit's result as varying.
+            inside = inside & (&n0 + tile.bn).le(cols);
+        }
         k.if_else(
             inside,
             |k| epilogue.direct(k, y, matrices),
