@@ -8,6 +8,7 @@
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_matmul              # every shape and tile
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_matmul   # small shapes
+//! HESPER_BENCH_TUNED=1 scripts/with-gpu cargo run --release --bin bench_matmul   # tuned tiles only
 //! ```
 
 use std::time::Duration;
@@ -82,8 +83,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ("lm-head", (t, 49_152, 576)),
         ]
     };
+    let tuned_only = std::env::var("HESPER_BENCH_TUNED").is_ok_and(|v| v == "1");
     let mut tiles: Vec<Option<CoopTile>> = vec![None];
-    tiles.extend(coop::TILES.iter().chain(&EXTRA_TILES).map(|t| Some(*t)));
+    if !tuned_only {
+        tiles.extend(coop::TILES.iter().chain(&EXTRA_TILES).map(|t| Some(*t)));
+    }
     let mut first = true;
     println!();
     println!("| product | M×N×K | tile (bm×bn×bk, wm×wn) | µs (median) | TFLOP/s |");
