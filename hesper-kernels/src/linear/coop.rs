@@ -607,6 +607,25 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         Product::Nt => k.let_("b_base", &wn0 * (b_stride / 4)),
         Product::Nn => k.let_("b_base", &wn0 / 4u32),
     };
+    // An epilogue works element by element, through workgroup memory; one that adds
+    // matrices, tile by tile.
+    let direct_matrices = match (&fused.epilogue, &fused.added_matrices) {
+        (None, _) => Some(&[][..]),
+        (Some(_), Some(matrices)) => Some(&matrices[..]),
+        (Some(_), None) => None,
+    };
+    let direct =
+        matches!(out, Output::F32(_)) && cols.is_multiple_of(4) && direct_matrices.is_some();
+    // Whether the tile's rows and columns lie inside `out`, for a direct store: computed
+    // before the main loop, since computed after it (the same expressions) the H200's compiler
+    // made the lm-head's `·W` GEMM 1.5× slower (2209 against 1478 µs; BENCHMARKS.md "Tensor
+    // cores, second pass").
+    let fits = direct.then(|| {
+        let rows_fit = k.let_("rows_fit", (&m0 + tile.bm).le(&rows));
+        let cols_fit =
+            (!cols.is_multiple_of(tile.bn)).then(|| k.let_("cols_fit", (&n0 + tile.bn).le(cols)));
+        (rows_fit, cols_fit)
+    });
 
     let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads);
     let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads);
@@ -680,22 +699,14 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         accumulate,
         fused: fused.epilogue.as_ref(),
     };
-    // An epilogue works element by element, through workgroup memory; one that adds
-    // matrices, tile by tile.
-    let direct_matrices = match (&fused.epilogue, &fused.added_matrices) {
-        (None, _) => Some(&[][..]),
-        (Some(_), Some(matrices)) => Some(&matrices[..]),
-        (Some(_), None) => None,
-    };
-    if let Output::F32(y) = &out
-        && cols.is_multiple_of(4)
-        && let Some(matrices) = direct_matrices
+    if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
+        (&out, direct_matrices, fits)
     {
-        let mut inside = (&m0 + tile.bm).le(&rows);
-        if !cols.is_multiple_of(tile.bn) {
+        let inside = match cols_fit {
             // `&`, not `&&`: naga counts a short-circuit's result as varying.
-            inside = inside & (&n0 + tile.bn).le(cols);
-        }
+            Some(cols_fit) => rows_fit & cols_fit,
+            None => rows_fit,
+        };
         k.if_else(
             inside,
             |k| epilogue.direct(k, y, matrices),
