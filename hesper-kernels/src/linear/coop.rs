@@ -1,5 +1,5 @@
 //! The linear GEMM on tensor cores: `out[m, cols] (+)= s·A[m, depth]·B(depth, cols)` with f16
-//! inputs (f16 buffers, or f32 rounded to f16 as they are loaded) multiplied by cooperative
+//! inputs (f16 buffers, or f32 rounded to f16 as they are staged) multiplied by cooperative
 //! matrices and accumulated in f32, out in f32 or f16. `B` is read out of `W` as the module's
 //! products say (`·Wᵀ`: `W: [cols, depth]`; `·W`: `W: [depth, cols]`).
 //!
@@ -9,7 +9,10 @@
 //! slice row by row, `B`'s as `W` holds it (rows of `W` along the depth for `·Wᵀ`, so `B` is
 //! loaded column-major; rows along the columns for `·W`, row-major), in workgroup memory as
 //! `vec4<f16>` with 8 halves of padding a row (against bank conflicts). Each invocation reads
-//! the next step's vec4s into registers while the tensor cores work on this one.
+//! the next step's vec4s into registers while the tensor cores work on this one, and computes
+//! nothing from them (rounding, prologue) until it stages them. The H200's compiler is
+//! sensitive to how this loop is written (BENCHMARKS.md "Tensor cores, second pass"): the
+//! choices below that look arbitrary were measured.
 //!
 //! ## Edges
 //! Rows past `m`, columns past `cols` and depth past `depth` are loaded as zeros (from a
