@@ -331,6 +331,17 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             rows: 70,
             shape: &[("cols", "40"), ("depth", "48"), ("input_f16", "false")],
         },
+        // Rows of 30 (not a multiple of 4): f16 elements read one by one.
+        Case {
+            name: "coop_matmul_nt",
+            rows: 37,
+            shape: &[
+                ("cols", "36"),
+                ("depth", "30"),
+                ("input_f16", "true"),
+                ("weight_f16", "true"),
+            ],
+        },
     ];
     for case in cases {
         let shape: Vec<(String, String)> = case

@@ -253,7 +253,7 @@ impl Source {
             Some(s) => v * s,
             None => v,
         };
-        if prologue.is_none() && self.is_vec4() {
+        let Some(prologue) = prologue else {
             let v = match raw {
                 Raw::F16(v) => v.get(),
                 Raw::F32(v) => {
@@ -264,29 +264,27 @@ impl Source {
                     v.cast::<Vec4<F16>>()
                 }
             };
-            return match valid(0) {
-                Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero)),
-                None => v,
-            };
-        }
+            if self.is_vec4() {
+                return match valid(0) {
+                    Some(ok) => select(ok, v, Expr::<Vec4<F16>>::splat(zero)),
+                    None => v,
+                };
+            }
+            let lanes = (0..4).map(|q| match valid(q) {
+                Some(ok) => select(ok, super::lane(&v, q), zero.clone()),
+                None => super::lane(&v, q),
+            });
+            return super::vec4_of(lanes.collect());
+        };
         let raw = match raw {
             Raw::F16(v) => v.get().cast::<Vec4<f32>>(),
             Raw::F32(v) => v.get(),
         };
-        let raw = match prologue {
-            Some(_) => k.let_("fused_in", raw),
-            None => raw,
-        };
+        let raw = k.let_("fused_in", raw);
         let lanes: Vec<Expr<F16>> = (0..4)
             .map(|q| {
-                let v = super::lane(&raw, q);
-                let v = match prologue {
-                    Some(prologue) => {
-                        let v = prologue(k, q, v);
-                        k.let_("fused", scaled(v).cast::<F16>())
-                    }
-                    None => scaled(v).cast::<F16>(),
-                };
+                let v = prologue(k, q, super::lane(&raw, q));
+                let v = k.let_("fused", scaled(v).cast::<F16>());
                 // The vec4 paths' `valid(0)` speaks for all four lanes.
                 let ok = if self.is_vec4() { valid(0) } else { valid(q) };
                 match ok {

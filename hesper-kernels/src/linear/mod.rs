@@ -477,7 +477,10 @@ pub(crate) fn vec4_of<S: hesper_dsl::ty::ScalarType>(lanes: Vec<Expr<S>>) -> Exp
 }
 
 /// Component `q` of `v`.
-pub(crate) fn lane(v: &Expr<Vec4<f32>>, q: u32) -> Expr<f32> {
+pub(crate) fn lane<S: hesper_dsl::ty::ScalarType>(v: &Expr<Vec4<S>>, q: u32) -> Expr<S>
+where
+    Vec4<S>: hesper_dsl::expr::VectorType<Elem = S>,
+{
     match q {
         0 => v.x(),
         1 => v.y(),
