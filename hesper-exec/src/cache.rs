@@ -15,7 +15,8 @@ use crate::gpu::Gpu;
 /// A kernel compiled for one device: its IR and WGSL, the pipeline, and its bind group layout.
 /// It belongs to the [`Gpu`] that compiled it (launching it on another is an error).
 pub struct CompiledKernel {
-    kernel: Kernel,
+    /// Shared with the launches an interpreting recorder keeps until it submits.
+    pub(crate) kernel: Arc<Kernel>,
     gpu: u64,
     pub(crate) pipeline: wgpu::ComputePipeline,
     pub(crate) layout: wgpu::BindGroupLayout,
@@ -214,7 +215,7 @@ impl Gpu {
             .fetch_add(compile_time.as_nanos() as u64, Ordering::Relaxed);
         let key = kernel.key().clone();
         let compiled = Arc::new(CompiledKernel {
-            kernel,
+            kernel: Arc::new(kernel),
             gpu: self.id(),
             pipeline,
             layout,

@@ -1,6 +1,7 @@
 //! The executor's error type: each message names the kernel and binding where there is one.
 
 use hesper_dsl::DslError;
+use hesper_dsl::interp::InterpError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ExecError {
@@ -100,6 +101,11 @@ pub enum ExecError {
         expected: String,
         given: String,
     },
+    /// A fault the DSL's interpreter found in a launch ([`GpuOptions::interpreter`](crate::GpuOptions::interpreter)):
+    /// the kernel, what went wrong (the buffer or array and the index), the invocation and
+    /// the author's statement.
+    #[error("on the interpreter: {0}")]
+    Interpreter(Box<InterpError>),
     #[error(transparent)]
     Dsl(#[from] DslError),
 }

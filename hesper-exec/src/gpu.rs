@@ -10,6 +10,8 @@ use hesper_dsl::{CoopMultiply, Features, Limits, Scalar};
 
 use crate::cache::PipelineCache;
 use crate::error::ExecError;
+#[cfg(not(target_arch = "wasm32"))]
+use crate::interpreted;
 use crate::pool::{self, AdapterIdentity, DeviceRequest, PooledDevice};
 use crate::tune::{TuneCache, TuneFileStatus};
 
@@ -79,6 +81,18 @@ pub struct GpuOptions {
     /// before it returns [`ExecError::Timeout`] naming what it waited for. Five minutes by
     /// default: raise it for long submissions on a software device.
     pub wait_timeout: Duration,
+    /// Run every launch on the DSL's interpreter ([`hesper_dsl::interp`]) instead of a device:
+    /// no GPU or Vulkan driver needed, and each launch is checked for what a GPU hides (an
+    /// out-of-bounds read or write, a race, a read of unwritten workgroup memory, a barrier
+    /// reached by part of a workgroup), reported as [`ExecError::Interpreter`] at submit.
+    /// Buffers live in host memory (wgpu's noop backend); everything else — buffers, readbacks,
+    /// the pipeline cache, the launch checks — is the executor's own, so code that runs on a
+    /// GPU runs here unchanged, slowly. The device reports a desktop GPU's limits, f16,
+    /// subgroups of 32 and (with [`GpuOptions::cooperative_matrix`]) 16×16 f16 cooperative
+    /// matrices; no timestamps. `k.debug` values print to stderr. Native only. Off by default,
+    /// unless the environment sets `HESPER_INTERPRETER=1` (so any program or test suite runs
+    /// on the interpreter without a change).
+    pub interpreter: bool,
 }
 
 // Not derived: `verify_cache_hits` is on in debug builds (clippy only sees release's `false`).
@@ -97,6 +111,7 @@ impl Default for GpuOptions {
             max_invocations_per_workgroup: None,
             webgpu_limits: false,
             wait_timeout: Duration::from_secs(300),
+            interpreter: std::env::var("HESPER_INTERPRETER").is_ok_and(|v| v == "1"),
         }
     }
 }
@@ -195,6 +210,11 @@ impl Gpu {
         if let Some(b) = options.backends {
             desc.backends = b;
         }
+        #[cfg(not(target_arch = "wasm32"))]
+        if options.interpreter {
+            desc.backends = wgpu::Backends::NOOP;
+            desc.backend_options.noop = interpreted::noop_options();
+        }
         let backends = format!("{:?}", desc.backends);
         let instance = pool::instance(desc);
         let adapter = instance
@@ -265,6 +285,8 @@ impl Gpu {
         let timestamp_period_ns = pooled.queue.get_timestamp_period();
         let coop_properties =
             match features.contains(wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX) {
+                #[cfg(not(target_arch = "wasm32"))]
+                true if options.interpreter => interpreted::coop_properties(),
                 true => adapter.cooperative_matrix_properties(),
                 false => vec![],
             };
@@ -445,6 +467,9 @@ impl Gpu {
     /// A one-line description: `llvmpipe (LLVM 15.0.6, 256 bits) (Vulkan, Mesa 22.3.6)`.
     /// A browser names neither: `a BrowserWebGpu adapter`.
     pub fn describe(&self) -> String {
+        if self.interprets() {
+            return "the DSL's interpreter (on wgpu's noop backend)".into();
+        }
         let info = &self.info;
         match (info.name.is_empty(), info.driver_info.is_empty()) {
             (true, true) => format!("a {:?} adapter", info.backend),
@@ -464,6 +489,11 @@ impl Gpu {
 
     pub fn wgpu_limits(&self) -> &wgpu::Limits {
         &self.limits
+    }
+
+    /// Whether launches run on the DSL's interpreter ([`GpuOptions::interpreter`]).
+    pub fn interprets(&self) -> bool {
+        self.options.interpreter
     }
 
     /// The raw wgpu device and queue, for work hesper does not wrap.
@@ -675,6 +705,13 @@ fn coop_kinds(properties: &[wgpu::CooperativeMatrixProperties]) -> Vec<CoopMulti
 }
 
 fn check_options(options: &GpuOptions) -> Result<(), ExecError> {
+    if cfg!(target_arch = "wasm32") && options.interpreter {
+        return Err(ExecError::Options {
+            option: "interpreter",
+            expected: "false in a web page (the interpreter reads buffers back blocking)".into(),
+            given: "true".into(),
+        });
+    }
     if let Some(n @ 0) = options.max_invocations_per_workgroup {
         return Err(ExecError::Options {
             option: "max_invocations_per_workgroup",

@@ -13,6 +13,10 @@ use crate::buffer::{BufferTracking, Element, GpuBuffer};
 use crate::cache::CompiledKernel;
 use crate::error::ExecError;
 use crate::gpu::Gpu;
+#[cfg(not(target_arch = "wasm32"))]
+use crate::interpreted::{InterpretedBinding, InterpretedLaunch};
+#[cfg(not(target_arch = "wasm32"))]
+use hesper_dsl::interp::ScalarValue;
 
 /// A runtime scalar's value.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -327,6 +331,10 @@ pub struct Recorder<'g> {
     uses: Vec<Arc<BufferTracking>>,
     used_ids: HashSet<u64>,
     reuse: Option<LaunchCache>,
+    /// On the interpreter ([`GpuOptions::interpreter`](crate::GpuOptions::interpreter)): the
+    /// launches, run in order at submit.
+    #[cfg(not(target_arch = "wasm32"))]
+    interpreted: Vec<InterpretedLaunch>,
 }
 
 impl Gpu {
@@ -342,6 +350,8 @@ impl Gpu {
             uses: vec![],
             used_ids: HashSet::new(),
             reuse: None,
+            #[cfg(not(target_arch = "wasm32"))]
+            interpreted: vec![],
         }
     }
 
@@ -529,6 +539,12 @@ impl<'g> Recorder<'g> {
         params: &[u8],
         groups: [u32; 3],
     ) -> Result<(), ExecError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        if self.gpu.interprets() {
+            self.interpreted
+                .push(interpreted_launch(compiled, args, groups));
+            return Ok(());
+        }
         let kernel = compiled.kernel();
         let what = || format!("kernel `{}`: recording a launch", kernel.name());
         let gpu = self.gpu;
@@ -701,6 +717,10 @@ impl<'g> Recorder<'g> {
     }
 
     fn submit_inner(&mut self) -> Result<Option<wgpu::SubmissionIndex>, ExecError> {
+        #[cfg(not(target_arch = "wasm32"))]
+        for launch in std::mem::take(&mut self.interpreted) {
+            launch.run(self.gpu)?;
+        }
         if self.encoder.is_none() {
             return Ok(None);
         }
@@ -757,6 +777,48 @@ impl<'g> Recorder<'g> {
                 gpu_ns: raw[2 * i + 1].wrapping_sub(raw[2 * i]) as f64 * period,
             })
             .collect())
+    }
+}
+
+/// A checked launch as the interpreter takes it: each binding's buffer and view, the scalars.
+#[cfg(not(target_arch = "wasm32"))]
+fn interpreted_launch(
+    compiled: &CompiledKernel,
+    args: &Args<'_>,
+    workgroups: [u32; 3],
+) -> InterpretedLaunch {
+    let kernel = &compiled.kernel;
+    let buffers = kernel
+        .bindings()
+        .iter()
+        .map(|b| {
+            let a = args.buffers.iter().find(|a| a.name == b.name);
+            let a = a.expect("checked above");
+            InterpretedBinding {
+                name: b.name.clone(),
+                raw: a.raw.clone(),
+                bytes: a.len as u64 * a.ty.size() as u64,
+                written: b.access == Access::ReadWrite,
+            }
+        })
+        .collect();
+    let params = args
+        .params
+        .iter()
+        .map(|(name, v)| {
+            let v = match *v {
+                ParamValue::F32(v) => ScalarValue::F32(v),
+                ParamValue::U32(v) => ScalarValue::U32(v),
+                ParamValue::I32(v) => ScalarValue::I32(v),
+            };
+            (name.to_string(), v)
+        })
+        .collect();
+    InterpretedLaunch {
+        kernel: kernel.clone(),
+        workgroups,
+        buffers,
+        params,
     }
 }
 

@@ -16,6 +16,8 @@ mod buffer;
 mod cache;
 mod error;
 mod gpu;
+#[cfg(not(target_arch = "wasm32"))]
+mod interpreted;
 mod launch;
 mod pool;
 #[cfg(not(target_arch = "wasm32"))]

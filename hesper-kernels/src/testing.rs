@@ -33,8 +33,11 @@ use hesper_exec::{Gpu, GpuOptions};
 /// One device for a whole test binary (device creation costs ~0.3 s on lavapipe), with the
 /// tensor cores where the adapter offers them ([`GpuOptions::cooperative_matrix`](hesper_exec::GpuOptions::cooperative_matrix)).
 /// With `HESPER_WEBGPU_LIMITS=1` it has only what WebGPU guarantees ([`GpuOptions::webgpu_limits`](hesper_exec::GpuOptions::webgpu_limits)),
-/// so the library's tests check that every kernel runs in any browser. Native only: a test in a
-/// web page opens its device with `Gpu::new_async().await`.
+/// so the library's tests check that every kernel runs in any browser. With
+/// `HESPER_INTERPRETER=1` (read by `GpuOptions::default`) it is the DSL's interpreter
+/// ([`GpuOptions::interpreter`](hesper_exec::GpuOptions::interpreter)): the tests run with no
+/// GPU or Vulkan driver, every launch checked for out-of-bounds accesses and races. Native
+/// only: a test in a web page opens its device with `Gpu::new_async().await`.
 #[cfg(not(target_arch = "wasm32"))]
 pub fn gpu() -> &'static Gpu {
     static GPU: OnceLock<Gpu> = OnceLock::new();
