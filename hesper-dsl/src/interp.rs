@@ -935,8 +935,9 @@ impl<'k> Machine<'k, '_> {
         op: &Op<'k>,
         subgroup: Option<&'k Node>,
     ) -> Result<Flow, Fault> {
-        // The subgroup's result stands in for its call while this instruction evaluates.
-        let sg = subgroup.zip(inv.subgroup_value.clone());
+        // The subgroup's result stands in for its call while this instruction evaluates (and
+        // is spent by it: `advance` clears it after).
+        let sg = subgroup.zip(inv.subgroup_value.take());
         let eval = |m: &mut Self, inv: &mut Invocation, n: &Node| match &sg {
             Some((call, value)) => m.eval_with(inv, n, Some((call, value))),
             None => m.eval(inv, n),
@@ -2010,13 +2011,13 @@ fn coop_multiply_add(a: &Value, b: &Value, c: &Value) -> Result<Value, Fault> {
         return Err("coopMultiplyAdd of values that are not cooperative matrices".into());
     };
     let n = *n;
-    let f = |s: &ScalarValue| s.as_f64() as f32;
+    let f32s = |m: &[ScalarValue]| -> Vec<f32> { m.iter().map(|s| s.as_f64() as f32).collect() };
+    let (a, b) = (f32s(a), f32s(b));
     let data = (0..n * n)
         .map(|at| {
             let (i, j) = (at / n, at % n);
-            let sum = (0..n).fold(f(&c[at]), |acc, k| {
-                acc + f(&a[i * n + k]) * f(&b[k * n + j])
-            });
+            let start = c[at].as_f64() as f32;
+            let sum = (0..n).fold(start, |acc, k| acc + a[i * n + k] * b[k * n + j]);
             ScalarValue::F32(sum).convert(c[at].scalar())
         })
         .collect();

@@ -20,16 +20,19 @@ use crate::gpu::Gpu;
 /// Invocations of a subgroup on the interpreter (NVIDIA's size; `hesper_dsl::interp` runs any).
 pub(crate) const SUBGROUP_SIZE: u32 = 32;
 
-/// The noop adapter as the interpreter presents it: limits of a desktop GPU (a kernel sizes
+/// The noop adapter as the interpreter presents it: limits of a desktop GPU (NVIDIA's; a kernel sizes
 /// itself to these), f16 and subgroups (of [`SUBGROUP_SIZE`]), cooperative matrices; no
-/// timestamps (there is no GPU time to measure), immediates or driver pipeline cache.
+/// timestamps (there is no GPU time to measure), immediates or driver pipeline cache. A
+/// dispatch row holds 1024 workgroups, not 65 535: the 2-D layouts of long launches are
+/// exercised at sizes an interpreter gets through.
 pub(crate) fn noop_options() -> wgpu::NoopBackendOptions {
     let limits = wgpu::Limits {
+        max_compute_workgroups_per_dimension: 1024,
         max_compute_invocations_per_workgroup: 1024,
         max_compute_workgroup_size_x: 1024,
         max_compute_workgroup_size_y: 1024,
         max_compute_workgroup_size_z: 64,
-        max_compute_workgroup_storage_size: 32 * 1024,
+        max_compute_workgroup_storage_size: 48 * 1024,
         max_storage_buffers_per_shader_stage: 16,
         max_storage_buffer_binding_size: 1 << 30,
         max_buffer_size: 1 << 30,
