@@ -13,6 +13,16 @@
 //! its invocations (`subgroup/16` a row) apply the mask and the softmax and write `P` or `dS`
 //! as f16 for the accumulating products (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`).
 //!
+//! ## Reading ahead
+//! Where the registers allow it ([`AHEAD_VEC4S`]), the forward and the query gradients read the
+//! next step's keys and values into registers (f32, as the buffers hold them) before the
+//! current step's products and round and stage them only after, as the tensor-core GEMM does
+//! (`linear::coop`): the reads' latency hides behind the tensor cores' work. The query
+//! gradients then keep the keys in two staged buffers used in turn, so that a step takes two
+//! barriers instead of four. Elsewhere, and in the key gradients always, each step's rows are
+//! staged as they are read (four barriers a step): reading ahead measured slower there on the
+//! H200 (BENCHMARKS.md, "Attention on the tensor cores, reading ahead").
+//!
 //! - Forward: two passes over the keys. The first finds each row's maximum and sum (online,
 //!   per invocation, then across the row's invocations); the second multiplies the normalized
 //!   `P = exp(τ·S − m)/l` by `V` into accumulators that never need rescaling (cooperative
@@ -39,6 +49,26 @@ const NEG_BIG: f32 = -1.0e30;
 const PAD: u32 = 8;
 /// Floats of padding after each scratch row.
 const SCRATCH_PAD: u32 = 4;
+/// The most vec4s an invocation holds in registers between their read and their staging.
+/// Reading a step ahead pays while the registers fit beside the fragments and accumulators:
+/// on the H200 (BENCHMARKS.md, "Attention on the tensor cores, reading ahead") 8 and 16 gained
+/// 1–12% (hd 64 and 128 over 128 invocations), 32 (hd 128 over 64 invocations) lost 9–92%.
+const AHEAD_VEC4S: u32 = 16;
+
+/// Whether `operands` operands of `step` rows of `head_dim` are read a step ahead by
+/// `invocations` invocations (at most [`AHEAD_VEC4S`] vec4s each).
+fn ahead_fits(head_dim: u32, step: u32, invocations: u32, operands: u32) -> bool {
+    operands * (step * head_dim / 4).div_ceil(invocations) <= AHEAD_VEC4S
+}
+
+/// Rows of the query gradients' staged f16: the block's `Q` and `dO` (`rows` each), then a
+/// step's keys and values; reading ahead, keys in two buffers (rows 0 and `2·step`).
+fn query_grads_staged(rows: u32, step: u32, ahead: bool) -> u32 {
+    match ahead {
+        true => (2 * rows).max(3 * step),
+        false => 2 * rows,
+    }
+}
 
 /// A tensor-core attention kernel's blocking: `subgroups` subgroups of 16 rows each, the other
 /// side stepped `step` rows at a time.
@@ -81,8 +111,8 @@ impl CoopSeqTile {
         16 * self.subgroups
     }
 
-    /// Bytes of workgroup memory `which` takes at `head_dim`.
-    pub(crate) fn workgroup_bytes(&self, which: Which, head_dim: u32) -> u32 {
+    /// Bytes of workgroup memory `which` takes at `head_dim`, with subgroups of `subgroup`.
+    pub(crate) fn workgroup_bytes(&self, which: Which, head_dim: u32, subgroup: u32) -> u32 {
         let row = 2 * (head_dim + PAD);
         let (block, step) = (self.block(), self.step);
         let scratch = 4 * 16 * (step + SCRATCH_PAD) * self.subgroups;
@@ -90,7 +120,10 @@ impl CoopSeqTile {
         match which {
             Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
             Which::KeyGrads => 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step,
-            Which::QueryGrads => 2 * block.max(step) * row + 2 * scratch + probs,
+            Which::QueryGrads => {
+                let ahead = ahead_fits(head_dim, step, self.subgroups * subgroup, 2);
+                query_grads_staged(block.max(step), step, ahead) * row + 2 * scratch + probs
+            }
         }
     }
 
@@ -106,7 +139,7 @@ impl CoopSeqTile {
             .into_iter()
             .map(|(subgroups, step)| CoopSeqTile { subgroups, step })
             .find(|t| {
-                t.workgroup_bytes(which, head_dim) <= limits.max_workgroup_storage_bytes
+                t.workgroup_bytes(which, head_dim, subgroup) <= limits.max_workgroup_storage_bytes
                     && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
                     && t.step.is_multiple_of(subgroup / 16)
             })
@@ -183,6 +216,11 @@ impl Place {
     fn probs_len(&self) -> u32 {
         16 * self.probs_row()
     }
+}
+
+/// Whether `operands` operands of a step are read a step ahead ([`ahead_fits`]).
+fn reads_ahead(p: &Place, operands: u32) -> bool {
+    ahead_fits(p.hd, p.step, p.invocations, operands)
 }
 
 /// Binds the runtime values and the invocation's place; `queries`: the owned rows are query
@@ -288,6 +326,103 @@ fn stage_rows(
     }
 }
 
+/// One operand's `rows` rows of a step as this invocation stages them: each slot's row and vec4
+/// (computed once, outside the loop) and a register that holds the slot's vec4 raw, as the
+/// buffer holds it, from its read to its staging. The loops read the next step's rows into
+/// these registers before the current step's products and stage them after (as the
+/// tensor-core GEMM does, `linear::coop`): nothing waits for a read until it is staged.
+struct Ahead {
+    slots: Vec<AheadSlot>,
+}
+
+/// One vec4 of [`Ahead`]: row `r` of the step, vec4 `c4` along it.
+struct AheadSlot {
+    r: Expr<u32>,
+    c4: Expr<u32>,
+    /// Where the last round of slots passes the rows: whether this slot is one of them.
+    inside: Option<Expr<bool>>,
+    next: Var<Vec4<f32>>,
+}
+
+/// The slots of `rows` rows (their registers named after `name`).
+fn ahead(k: &mut KernelBuilder, p: &Place, rows: u32, name: &str) -> Ahead {
+    let per_row = p.hd / 4;
+    let slots = rows * per_row;
+    // Invocations covering whole rows per round: every slot is the first's rows later.
+    let first = p.invocations.is_multiple_of(per_row).then(|| {
+        (
+            k.let_(&format!("{name}_r"), &p.lid / per_row),
+            k.let_(&format!("{name}_c4"), &p.lid % per_row),
+        )
+    });
+    let slots = (0..slots.div_ceil(p.invocations))
+        .map(|i| {
+            let partial = (i + 1) * p.invocations > slots;
+            let (r, c4, inside) = match (&first, partial) {
+                (Some((r0, c4)), false) => {
+                    (offset(r0, i * p.invocations / per_row), c4.clone(), None)
+                }
+                _ => {
+                    let s = k.let_("slot", offset(&p.lid, i * p.invocations));
+                    let inside = partial.then(|| k.let_("inside", s.lt(slots)));
+                    // A slot past the rows reads the last one (and stages nothing).
+                    let s = if partial { s.min(slots - 1) } else { s };
+                    let r = k.let_(&format!("{name}_r"), &s / per_row);
+                    let c4 = k.let_(&format!("{name}_c4"), &s % per_row);
+                    (r, c4, inside)
+                }
+            };
+            let next = k.var(name, Expr::<Vec4<f32>>::splat(lit(0.0f32)));
+            AheadSlot {
+                r,
+                c4,
+                inside,
+                next,
+            }
+        })
+        .collect();
+    Ahead { slots }
+}
+
+impl Ahead {
+    /// Read the rows from sequence row `first` (clamped into the sequence) of `src`.
+    fn fetch(&self, k: &mut KernelBuilder, p: &Place, src: &Rows<'_>, first: &Expr<u32>) {
+        for slot in &self.slots {
+            let token = &p.token0 + (first + &slot.r).min(&p.last);
+            k.assign(
+                &slot.next,
+                src.buf.at(token * src.stride4 + &src.head4 + &slot.c4),
+            );
+        }
+    }
+
+    /// Stage what was read as f16 into `stage` from its row `at` (plus `shift` vec4s where
+    /// there is one), each multiplied by `scale` first where there is one.
+    fn stage(
+        &self,
+        k: &mut KernelBuilder,
+        p: &Place,
+        (stage, at, shift): (&WorkgroupArray<Vec4<F16>>, u32, Option<&Expr<u32>>),
+        scale: Option<&Expr<f32>>,
+    ) {
+        for slot in &self.slots {
+            let v = match scale {
+                Some(f) => slot.next.get() * Expr::<Vec4<f32>>::splat(f.clone()),
+                None => slot.next.get(),
+            };
+            let dst = (&slot.r + at) * p.row_vec4s() + &slot.c4;
+            let dst = match shift {
+                Some(s) => dst + s,
+                None => dst,
+            };
+            match &slot.inside {
+                Some(inside) => k.if_(inside, |k| k.store(stage, dst, v.cast::<Vec4<F16>>())),
+                None => k.store(stage, dst, v.cast::<Vec4<F16>>()),
+            }
+        }
+    }
+}
+
 /// The subgroup's own 16 rows of a staged operand (from stage row `at + 16·sg`) as the left
 /// operand: `hd/16` fragments along the head dimension.
 fn own_fragments(
@@ -302,21 +437,29 @@ fn own_fragments(
         .collect()
 }
 
-/// `own · staged[at .. at + step]ᵀ` (the staged rows as the product's columns) into the
-/// subgroup's scratch, 16 columns a fragment.
+/// A constant index into the staged rows, plus `shift` where there is one.
+fn shifted(index: u32, shift: Option<&Expr<u32>>) -> Expr<u32> {
+    match shift {
+        Some(s) => offset(s, index),
+        None => lit(index),
+    }
+}
+
+/// `own · staged[at .. at + step]ᵀ` (the staged rows (from row `at`, plus `shift` vec4s where
+/// there is one) as the product's columns) into the subgroup's scratch, 16 columns a fragment.
 fn scores_into(
     k: &mut KernelBuilder,
     p: &Place,
     own: &[Expr<TileA>],
     stage: &WorkgroupArray<Vec4<F16>>,
-    at: u32,
+    (at, shift): (u32, Option<&Expr<u32>>),
     scratch: &WorkgroupArray<f32>,
 ) {
     let base = k.let_("scratch_at", &p.sg * p.scratch_len());
     for j in 0..p.step / 16 {
         let mut acc = Expr::<Acc>::zero();
         for (d, a) in own.iter().enumerate() {
-            let idx = (at + j * 16) * p.row_vec4s() + d as u32 * 4;
+            let idx = shifted((at + j * 16) * p.row_vec4s() + d as u32 * 4, shift);
             let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Column);
             acc = coop_multiply_add(a.clone(), b, acc);
         }
@@ -330,21 +473,22 @@ fn scores_into(
     }
 }
 
-/// `acc[j] += tile · staged[at .. at + step]` (the staged rows as the product's depth): the
-/// subgroup's `16 × step` f16 `tile` times `step` staged rows, `hd/16` accumulators.
+/// `acc[j] += tile · staged[at .. at + step]` (the staged rows as the product's depth; `shift`
+/// as for [`scores_into`]): the subgroup's `16 × step` f16 `tile` times `step` staged rows,
+/// `hd/16` accumulators.
 fn accumulate(
     k: &mut KernelBuilder,
     p: &Place,
     tile: &WorkgroupArray<F16>,
     stage: &WorkgroupArray<Vec4<F16>>,
-    at: u32,
+    (at, shift): (u32, Option<&Expr<u32>>),
     acc: &[Var<Acc>],
 ) {
     let base = k.let_("tile_at", &p.sg * p.probs_len());
     for kk in 0..p.step / 16 {
         let a = k.coop_load::<TileA, _>(tile, offset(&base, kk * 16), p.probs_row(), Major::Row);
         for (j, c) in acc.iter().enumerate() {
-            let idx = (at + kk * 16) * p.row_vec4s() + j as u32 * 4;
+            let idx = shifted((at + kk * 16) * p.row_vec4s() + j as u32 * 4, shift);
             let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Row);
             k.assign(c, coop_multiply_add(a.clone(), b, c.get()));
         }
@@ -467,12 +611,32 @@ fn forward_body(k: &mut KernelBuilder) {
     k.comment("First pass: the row's maximum and sum, per invocation, online.");
     let m = k.var("m", lit(NEG_BIG));
     let l = k.var("l", lit(0.0f32));
+    // Keys and values read a step ahead, where the registers allow it.
+    let k_next = reads_ahead(&p, 2).then(|| ahead(k, &p, p.step, "k_next"));
+    if let Some(k_next) = &k_next {
+        k_next.fetch(k, &p, &k_rows, &lit(0u32));
+        k.workgroup_barrier();
+        k_next.stage(k, &p, (&stage, 0, None), None);
+        k.workgroup_barrier();
+    }
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
-        k.workgroup_barrier();
-        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
-        k.workgroup_barrier();
-        scores_into(k, &p, &own, &stage, 0, &scratch);
+        let more = match &k_next {
+            Some(k_next) => {
+                let more = k.let_("more", (&ks + 1u32).lt(&steps));
+                let c1 = k.let_("c1", &c0 + p.step);
+                k.comment("Read the next step's keys into registers while this one multiplies.");
+                k.if_(&more, |k| k_next.fetch(k, &p, &k_rows, &c1));
+                Some(more)
+            }
+            None => {
+                k.workgroup_barrier();
+                stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+                k.workgroup_barrier();
+                None
+            }
+        };
+        scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
         let mut scores = vec![];
         for col in my_columns(&p) {
@@ -489,6 +653,11 @@ fn forward_body(k: &mut KernelBuilder) {
             .unwrap_or(lit(0.0f32));
         k.assign(&l, l.get() * (m.get() - &m_new).exp() + sum);
         k.assign(&m, m_new);
+        if let (Some(k_next), Some(more)) = (&k_next, &more) {
+            k.workgroup_barrier();
+            k.if_(more, |k| k_next.stage(k, &p, (&stage, 0, None), None));
+            k.workgroup_barrier();
+        }
     });
     k.comment("Across the row's invocations.");
     let mut mask = 1;
@@ -516,13 +685,40 @@ fn forward_body(k: &mut KernelBuilder) {
     k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m), at most 1 (f16 keeps its digits);");
     k.comment("no rescaling; each row times 1/l when stored.");
     let acc = accumulators(k, &p, "o_acc");
+    let kv_next = k_next.map(|k_next| (k_next, ahead(k, &p, p.step, "v_next")));
+    let stage_next = |k: &mut KernelBuilder, (k_next, v_next): &(Ahead, Ahead)| {
+        k_next.stage(k, &p, (&stage, 0, None), None);
+        v_next.stage(k, &p, (&stage, p.step, None), None);
+    };
+    if let Some(next) = &kv_next {
+        next.0.fetch(k, &p, &k_rows, &lit(0u32));
+        next.1.fetch(k, &p, &v_rows, &lit(0u32));
+        k.workgroup_barrier();
+        stage_next(k, next);
+        k.workgroup_barrier();
+    }
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
-        k.workgroup_barrier();
-        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
-        stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
-        k.workgroup_barrier();
-        scores_into(k, &p, &own, &stage, 0, &scratch);
+        let more = match &kv_next {
+            Some((k_next, v_next)) => {
+                let c1 = k.let_("c1", &c0 + p.step);
+                let more = k.let_("more", (&ks + 1u32).lt(&steps));
+                k.comment("Read the next step's keys and values while this one multiplies.");
+                k.if_(&more, |k| {
+                    k_next.fetch(k, &p, &k_rows, &c1);
+                    v_next.fetch(k, &p, &v_rows, &c1);
+                });
+                Some(more)
+            }
+            None => {
+                k.workgroup_barrier();
+                stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+                stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
+                k.workgroup_barrier();
+                None
+            }
+        };
+        scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
         for col in my_columns(&p) {
             let s = scratch_at(k, &p, &scratch, &col) * &tau;
@@ -531,7 +727,12 @@ fn forward_body(k: &mut KernelBuilder) {
             tile_store(k, &p, &probs, &col, prob);
         }
         k.workgroup_barrier();
-        accumulate(k, &p, &probs, &stage, p.step, &acc);
+        accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
+        if let (Some(next), Some(more)) = (&kv_next, &more) {
+            k.workgroup_barrier();
+            k.if_(more, |k| stage_next(k, next));
+            k.workgroup_barrier();
+        }
     });
     let inv_l = |r: &Expr<u32>| row_scale.at(&p.sg * 16u32 + r);
     store_own(
@@ -625,8 +826,8 @@ fn key_grads_body(k: &mut KernelBuilder) {
                 });
             }
             k.workgroup_barrier();
-            scores_into(k, &p, &own_k, &stage, 0, &s_scratch);
-            scores_into(k, &p, &own_v, &stage, p.step, &dp_scratch);
+            scores_into(k, &p, &own_k, &stage, (0, None), &s_scratch);
+            scores_into(k, &p, &own_v, &stage, (p.step, None), &dp_scratch);
             k.workgroup_barrier();
             for col in my_columns(&p) {
                 let query = k.let_("query", &q0 + &col);
@@ -646,8 +847,8 @@ fn key_grads_body(k: &mut KernelBuilder) {
                 tile_store(k, &p, &grads, &col, ds);
             }
             k.workgroup_barrier();
-            accumulate(k, &p, &probs, &stage, p.step, &dv);
-            accumulate(k, &p, &grads, &stage, 0, &dk);
+            accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
+            accumulate(k, &p, &grads, &stage, (0, None), &dk);
         });
     });
     let unscale = |_: &Expr<u32>| down.clone();
@@ -683,7 +884,8 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let p = place(k, true);
     let block = 16 * p.subgroups;
     let rows = block.max(p.step);
-    let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * rows * p.row_vec4s());
+    let staged = query_grads_staged(rows, p.step, reads_ahead(&p, 2));
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", staged * p.row_vec4s());
     let s_scratch = k.workgroup_array::<f32>("s_scratch", p.subgroups * p.scratch_len());
     let dp_scratch = k.workgroup_array::<f32>("dp_scratch", p.subgroups * p.scratch_len());
     let grads = k.workgroup_array::<F16>("grads", p.subgroups * p.probs_len());
@@ -708,17 +910,9 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let d = k.let_("delta", r.stats.at(&stat_at + 1u32) * &up);
     let dq = accumulators(k, &p, "dq_acc");
     let steps = key_steps(k, &p);
-    k.for_range("key_step", 0u32, &steps, |k, ks| {
-        let c0 = k.let_("c0", &ks * p.step);
-        k.workgroup_barrier();
-        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
-        stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
-        k.workgroup_barrier();
-        scores_into(k, &p, &own_q, &stage, 0, &s_scratch);
-        scores_into(k, &p, &own_do, &stage, p.step, &dp_scratch);
-        k.workgroup_barrier();
+    let grads_of = |k: &mut KernelBuilder, c0: &Expr<u32>| {
         for col in my_columns(&p) {
-            let key = k.let_("key", &c0 + &col);
+            let key = k.let_("key", c0 + &col);
             let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
             let s = scratch_at(k, &p, &s_scratch, &col);
             let dp = scratch_at(k, &p, &dp_scratch, &col);
@@ -726,9 +920,56 @@ fn query_grads_body(k: &mut KernelBuilder) {
             let ds = (s * &tau - &lse).exp() * (dp - &d) * &tau;
             tile_store(k, &p, &grads, &col, select(ok, ds, lit(0.0f32)));
         }
+    };
+    if reads_ahead(&p, 2) {
+        k.comment("Keys and values read a step ahead; keys staged in two buffers (rows 0 and");
+        k.comment("2·step) in turn: a step's products, then its dS and the next step's staging,");
+        k.comment("then its dS·K and the next step's products. Two barriers a step.");
+        let k_next = ahead(k, &p, p.step, "k_next");
+        let v_next = ahead(k, &p, p.step, "v_next");
+        let fetch = |k: &mut KernelBuilder, c: &Expr<u32>| {
+            k_next.fetch(k, &p, &k_rows, c);
+            v_next.fetch(k, &p, &v_rows, c);
+        };
+        fetch(k, &lit(0u32));
         k.workgroup_barrier();
-        accumulate(k, &p, &grads, &stage, 0, &dq);
-    });
+        k_next.stage(k, &p, (&stage, 0, None), None);
+        v_next.stage(k, &p, (&stage, p.step, None), None);
+        let other = 2 * p.step * p.row_vec4s();
+        k.if_(lit(1u32).lt(&steps), |k| fetch(k, &lit(p.step)));
+        k.workgroup_barrier();
+        k.for_range("key_step", 0u32, &steps, |k, ks| {
+            let c0 = k.let_("c0", &ks * p.step);
+            let c2 = k.let_("c2", &c0 + 2 * p.step);
+            let shift = k.let_("k_shift", (&ks % 2u32) * other);
+            let next_shift = k.let_("next_shift", lit(other) - &shift);
+            scores_into(k, &p, &own_q, &stage, (0, Some(&shift)), &s_scratch);
+            scores_into(k, &p, &own_do, &stage, (p.step, None), &dp_scratch);
+            k.workgroup_barrier();
+            grads_of(k, &c0);
+            k.if_((&ks + 1u32).lt(&steps), |k| {
+                k_next.stage(k, &p, (&stage, 0, Some(&next_shift)), None);
+                v_next.stage(k, &p, (&stage, p.step, None), None);
+            });
+            k.workgroup_barrier();
+            k.if_((&ks + 2u32).lt(&steps), |k| fetch(k, &c2));
+            accumulate(k, &p, &grads, &stage, (0, Some(&shift)), &dq);
+        });
+    } else {
+        k.for_range("key_step", 0u32, &steps, |k, ks| {
+            let c0 = k.let_("c0", &ks * p.step);
+            k.workgroup_barrier();
+            stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+            stage_rows(k, &p, &stage, (&v_rows, &c0, p.step), p.step, None);
+            k.workgroup_barrier();
+            scores_into(k, &p, &own_q, &stage, (0, None), &s_scratch);
+            scores_into(k, &p, &own_do, &stage, (p.step, None), &dp_scratch);
+            k.workgroup_barrier();
+            grads_of(k, &c0);
+            k.workgroup_barrier();
+            accumulate(k, &p, &grads, &stage, (0, None), &dq);
+        });
+    }
     let unscale = |_: &Expr<u32>| down.clone();
     store_own(
         k,
