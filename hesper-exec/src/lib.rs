@@ -4,6 +4,9 @@
 //! features, limits), typed buffers ([`GpuBuffer`]), a pipeline cache keyed by
 //! `KernelKey` ([`Gpu::kernel`]), launches checked by binding name and recorded many to a
 //! submit ([`Recorder`]), and GPU timing with timestamp queries (`profile`, native only).
+//! With [`GpuOptions::interpreter`] (or `HESPER_INTERPRETER=1`) the same API runs with no GPU:
+//! each launch on the DSL's interpreter, which reports what a GPU hides (out-of-bounds
+//! accesses, races) as [`ExecError::Interpreter`].
 //!
 //! The same API runs in a web page (`wasm32-unknown-unknown`, WebGPU): there the device opens
 //! and buffers read back asynchronously ([`Gpu::new_async`], [`GpuBuffer::read_async`], also
