@@ -14,7 +14,7 @@
 //! as f16 for the accumulating products (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`).
 //!
 //! ## Reading ahead
-//! Where the registers allow it ([`AHEAD_VEC4S`]), the forward and the query gradients read the
+//! Where the registers allow it (`AHEAD_VEC4S`), the forward and the query gradients read the
 //! next step's keys and values into registers (f32, as the buffers hold them) before the
 //! current step's products and round and stage them only after, as the tensor-core GEMM does
 //! (`linear::coop`): the reads' latency hides behind the tensor cores' work. The query
