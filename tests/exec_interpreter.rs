@@ -34,7 +34,7 @@ fn axpb(guarded: bool) -> impl FnOnce(&mut KernelBuilder) {
 
 /// Launches, fills and copies recorded in one recorder run in their order (each launch sees
 /// the one before), and the buffers hold exactly what the kernels compute: f32 arithmetic is
-/// the host's, an odd-length f16 buffer keeps its padding.
+/// the host's, an odd-length f16 buffer is written back whole.
 #[test]
 fn a_recorder_runs_its_launches_in_order_on_the_interpreter() {
     let g = interpreter();
@@ -84,7 +84,7 @@ fn a_recorder_runs_its_launches_in_order_on_the_interpreter() {
     assert_eq!(&w[20..50], &want_z[10..40]);
     assert!(w[..20].iter().chain(&w[50..]).all(|v| *v == -1.0));
 
-    // Five f16: ten bytes, written back as whole words without disturbing the padding.
+    // Five f16: ten bytes, read and written back as whole words.
     let halve = g
         .kernel(&KernelKey::new("halve").workgroup_size(8), |k| {
             let h = k.storage_rw::<F16>("h");
@@ -160,6 +160,41 @@ fn faults_a_gpu_hides_are_errors_at_submit() {
         err.to_string().contains("race on `out[0]`"),
         "expected a race on out[0], got {err}"
     );
+}
+
+/// A fault stops the whole submit: the launches before it, which ran, leave their buffers as
+/// they were too (nothing is submitted, as on a GPU).
+#[test]
+fn a_fault_leaves_every_buffer_as_it_was() {
+    let g = interpreter();
+    let x = g.upload(&Rng::new(5).vec(64, 1.0)).unwrap();
+    let (y, z) = (g.filled(64, 7.0f32).unwrap(), g.filled(50, 7.0f32).unwrap());
+    let guarded = g
+        .kernel(&KernelKey::new("axpb").workgroup_size(64), axpb(true))
+        .unwrap();
+    let unguarded = g
+        .kernel(
+            &KernelKey::new("axpb_unguarded").workgroup_size(64),
+            axpb(false),
+        )
+        .unwrap();
+    let args = |out| {
+        Args::new()
+            .buffer("x", &x)
+            .buffer("y", out)
+            .param("a", 2.0f32)
+            .param("b", 1.0f32)
+            .param("n", 50u32)
+    };
+    let mut rec = g.recorder();
+    rec.launch(&guarded, &args(&y), Grid::Threads(64)).unwrap();
+    rec.fill(&z, 1.0).unwrap();
+    rec.launch(&unguarded, &args(&z), Grid::Threads(64))
+        .unwrap();
+    let err = rec.submit().unwrap_err();
+    assert!(err.to_string().contains("`y[50]`"), "{err}");
+    assert_eq!(y.read(&g).unwrap(), vec![7.0; 64]);
+    assert_eq!(z.read(&g).unwrap(), vec![7.0; 50]);
 }
 
 /// The launch checks are the executor's, as on a GPU (before anything runs), and what the

@@ -87,7 +87,8 @@ pub struct GpuOptions {
     /// reached by part of a workgroup), reported as [`ExecError::Interpreter`] at submit.
     /// Buffers live in host memory (wgpu's noop backend); everything else — buffers, readbacks,
     /// the pipeline cache, the launch checks — is the executor's own, so code that runs on a
-    /// GPU runs here unchanged, slowly. The device reports a desktop GPU's limits, f16,
+    /// GPU runs here unchanged, slowly. A fault leaves every buffer of the submit as it was.
+    /// The device reports a desktop GPU's limits (but 1024 workgroups a dispatch row), f16,
     /// subgroups of 32 and (with [`GpuOptions::cooperative_matrix`]) 16×16 f16 cooperative
     /// matrices; no timestamps. `k.debug` values print to stderr. Native only. Off by default,
     /// unless the environment sets `HESPER_INTERPRETER=1` (so any program or test suite runs
@@ -170,6 +171,9 @@ pub struct Gpu {
     /// Tuned kernel variants, and what the tune cache file held.
     pub(crate) tune: TuneCache,
     pub(crate) tune_status: TuneFileStatus,
+    /// Held while a recorder's launches are interpreted ([`GpuOptions::interpreter`]).
+    #[cfg(not(target_arch = "wasm32"))]
+    pub(crate) interpreting: Mutex<()>,
 }
 
 impl Gpu {
@@ -210,6 +214,8 @@ impl Gpu {
         if let Some(b) = options.backends {
             desc.backends = b;
         }
+        // The noop backend runs nothing: only the interpreter opens it.
+        desc.backends.remove(wgpu::Backends::NOOP);
         #[cfg(not(target_arch = "wasm32"))]
         if options.interpreter {
             desc.backends = wgpu::Backends::NOOP;
@@ -309,6 +315,8 @@ impl Gpu {
             coop_properties,
             tune: TuneCache::default(),
             tune_status: TuneFileStatus::Off,
+            #[cfg(not(target_arch = "wasm32"))]
+            interpreting: Mutex::new(()),
         };
         gpu.open_driver_cache();
         if let Some(path) = gpu.options.tune_cache_file.clone() {

@@ -6,9 +6,11 @@
 //! dispatch stays the executor's own — buffers, uploads and readbacks, the pipeline cache (the
 //! WGSL is still emitted and validated by naga), the binding and parameter checks — so code
 //! that runs on a GPU runs here unchanged. A recorder keeps its launches (the executor's copies
-//! and fills are kernels too) and, at submit, runs them in order: each reads its buffers back,
-//! is interpreted, and writes back the buffers it may write.
+//! and fills are kernels too) and, at submit, runs them in order over host copies of their
+//! buffers, written back once all have run ([`run_submit`]).
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::sync::Arc;
 
 use hesper_dsl::Kernel;
@@ -24,7 +26,9 @@ pub(crate) const SUBGROUP_SIZE: u32 = 32;
 /// itself to these), f16 and subgroups (of [`SUBGROUP_SIZE`]), cooperative matrices; no
 /// timestamps (there is no GPU time to measure), immediates or driver pipeline cache. A
 /// dispatch row holds 1024 workgroups, not 65 535: the 2-D layouts of long launches are
-/// exercised at sizes an interpreter gets through.
+/// exercised at sizes an interpreter gets through (a launch of more workgroups along one side,
+/// such as an f32 GEMM over a 128k vocabulary in 64-wide tiles, is refused by the executor's
+/// dispatch check there, as a GPU's limit would refuse it).
 pub(crate) fn noop_options() -> wgpu::NoopBackendOptions {
     let limits = wgpu::Limits {
         max_compute_workgroups_per_dimension: 1024,
@@ -83,43 +87,71 @@ pub(crate) struct InterpretedLaunch {
 /// the interpreter's bounds are the buffer's length, not its padded allocation).
 pub(crate) struct InterpretedBinding {
     pub name: String,
+    /// The buffer's number (`GpuBuffer`'s): two bindings of one buffer share its bytes.
+    pub buffer: u64,
     pub raw: wgpu::Buffer,
     pub bytes: u64,
-    /// Whether the kernel may write it (`read_write`): only those are written back.
+    /// Whether the kernel may write it (`read_write`).
     pub written: bool,
 }
 
+/// A buffer's whole allocation on the host while a submit is interpreted.
+struct HostCopy {
+    raw: wgpu::Buffer,
+    bytes: Vec<u8>,
+    written: bool,
+}
+
+/// Run a recorder's launches in order, as one submit: every buffer they bind is read once,
+/// the launches run over the host copies, and the copies they wrote go back only when every
+/// launch ran — a fault leaves every buffer as it was (nothing is submitted, as on a GPU). One
+/// submit at a time on a `Gpu`: another thread's submit cannot interleave its write-backs.
+pub(crate) fn run_submit(gpu: &Gpu, launches: Vec<InterpretedLaunch>) -> Result<(), ExecError> {
+    let _one_at_a_time = gpu.interpreting.lock().unwrap_or_else(|e| e.into_inner());
+    let mut memory: HashMap<u64, HostCopy> = HashMap::new();
+    for launch in launches {
+        launch.run(gpu, &mut memory)?;
+    }
+    for copy in memory.values().filter(|c| c.written) {
+        let what = || "writing back what the interpreted launches wrote".to_string();
+        gpu.scoped(&what, || gpu.queue.write_buffer(&copy.raw, 0, &copy.bytes))?;
+    }
+    Ok(())
+}
+
 impl InterpretedLaunch {
-    /// Interpret the launch over its buffers' contents now (what was submitted before has
-    /// run: the noop backend runs a submit at once), and write back what it may write.
-    pub fn run(self, gpu: &Gpu) -> Result<(), ExecError> {
+    /// Interpret the launch over the host copies of its buffers (read on first use).
+    fn run(self, gpu: &Gpu, memory: &mut HashMap<u64, HostCopy>) -> Result<(), ExecError> {
         let name = self.kernel.name();
         let mut run = Run::new(self.workgroups);
         run.subgroup_size = SUBGROUP_SIZE;
         run.params = self.params.into_iter().collect();
-        // Whole 4-byte words move (an odd number of f16 reads its padding, kept as it was).
-        let mut words = Vec::with_capacity(self.buffers.len());
         for b in &self.buffers {
-            let what = || format!("kernel `{name}` on the interpreter: reading `{}`", b.name);
-            let read = match b.bytes {
-                0 => vec![],
-                n => gpu.read_raw(&b.raw, n.next_multiple_of(4), &what)?,
+            let copy = match memory.entry(b.buffer) {
+                Entry::Occupied(copy) => copy.into_mut(),
+                Entry::Vacant(slot) => {
+                    let what =
+                        || format!("kernel `{name}` on the interpreter: reading `{}`", b.name);
+                    slot.insert(HostCopy {
+                        raw: b.raw.clone(),
+                        bytes: gpu.read_raw(&b.raw, b.raw.size(), &what)?,
+                        written: false,
+                    })
+                }
             };
-            run.buffers
-                .insert(b.name.clone(), read[..b.bytes as usize].to_vec());
-            words.push(read);
+            let view = &copy.bytes[..b.bytes as usize];
+            run.buffers.insert(b.name.clone(), view.to_vec());
         }
-        interpret(&self.kernel, &mut run).map_err(|e| ExecError::Interpreter(Box::new(e)))?;
+        let result = interpret(&self.kernel, &mut run);
+        // What `k.debug` printed, also (above all) when the launch faulted.
         for p in &run.printed {
             eprintln!("kernel `{name}`: {p}");
         }
-        for (b, mut word) in self.buffers.into_iter().zip(words) {
-            if !b.written || b.bytes == 0 {
-                continue;
-            }
-            word[..b.bytes as usize].copy_from_slice(&run.buffers[&b.name]);
-            let what = || format!("kernel `{name}` on the interpreter: writing `{}`", b.name);
-            gpu.scoped(&what, || gpu.queue.write_buffer(&b.raw, 0, &word))?;
+        result.map_err(|e| ExecError::Interpreter(Box::new(e)))?;
+        for b in self.buffers.iter().filter(|b| b.written) {
+            let copy = memory.get_mut(&b.buffer).expect("read above");
+            copy.bytes[..b.bytes as usize].copy_from_slice(&run.buffers[&b.name]);
+            copy.written = true;
         }
         Ok(())
     }

@@ -14,7 +14,7 @@ use crate::cache::CompiledKernel;
 use crate::error::ExecError;
 use crate::gpu::Gpu;
 #[cfg(not(target_arch = "wasm32"))]
-use crate::interpreted::{InterpretedBinding, InterpretedLaunch};
+use crate::interpreted::{self, InterpretedBinding, InterpretedLaunch};
 #[cfg(not(target_arch = "wasm32"))]
 use hesper_dsl::interp::ScalarValue;
 
@@ -718,8 +718,8 @@ impl<'g> Recorder<'g> {
 
     fn submit_inner(&mut self) -> Result<Option<wgpu::SubmissionIndex>, ExecError> {
         #[cfg(not(target_arch = "wasm32"))]
-        for launch in std::mem::take(&mut self.interpreted) {
-            launch.run(self.gpu)?;
+        if !self.interpreted.is_empty() {
+            interpreted::run_submit(self.gpu, std::mem::take(&mut self.interpreted))?;
         }
         if self.encoder.is_none() {
             return Ok(None);
@@ -796,6 +796,7 @@ fn interpreted_launch(
             let a = a.expect("checked above");
             InterpretedBinding {
                 name: b.name.clone(),
+                buffer: a.tracking.id,
                 raw: a.raw.clone(),
                 bytes: a.len as u64 * a.ty.size() as u64,
                 written: b.access == Access::ReadWrite,
