@@ -92,7 +92,7 @@ pub(crate) struct InterpretedBinding {
     pub raw: wgpu::Buffer,
     pub bytes: u64,
     /// Whether the kernel may write it (`read_write`).
-    pub written: bool,
+    pub writable: bool,
 }
 
 /// A buffer's whole allocation on the host while a submit is interpreted.
@@ -112,8 +112,8 @@ pub(crate) fn run_submit(gpu: &Gpu, launches: Vec<InterpretedLaunch>) -> Result<
     for launch in launches {
         launch.run(gpu, &mut memory)?;
     }
+    let what = || "writing back what the interpreted launches wrote".to_string();
     for copy in memory.values().filter(|c| c.written) {
-        let what = || "writing back what the interpreted launches wrote".to_string();
         gpu.scoped(&what, || gpu.queue.write_buffer(&copy.raw, 0, &copy.bytes))?;
     }
     Ok(())
@@ -148,7 +148,7 @@ impl InterpretedLaunch {
             eprintln!("kernel `{name}`: {p}");
         }
         result.map_err(|e| ExecError::Interpreter(Box::new(e)))?;
-        for b in self.buffers.iter().filter(|b| b.written) {
+        for b in self.buffers.iter().filter(|b| b.writable) {
             let copy = memory.get_mut(&b.buffer).expect("read above");
             copy.bytes[..b.bytes as usize].copy_from_slice(&run.buffers[&b.name]);
             copy.written = true;

@@ -799,7 +799,7 @@ fn interpreted_launch(
                 buffer: a.tracking.id,
                 raw: a.raw.clone(),
                 bytes: a.len as u64 * a.ty.size() as u64,
-                written: b.access == Access::ReadWrite,
+                writable: b.access == Access::ReadWrite,
             }
         })
         .collect();
