@@ -648,7 +648,7 @@ fn coop_gemm(s: &Shape<'_>, product: Product) -> Result<Kernel, Failure> {
         dims,
         (tile, subgroup),
         types,
-        accumulate,
+        (accumulate, s.u32("splits")),
         s.limits(),
     )
 }
@@ -789,6 +789,12 @@ const GEMM_ACCUMULATE_ON: Param = Param {
     ..GEMM_ACCUMULATE
 };
 
+const COOP_SPLITS: Param = u32_param(
+    "splits",
+    "1",
+    "parts of the depth, each summed into its own slice of the output (split-K; 1: none)",
+);
+
 const LORA_N: Param = u32_param("n", "64", "the row width (the layer's in or out)");
 const RANK_MINOR: Param = bool_param(
     "rank_minor",
@@ -796,7 +802,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 46] = [
+static ENTRIES: [Entry; 47] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1129,6 +1135,7 @@ static ENTRIES: [Entry; 46] = [
             ),
             bool_param("output_f16", "false", "dx is f16 (else f32)"),
             GEMM_ACCUMULATE_ON,
+            COOP_SPLITS,
         ],
         build: |s| coop_gemm(s, Product::Nn),
     },
@@ -1154,8 +1161,27 @@ static ENTRIES: [Entry; 46] = [
             ),
             bool_param("output_f16", "true", "y is f16 (else f32)"),
             GEMM_ACCUMULATE,
+            COOP_SPLITS,
         ],
         build: |s| coop_gemm(s, Product::Nt),
+    },
+    Entry {
+        name: "gemm_split_sum",
+        module: "linear::split",
+        summary: "a split GEMM's parts added: out (+)= the sum of its f32 slices, over vec4s",
+        params: &[
+            u32_param(
+                "parts",
+                "4",
+                "the slices (the split's parts of the depth), 1 to 16",
+            ),
+            bool_param(
+                "accumulate",
+                "true",
+                "add the sum to out (else overwrite it)",
+            ),
+        ],
+        build: |s| linear::split::build::sum(s.u32("parts"), s.bool("accumulate"), s.limits()),
     },
     // lora
     Entry {

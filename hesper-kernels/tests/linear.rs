@@ -512,10 +512,12 @@ fn wgsl_snapshots() {
         "matmul_nn_cols32_depth64_tile16x16x4_4x4_f16_weight_output",
         "coop_matmul_nt_cols60_depth36_tile32x32x16_16x16_f32_to_f16",
         "coop_matmul_nn_cols64_depth32_tile32x32x16_16x16_f16_accumulate",
+        "coop_matmul_nn_cols64_depth64_tile32x32x16_16x16_f16_splits2",
         "gemv_depth36_subgroups",
         "gemv_depth29_accumulate",
         "gemv_lora_depth36_rank2_subgroups",
         "gemv_lora_depth29_rank3_accumulate",
+        "gemm_split_sum_parts4_accumulate",
     ];
     let kernels = linear::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

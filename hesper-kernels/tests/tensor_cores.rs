@@ -33,6 +33,11 @@ struct Halves {
 /// `shader-f16` (WebGPU's guarantees), a GEMM with f16 buffers must be refused instead, and
 /// `None` is returned.
 fn check(gemm: &Gemm, halves: Halves, seed: u64) -> Option<GemmPath> {
+    check_with(gemm, halves, seed, false)
+}
+
+/// [`check`], through `execute_gemm_split` with a poisoned scratch buffer where `split`.
+fn check_with(gemm: &Gemm, halves: Halves, seed: u64, split: bool) -> Option<GemmPath> {
     let g = gpu();
     let mut rng = Rng::new(seed);
     let (m, n, k) = (gemm.m, gemm.n, gemm.k);
@@ -87,7 +92,19 @@ fn check(gemm: &Gemm, halves: Halves, seed: u64) -> Option<GemmPath> {
         _ => unreachable!(),
     };
     let mut rec = g.recorder();
-    let recorded = linear::execute_gemm(&mut rec, gemm, input_op, weights, output);
+    let scratch_len = linear::split::gemm_split_scratch_len(g, gemm);
+    let mut scratch = g.upload(&vec![f32::NAN; scratch_len.max(1)]).unwrap();
+    let recorded = match split {
+        true => linear::split::execute_gemm_split(
+            &mut rec,
+            gemm,
+            input_op,
+            weights,
+            output,
+            &mut scratch,
+        ),
+        false => linear::execute_gemm(&mut rec, gemm, input_op, weights, output),
+    };
     if any_half && !g.supports_f16() {
         let refused = matches!(&recorded, Err(ExecError::MissingFeature { feature, .. }) if *feature == "SHADER_F16");
         assert!(refused, "{recorded:?}");
@@ -204,6 +221,41 @@ fn products_match_reference_on_every_path() {
     match coop::subgroup_size(gpu()) {
         Some(_) => assert_eq!(tensor_cores, paths.len()),
         None => assert_eq!(tensor_cores, 0),
+    }
+}
+
+/// Split-K (`linear::split`): a long depth over few output tiles, cut into parts summed into
+/// slices of a scratch buffer (poisoned first) and added up: ragged rows and columns (a slice
+/// rounded up to 4 floats, stores element by element), both products, accumulating and not.
+/// On a device without tensor cores nothing is split: the f32 path, checked the same way.
+#[test]
+fn split_gemms_match_reference() {
+    let small = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 32,
+        wm: 32,
+        wn: 32,
+    };
+    // (product, (m, n, k), accumulate, halves, parts expected on tensor cores)
+    let cases = [
+        (Product::Nn, (40, 4096, 48), false, HALVES[1], 4),
+        (Product::Nt, (33, 37, 2048), true, HALVES[0], 2),
+    ];
+    let tensor_cores = coop::subgroup_size(gpu()).is_some();
+    for (i, (product, shape, accumulate, halves, parts)) in cases.into_iter().enumerate() {
+        let gemm = Gemm {
+            coop_tile: Some(small),
+            ..Gemm::new(product, shape, accumulate).with_precision(Precision::F16)
+        };
+        let (cols, _) = match product {
+            Product::Nt => (shape.1, shape.2),
+            Product::Nn => (shape.2, shape.1),
+        };
+        let scratch = linear::split::gemm_split_scratch_len(gpu(), &gemm);
+        let slice = (shape.0 * cols).next_multiple_of(4);
+        assert_eq!(scratch, if tensor_cores { parts * slice } else { 0 });
+        check_with(&gemm, halves, 200 + i as u64, true);
     }
 }
 

@@ -17,6 +17,7 @@ use hesper::exec::half::f16;
 use hesper::exec::profile::{BenchConfig, bench};
 use hesper::exec::{Gpu, GpuBuffer, GpuOptions};
 use hesper::kernels::linear::coop::{self, CoopTile};
+use hesper::kernels::linear::split::{execute_gemm_split, gemm_split_scratch_len};
 use hesper::kernels::linear::{
     Gemm, GemmPath, HalfBuffers, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm,
     gemm_path,
@@ -48,6 +49,14 @@ const EXTRA_TILES: [CoopTile; 2] = [
     },
 ];
 
+/// The output's columns of a product through `W: [n, k]`.
+fn gemm_cols(product: Product, n: usize, k: usize) -> usize {
+    match product {
+        Product::Nt => n,
+        Product::Nn => k,
+    }
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var("HESPER_BENCH_QUICK").is_ok_and(|v| v == "1");
     let gpu = Gpu::with_options(GpuOptions {
@@ -78,9 +87,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ("square 8192³", (8192, 8192, 8192)),
             ("q, o", (t, 576, 576)),
             ("k, v", (t, 192, 576)),
+            ("q, k, v as one", (t, 960, 576)),
             ("gate, up", (t, 1536, 576)),
+            ("gate and up as one", (t, 3072, 576)),
             ("down", (t, 576, 1536)),
             ("lm-head", (t, 49_152, 576)),
+            ("lm-head chunk", (1024, 49_152, 576)),
         ]
     };
     let tuned_only = std::env::var("HESPER_BENCH_TUNED").is_ok_and(|v| v == "1");
@@ -160,6 +172,27 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         println!("| {label} {product:?} | {m}×{n}×{k} | {name} | error: {e} | |")
                     }
                 }
+            }
+            // Split-K where `execute_gemm_split` splits this GEMM (a long depth, few tiles).
+            let gemm = Gemm::new(product, (m, n, k), false).with_precision(Precision::F16);
+            let scratch_len = gemm_split_scratch_len(&gpu, &gemm);
+            if scratch_len > 0 {
+                let mut scratch = gpu.zeros::<f32>(scratch_len)?;
+                let weights = Weights::Half { w: &w, scale: 1.0 };
+                let config = BenchConfig {
+                    warmup: Duration::from_millis(800),
+                    reps: 20,
+                };
+                let r = bench(&gpu, "matmul", config, |rec| {
+                    let out = OutputBuffer::F32(&mut y);
+                    execute_gemm_split(rec, &gemm, &x, weights, out, &mut scratch)
+                })?;
+                let parts = scratch_len / (m * gemm_cols(product, n, k)).next_multiple_of(4);
+                println!(
+                    "| {label} {product:?} | {m}×{n}×{k} | split-K: {parts} parts of 128×256×32, 64×64 (and their sum) | {:.1} | {:.1} |",
+                    r.median_ns() / 1e3,
+                    r.tflop_per_s(flops)
+                );
             }
         }
         // The f32 input rounded to f16 as it is loaded, and the f32 GEMM, at the chosen tiles.

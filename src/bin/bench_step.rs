@@ -5,7 +5,8 @@
 //! step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
 //! (timestamp queries, one step), with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
 //! by one at several tiles, and with `HESPER_BENCH_FUSION=1` the step's fused GEMMs against
-//! their plain ones at the step's precision. Prints markdown for BENCHMARKS.md.
+//! their plain ones at the step's precision, with `HESPER_BENCH_KERNELS=1` the GPU time per
+//! kernel (by name, every launch of it in the step). Prints markdown for BENCHMARKS.md.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
@@ -101,8 +102,24 @@ fn family(kernel: &str) -> &'static str {
         .map_or("other", |(_, f)| f)
 }
 
+/// A table of `times` (name → ms, launches), the largest first.
+fn print_breakdown(title: &str, what: &str, times: BTreeMap<String, (f64, usize)>) {
+    let total: f64 = times.values().map(|(ms, _)| ms).sum();
+    println!();
+    println!("GPU time per {title} (one step, {total:.1} ms in all):");
+    println!();
+    println!("| {what} | launches | ms | share |");
+    println!("|---|---|---|---|");
+    let mut rows: Vec<_> = times.into_iter().collect();
+    rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
+    for (name, (ms, n)) in rows {
+        println!("| {name} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
+    }
+}
+
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var_os("HESPER_BENCH_QUICK").is_some();
+    let per_kernel = std::env::var_os("HESPER_BENCH_KERNELS").is_some();
     let precision = match std::env::var("HESPER_BENCH_PRECISION").as_deref() {
         Ok("f16") => Precision::F16,
         Ok("f32") | Err(_) => Precision::F32,
@@ -204,28 +221,25 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             &mut buffers,
         )?;
         let timings = rec.submit_timed()?;
-        let mut by_family: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        let mut by_family: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        let mut by_kernel: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         for t in &timings {
-            let entry = by_family.entry(family(&t.kernel)).or_default();
-            entry.0 += t.gpu_ns / 1e6;
-            entry.1 += 1;
+            for (map, name) in [
+                (&mut by_family, family(&t.kernel).to_string()),
+                (&mut by_kernel, t.kernel.clone()),
+            ] {
+                let entry = map.entry(name).or_default();
+                entry.0 += t.gpu_ns / 1e6;
+                entry.1 += 1;
+            }
         }
-        breakdowns.push((batch, by_family));
+        breakdowns.push((batch, "kernel family", by_family));
+        if per_kernel {
+            breakdowns.push((batch, "kernel", by_kernel));
+        }
     }
-    for (batch, by_family) in breakdowns {
-        let total: f64 = by_family.values().map(|(ms, _)| ms).sum();
-        println!();
-        println!(
-            "GPU time per kernel family, B = {batch}, S = {seq_len} (one step, {total:.1} ms in all):"
-        );
-        println!();
-        println!("| family | launches | ms | share |");
-        println!("|---|---|---|---|");
-        let mut rows: Vec<_> = by_family.into_iter().collect();
-        rows.sort_by(|a, b| b.1.0.total_cmp(&a.1.0));
-        for (family, (ms, n)) in rows {
-            println!("| {family} | {n} | {ms:.2} | {:.0}% |", 100.0 * ms / total);
-        }
+    for (batch, what, times) in breakdowns {
+        print_breakdown(&format!("{what}, B = {batch}, S = {seq_len}"), what, times);
     }
     if std::env::var_os("HESPER_BENCH_GEMMS").is_some() {
         for batch in [8, 32] {

@@ -11,6 +11,8 @@
 
 use hesper_exec::{Gpu, GpuBuffer};
 use hesper_kernels::attention::ValidLengths;
+use hesper_kernels::linear::Product;
+use hesper_kernels::linear::split::gemm_split_scratch_len;
 use hesper_kernels::lora::lora_scratch_len;
 use hesper_kernels::optim::grad_norm_partials_len;
 
@@ -179,6 +181,8 @@ pub(crate) struct LossBuffers {
     pub(crate) logits: GpuBuffer<f32>,
     pub(crate) d_logits: GpuBuffer<f32>,
     pub(crate) d_n_chunk: GpuBuffer<f32>,
+    /// The lm-head backward's split-K parts (`linear::split`; one float where it is not split).
+    pub(crate) d_n_split: GpuBuffer<f32>,
     pub(crate) labels_chunk: GpuBuffer<i32>,
     pub(crate) token_loss_chunk: GpuBuffer<f32>,
     /// Every micro-batch's per-token losses `[M·T]`, `N` over all of them, and the mean.
@@ -306,6 +310,7 @@ impl StepBuffers {
         };
         let chunk = shape.loss_chunk.min(t);
         let all = t * shape.micro_batches;
+        let lm_head_backward = model.gemm(Product::Nn, (chunk, c.vocab, d), false);
         let loss = LossBuffers {
             n: buf(t * d)?,
             rstd: buf(t)?,
@@ -313,6 +318,7 @@ impl StepBuffers {
             logits: buf(chunk * c.vocab)?,
             d_logits: buf(chunk * c.vocab)?,
             d_n_chunk: buf(chunk * d)?,
+            d_n_split: buf(gemm_split_scratch_len(gpu, &lm_head_backward).max(1))?,
             labels_chunk: gpu.filled(chunk, IGNORE_INDEX as i32)?,
             token_loss_chunk: buf(chunk)?,
             token_loss: buf(all)?,
@@ -479,6 +485,7 @@ impl StepBuffers {
             &l.logits,
             &l.d_logits,
             &l.d_n_chunk,
+            &l.d_n_split,
             &l.token_loss_chunk,
             &l.token_loss,
             &l.loss,

@@ -19,6 +19,7 @@ use hesper_kernels::ffn::{
     execute_swiglu_forward,
 };
 use hesper_kernels::linear::fusion::Residual;
+use hesper_kernels::linear::split::execute_gemm_split;
 use hesper_kernels::linear::{Fusion, GemmFusion, Product, execute_gemm, execute_gemm_fused};
 use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
 use hesper_kernels::loss::{
@@ -452,7 +453,10 @@ impl Ctx<'_> {
                     .model
                     .gemm(Product::Nn, (chunk, vocab, d), false)
                     .with_input_exponent(self.grad_exponent);
-                execute_gemm(rec, &gemm, &loss.d_logits, head, &mut loss.d_n_chunk)?;
+                // Split-K: 24 tiles of the output over a depth of the vocabulary leave most
+                // of the GPU idle (BENCHMARKS.md, "Split-K").
+                let (d_logits, scratch) = (&loss.d_logits, &mut loss.d_n_split);
+                execute_gemm_split(rec, &gemm, d_logits, head, &mut loss.d_n_chunk, scratch)?;
                 rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
             }
             let at = self.micro * t + first;

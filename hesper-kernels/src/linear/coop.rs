@@ -127,6 +127,55 @@ impl CoopTile {
     }
 }
 
+/// The most parts a split GEMM cuts its depth into.
+pub const MAX_SPLITS: u32 = 16;
+/// Workgroups a split GEMM aims for at most: four for each of the H200's 132 multiprocessors.
+const SPLIT_WORKGROUPS: usize = 4 * 132;
+/// The fewest steps of the depth a part keeps (its first step's staging and its store of a
+/// whole output slice are paid once a part).
+const SPLIT_MIN_STEPS: u32 = 32;
+
+/// `Ok` when a GEMM can cut its depth into `splits` parts (1: not split); else the rule.
+pub(crate) fn check_splits(
+    splits: u32,
+    depth: u32,
+    bk: u32,
+    (accumulate, f16_out): (bool, bool),
+) -> Result<(), &'static str> {
+    match splits {
+        0 => Err("at least 1"),
+        1 => Ok(()),
+        s if s > MAX_SPLITS => Err("at most 16"),
+        _ if accumulate || f16_out => Err(
+            "1 for an accumulating GEMM or an f16 output (the parts are f32 slices, added \
+             by `gemm_split_sum`)",
+        ),
+        s if !depth.is_multiple_of(s * bk) => {
+            Err("a count that cuts the depth into whole steps (depth a multiple of splits·bk)")
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Parts to cut a GEMM's depth into (split-K), for an output of `tiles` workgroups' tiles: 1
+/// when the tiles already give each of ~132 multiprocessors (the H200's) a workgroup; else
+/// the most (a power of two up to [`MAX_SPLITS`]) that keeps the grid within four workgroups
+/// a multiprocessor and each part at least 32 whole steps. The lm-head's `·W` over a chunk of
+/// 1024 tokens (24 tiles of 128×256, 49 152 deep) takes 16.
+pub fn splits_for(tiles: usize, depth: u32, bk: u32) -> u32 {
+    if tiles >= 132 || bk == 0 {
+        return 1;
+    }
+    [16u32, 8, 4, 2]
+        .into_iter()
+        .find(|&s| {
+            depth.is_multiple_of(s * bk)
+                && depth / (s * bk) >= SPLIT_MIN_STEPS
+                && tiles * s as usize <= SPLIT_WORKGROUPS
+        })
+        .unwrap_or(1)
+}
+
 pub(crate) fn kernel_name(product: Product) -> &'static str {
     match product {
         Product::Nt => "coop_matmul_nt",
@@ -135,14 +184,15 @@ pub(crate) fn kernel_name(product: Product) -> &'static str {
 }
 
 /// The kernel key: the product's widths, the tile, the subgroup size the workgroup is laid out
-/// for, the element types and `accumulate`; `m` and the scale are runtime.
+/// for, the element types, `accumulate` and the depth's `splits` (1: none; [`SplitK`]); `m`
+/// and the scale are runtime.
 pub(crate) fn key(
     product: Product,
     (cols, depth): (u32, u32),
     tile: CoopTile,
     subgroup_size: u32,
     types: HalfBuffers,
-    accumulate: bool,
+    (accumulate, splits): (bool, u32),
 ) -> KernelKey {
     KernelKey::new(kernel_name(product))
         .workgroup_size(tile.subgroups() * subgroup_size)
@@ -159,6 +209,7 @@ pub(crate) fn key(
         .shape("weight_f16", types.weight)
         .shape("output_f16", types.output)
         .shape("accumulate", accumulate)
+        .shape("splits", splits)
         // Every index is clamped into its buffer or guarded, and tile indices are in range by
         // construction: no runtime bounds checks (+59% on the probe's tile).
         .assume_in_bounds()
@@ -526,12 +577,29 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         output: k.shape("output_f16"),
     };
     let accumulate = k.shape::<bool>("accumulate");
+    let splits = k.shape::<u32>("splits");
     let (input_name, output_name) = product.names();
     if cols == 0 || depth == 0 || cols.checked_mul(depth).is_none() {
         k.error(hesper_dsl::ErrorKind::TypeMismatch {
             item: "shape `cols` × `depth`".into(),
             expected: "at least 1 each, the weight's elements within u32".into(),
             found: format!("{cols} × {depth}"),
+        });
+        return;
+    }
+    if let Err(why) = check_splits(splits, depth, tile.bk, (accumulate, types.output)) {
+        k.error(hesper_dsl::ErrorKind::TypeMismatch {
+            item: "shape `splits`".into(),
+            expected: why.into(),
+            found: format!("{splits} (depth {depth}, bk {})", tile.bk),
+        });
+        return;
+    }
+    if splits > 1 && !fusion.is_empty() {
+        k.error(hesper_dsl::ErrorKind::TypeMismatch {
+            item: "shape `splits`".into(),
+            expected: "1 for a fused GEMM (a part of the depth has no whole output)".into(),
+            found: splits.to_string(),
         });
         return;
     }
@@ -559,6 +627,13 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     let threads = tile.subgroups() * subgroup;
     let sg = k.let_("sg", k.subgroup_id());
     let (m0, n0) = tile_origin(k, &rows, cols, &tile);
+    // Split: the grid's layer `z` sums part `z` of the depth into slice `z` of `out`.
+    let split = (splits > 1).then(|| {
+        let z = k.let_("split", k.workgroup_id().z());
+        let d0 = k.let_("split_d0", &z * (depth / splits));
+        let slice = (&rows * cols + 3u32) / 4u32 * 4u32;
+        (d0, k.let_("split_at", z * slice))
+    });
     let across = tile.bn / tile.wn;
     let wm0 = k.let_("wm0", (&sg / across) * tile.wm);
     let wn0 = k.let_("wn0", (&sg % across) * tile.wn);
@@ -639,13 +714,21 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         staged_w.stage(k, &b_slots, d0, (&b_tile, b_stride));
     };
     k.comment("Stage the first step.");
-    fetch(k, &lit(0u32));
-    stage(k, &lit(0u32));
+    let first = split.as_ref().map_or(lit(0u32), |(d0, _)| d0.clone());
+    fetch(k, &first);
+    stage(k, &first);
     k.workgroup_barrier();
-    let steps = depth.div_ceil(tile.bk);
+    let steps = match &split {
+        Some(_) => depth / splits / tile.bk,
+        None => depth.div_ceil(tile.bk),
+    };
     k.for_range("step", 0u32, steps, |k, step| {
         let more = k.let_("more", (&step + 1u32).lt(steps));
-        let d0 = k.let_("d0", (&step + 1u32) * tile.bk);
+        let next = (&step + 1u32) * tile.bk;
+        let d0 = match &split {
+            Some((split_d0, _)) => k.let_("d0", next + split_d0),
+            None => k.let_("d0", next),
+        };
         k.comment("Read the next step's slices into registers while this one multiplies.");
         k.if_(&more, |k| fetch(k, &d0));
         for kf in 0..tile.bk / 16 {
@@ -699,6 +782,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         scale: &scale,
         accumulate,
         fused: fused.epilogue.as_ref(),
+        slice: split.as_ref().map(|(_, at)| at),
     };
     if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
         (&out, direct_matrices, fits)
@@ -756,6 +840,8 @@ struct Epilogue<'a> {
     accumulate: bool,
     /// The fusion's epilogues, on each element before it is stored.
     fused: Option<&'a ElementFn>,
+    /// A split GEMM's slice of `out` (its first element): it neither accumulates nor fuses.
+    slice: Option<&'a Expr<u32>>,
 }
 
 impl Epilogue<'_> {
@@ -766,6 +852,14 @@ impl Epilogue<'_> {
             super::offset(self.origin.0, i * 16),
             super::offset(self.origin.1, j * 16),
         )
+    }
+
+    /// The index in `out` of element (`row`, `col`).
+    fn index(&self, row: Expr<u32>, col: Expr<u32>) -> Expr<u32> {
+        match self.slice {
+            Some(slice) => row * self.cols + col + slice,
+            None => row * self.cols + col,
+        }
     }
 
     /// Every fragment straight into `y` (a tile inside `out`, f32, rows 16-byte aligned),
@@ -779,7 +873,7 @@ impl Epilogue<'_> {
         let mut pending = vec![];
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
-            let at = k.let_("at", row * self.cols + col);
+            let at = k.let_("at", self.index(row, col));
             let mut value = acc.get() * self.scale;
             for m in matrices {
                 value = value + k.coop_load::<Acc, _>(m, &at, self.cols, Major::Row);
@@ -818,7 +912,7 @@ impl Epilogue<'_> {
                 let r = k.let_("r", &row + &idx / 16u32);
                 let c = k.let_("c", &col + &idx % 16u32);
                 k.if_(r.lt(self.rows).and(c.lt(self.cols)), |k| {
-                    let at = k.let_("at", &r * self.cols + &c);
+                    let at = k.let_("at", self.index(r.clone(), c.clone()));
                     let mut value = k.let_("value", c_tile.at(&mine + &idx) * self.scale);
                     if let Some(f) = self.fused {
                         let fused = f(k, &r, &c, value);
@@ -844,7 +938,8 @@ impl Epilogue<'_> {
 /// The tensor-core kernels at small shapes and a small tile (32×32 outputs, 16 deep, 16×16 a
 /// subgroup: the structure of [`CoopTile::LARGE`] in fewer lines), for snapshots and review.
 /// The first has a ragged last column tile and depth step, f32 inputs (rounded in the load) and
-/// an f16 output; the second f16 inputs, accumulating into f32.
+/// an f16 output; the second f16 inputs, accumulating into f32; the third the same, its depth
+/// split in two (each half into its own slice of the output).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let tile = CoopTile {
         bm: 32,
@@ -853,10 +948,11 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         wm: 16,
         wn: 16,
     };
-    let build = |product, shape, types, accumulate| {
-        Kernel::build(&key(product, shape, tile, 32, types, accumulate), |k| {
-            kernel(k, product, &Fusion::NONE)
-        })
+    let build = |product, shape, types, accumulate_splits| {
+        Kernel::build(
+            &key(product, shape, tile, 32, types, accumulate_splits),
+            |k| kernel(k, product, &Fusion::NONE),
+        )
     };
     let f32_in = HalfBuffers {
         input: false,
@@ -869,8 +965,9 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         output: false,
     };
     Ok(vec![
-        build(Product::Nt, (60, 36), f32_in, false)?,
-        build(Product::Nn, (64, 32), f16_in, true)?,
+        build(Product::Nt, (60, 36), f32_in, (false, 1))?,
+        build(Product::Nn, (64, 32), f16_in, (true, 1))?,
+        build(Product::Nn, (64, 64), f16_in, (false, 2))?,
     ])
 }
 
@@ -885,11 +982,18 @@ pub(crate) mod build {
         (cols, depth): (u32, u32),
         (tile, subgroup): (CoopTile, u32),
         types: HalfBuffers,
-        accumulate: bool,
+        accumulate_splits: (bool, u32),
         limits: &Limits,
     ) -> Result<Kernel, Failure> {
         tile.check(kernel_name(product), subgroup)?;
-        let key = key(product, (cols, depth), tile, subgroup, types, accumulate);
+        let key = key(
+            product,
+            (cols, depth),
+            tile,
+            subgroup,
+            types,
+            accumulate_splits,
+        );
         Ok(Kernel::build_with_limits(&key, limits, |k| {
             kernel(k, product, &Fusion::NONE)
         })?)
@@ -923,6 +1027,9 @@ pub(crate) struct Launch {
     /// The f32 input is multiplied by `2^input_exponent` before rounding, the result by its
     /// inverse (`Gemm::input_exponent`).
     pub input_exponent: i32,
+    /// Parts of the depth, each summed into its own `[m, cols]` slice of the output (rows
+    /// rounded up to 4 floats; 1: not split, the output itself).
+    pub splits: u32,
 }
 
 /// The tensor-core path for `gemm` on `gpu`, when the device offers it: the tile asked for, or
@@ -933,6 +1040,30 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm, half: HalfBuffers) -> Option<s
         .coop_tile
         .unwrap_or_else(|| choose_tile(gpu, gemm, subgroup, half));
     Some(super::GemmPath::TensorCores { tile, subgroup })
+}
+
+/// Whether `gpu` runs `tile` with subgroups of `subgroup` invocations.
+fn fits_device(gpu: &Gpu, tile: &CoopTile, subgroup: u32) -> bool {
+    let limits = gpu.kernel_limits();
+    tile.workgroup_bytes() <= limits.max_workgroup_storage_bytes
+        && tile.subgroups() * subgroup <= limits.max_invocations_per_workgroup
+        && tile.check("", subgroup).is_ok()
+}
+
+/// The tile, subgroup size and parts of `gemm`'s split on the tensor cores ([`splits_for`]),
+/// where `gpu` has them and the GEMM gains from a split: the tile asked for, else
+/// [`CoopTile::LARGE`] (the fastest per product on the H200; a split supplies the workgroups
+/// that a smaller tile would).
+pub(crate) fn split_path(gpu: &Gpu, gemm: &super::Gemm) -> Option<(CoopTile, u32, u32)> {
+    let subgroup = subgroup_size(gpu)?;
+    let tile = gemm.coop_tile.unwrap_or(CoopTile::LARGE);
+    if !fits_device(gpu, &tile, subgroup) {
+        return None;
+    }
+    let (cols, depth) = gemm.cols_depth();
+    let tiles = gemm.m.div_ceil(tile.bm as usize) * cols.div_ceil(tile.bn as usize);
+    let parts = splits_for(tiles, u32::try_from(depth).ok()?, tile.bk);
+    (parts > 1).then_some((tile, subgroup, parts))
 }
 
 /// The standard tiles, largest first.
@@ -950,13 +1081,8 @@ pub const TILES: [CoopTile; 5] = [
 /// measuring fails, the largest standard tile that still gives every one of ~132
 /// multiprocessors (the H200's) a workgroup, else the one with the most workgroups.
 pub fn choose_tile(gpu: &Gpu, gemm: &super::Gemm, subgroup: u32, half: HalfBuffers) -> CoopTile {
-    let limits = gpu.kernel_limits();
     let (cols, _) = gemm.cols_depth();
-    let fits = |t: &CoopTile| {
-        t.workgroup_bytes() <= limits.max_workgroup_storage_bytes
-            && t.subgroups() * subgroup <= limits.max_invocations_per_workgroup
-            && t.check("", subgroup).is_ok()
-    };
+    let fits = |t: &CoopTile| fits_device(gpu, t, subgroup);
     let groups = |t: &CoopTile| gemm.m.div_ceil(t.bm as usize) * cols.div_ceil(t.bn as usize);
     let usable: Vec<CoopTile> = TILES.into_iter().filter(fits).collect();
     let default = usable
@@ -1081,6 +1207,7 @@ fn measure_tiles(
             accumulate,
             scale: 1.0,
             input_exponent: 0,
+            splits: 1,
         };
         let config = BenchConfig {
             warmup: Duration::from_millis(warmup_ms),
@@ -1142,6 +1269,7 @@ pub(crate) fn record<'a>(
         accumulate,
         scale,
         input_exponent,
+        splits,
     } = *launch;
     let name = kernel_name(product);
     tile.check(name, subgroup)?;
@@ -1152,7 +1280,14 @@ pub(crate) fn record<'a>(
     };
     let key = fusion.key(
         name,
-        key(product, (cols, depth), tile, subgroup, types, accumulate),
+        key(
+            product,
+            (cols, depth),
+            tile,
+            subgroup,
+            types,
+            (accumulate, splits),
+        ),
     )?;
     let kernel = rec.gpu().kernel(&key, |k| kernel(k, product, fusion))?;
     let (input_name, output_name) = product.names();
@@ -1185,6 +1320,6 @@ pub(crate) fn record<'a>(
         false => args.param("input_scale", input_scale),
     };
     let args = fusion.bind(args);
-    let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), 1];
+    let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), splits];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))
 }

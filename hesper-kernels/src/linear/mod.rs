@@ -42,6 +42,7 @@ use crate::{bad_tile, expect_len, expect_u32};
 pub mod coop;
 pub mod fusion;
 pub mod gemv;
+pub mod split;
 
 pub use fusion::{Fusion, GemmFusion};
 use std::rc::Rc;
@@ -939,6 +940,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     .into_iter()
     .chain(coop::kernels()?)
     .chain(gemv::kernels()?)
+    .chain(split::kernels()?)
     .collect())
 }
 
@@ -1026,83 +1028,10 @@ pub fn execute_gemm_fused<'a>(
     let product = gemm.product;
     let name = kernel_name(product, ternary);
     let (input_name, output_name) = gemm.product.names();
-    let (in_dims, out_dims) = match gemm.product {
-        Product::Nt => ("[m, k]", "[m, n]"),
-        Product::Nn => ("[m, n]", "[m, k]"),
-    };
     let (cols, depth) = gemm.cols_depth();
     let m = expect_u32(name, "m", gemm.m)?;
-    expect_u32(name, "n", gemm.n)?;
-    expect_u32(name, "k", gemm.k)?;
-    // Ternary weights, and dense ones in `gemv`, are indexed by their flat position.
-    expect_u32(name, "n·k", gemm.n.saturating_mul(gemm.k))?;
-    expect_u32(name, "m·n", gemm.m.saturating_mul(gemm.n))?;
-    expect_u32(name, "m·k", gemm.m.saturating_mul(gemm.k))?;
     let tile = gemm.tile.within(&rec.gpu().kernel_limits());
-    tile.check(name)?;
-    if gemm.input_exponent.abs() > MAX_INPUT_EXPONENT {
-        return Err(ExecError::Dispatch {
-            kernel: name.into(),
-            what: format!("input_exponent = {}", gemm.input_exponent),
-            why: format!("the input's scale is 2^e with |e| ≤ {MAX_INPUT_EXPONENT}"),
-        });
-    }
-    if !fusion.is_empty() && depth == 0 {
-        return Err(ExecError::Dispatch {
-            kernel: name.into(),
-            what: "a fused GEMM over a depth of 0".into(),
-            why: "a fused GEMM needs a depth of at least 1 (an empty sum would skip its code)"
-                .into(),
-        });
-    }
-    match input {
-        Operand::F32(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
-        Operand::F16(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
-    }
-    match weights {
-        Weights::Dense(w) | Weights::ScaledDense { w, .. } => {
-            expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?
-        }
-        Weights::Half { w, .. } => expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?,
-        Weights::Ternary { packed, .. } => expect_len(
-            name,
-            "w",
-            packed,
-            (gemm.n * gemm.k).div_ceil(TERNARY_PER_WORD),
-            "[n, k] ternary, 16 per u32",
-        )?,
-    }
-    match &output {
-        OutputBuffer::F32(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
-        OutputBuffer::F16(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
-    }
-    fusion.check(name, (gemm.m, cols, depth))?;
-    let scale = match weights {
-        Weights::Dense(_) => 1.0,
-        Weights::ScaledDense { scale, .. }
-        | Weights::Half { scale, .. }
-        | Weights::Ternary { scale, .. } => scale,
-    };
-    let half = HalfBuffers {
-        input: matches!(input, Operand::F16(_)),
-        weight: matches!(weights, Weights::Half { .. }),
-        output: matches!(output, OutputBuffer::F16(_)),
-    };
-    if half.any() && !rec.gpu().supports_f16() {
-        // f16 buffers are read and written as f16.
-        let gpu = rec.gpu();
-        return Err(ExecError::MissingFeature {
-            kernel: name.into(),
-            feature: "SHADER_F16",
-            why: match gpu
-                .adapter_features()
-                .contains(hesper_exec::wgpu::Features::SHADER_F16)
-            {
-                true => "this Gpu was opened without (GpuOptions)".into(),
-                false => format!("`{}` does not have", gpu.adapter_info().name),
-            },
-        });
-    }
+    let (scale, half) = check_gemm(rec.gpu(), gemm, fusion, (&input, &weights, &output))?;
     // A fused GEMM that adds matrices reads its output's tiles as an accumulating one does:
     // its tile is chosen as for one.
     let chooses_as = Gemm {
@@ -1148,6 +1077,7 @@ pub fn execute_gemm_fused<'a>(
                 accumulate: gemm.accumulate,
                 scale,
                 input_exponent: gemm.input_exponent,
+                splits: 1,
             };
             coop::record(rec, &launch, input, w, output, fusion)
         }
@@ -1193,6 +1123,99 @@ pub fn execute_gemm_fused<'a>(
     }
 }
 
+/// What [`execute_gemm_fused`] checks before it records anything (an error names the kernel
+/// and buffer): the shape within u32 indices, the tile, the input's exponent, each buffer's
+/// length, the fusion's buffers, f16 on the device where a buffer holds it. The weights' scale
+/// and which buffers hold f16.
+fn check_gemm(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    fusion: &Fusion<'_>,
+    (input, weights, output): (&Operand<'_>, &Weights<'_>, &OutputBuffer<'_>),
+) -> Result<(f32, HalfBuffers), ExecError> {
+    let ternary = matches!(weights, Weights::Ternary { .. });
+    let product = gemm.product;
+    let name = kernel_name(product, ternary);
+    let (input_name, output_name) = gemm.product.names();
+    let (in_dims, out_dims) = match gemm.product {
+        Product::Nt => ("[m, k]", "[m, n]"),
+        Product::Nn => ("[m, n]", "[m, k]"),
+    };
+    let (cols, depth) = gemm.cols_depth();
+    expect_u32(name, "m", gemm.m)?;
+    expect_u32(name, "n", gemm.n)?;
+    expect_u32(name, "k", gemm.k)?;
+    // Ternary weights, and dense ones in `gemv`, are indexed by their flat position.
+    expect_u32(name, "n·k", gemm.n.saturating_mul(gemm.k))?;
+    expect_u32(name, "m·n", gemm.m.saturating_mul(gemm.n))?;
+    expect_u32(name, "m·k", gemm.m.saturating_mul(gemm.k))?;
+    let tile = gemm.tile.within(&gpu.kernel_limits());
+    tile.check(name)?;
+    if gemm.input_exponent.abs() > MAX_INPUT_EXPONENT {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("input_exponent = {}", gemm.input_exponent),
+            why: format!("the input's scale is 2^e with |e| ≤ {MAX_INPUT_EXPONENT}"),
+        });
+    }
+    if !fusion.is_empty() && depth == 0 {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: "a fused GEMM over a depth of 0".into(),
+            why: "a fused GEMM needs a depth of at least 1 (an empty sum would skip its code)"
+                .into(),
+        });
+    }
+    match input {
+        Operand::F32(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
+        Operand::F16(b) => expect_len(name, input_name, b, gemm.m * depth, in_dims)?,
+    }
+    match weights {
+        Weights::Dense(w) | Weights::ScaledDense { w, .. } => {
+            expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?
+        }
+        Weights::Half { w, .. } => expect_len(name, "w", w, gemm.n * gemm.k, "[n, k]")?,
+        Weights::Ternary { packed, .. } => expect_len(
+            name,
+            "w",
+            packed,
+            (gemm.n * gemm.k).div_ceil(TERNARY_PER_WORD),
+            "[n, k] ternary, 16 per u32",
+        )?,
+    }
+    match output {
+        OutputBuffer::F32(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
+        OutputBuffer::F16(b) => expect_len(name, output_name, *b, gemm.m * cols, out_dims)?,
+    }
+    fusion.check(name, (gemm.m, cols, depth))?;
+    let scale = match weights {
+        Weights::Dense(_) => 1.0,
+        Weights::ScaledDense { scale, .. }
+        | Weights::Half { scale, .. }
+        | Weights::Ternary { scale, .. } => *scale,
+    };
+    let half = HalfBuffers {
+        input: matches!(input, Operand::F16(_)),
+        weight: matches!(weights, Weights::Half { .. }),
+        output: matches!(output, OutputBuffer::F16(_)),
+    };
+    if half.any() && !gpu.supports_f16() {
+        // f16 buffers are read and written as f16.
+        return Err(ExecError::MissingFeature {
+            kernel: name.into(),
+            feature: "SHADER_F16",
+            why: match gpu
+                .adapter_features()
+                .contains(hesper_exec::wgpu::Features::SHADER_F16)
+            {
+                true => "this Gpu was opened without (GpuOptions)".into(),
+                false => format!("`{}` does not have", gpu.adapter_info().name),
+            },
+        });
+    }
+    Ok((scale, half))
+}
+
 /// The kernel a fused dense GEMM runs on `path` (the f32 tiled GEMM or the tensor cores), as
 /// [`execute_gemm_fused`] builds it: for snapshots, review and the DSL's interpreter. `half`
 /// says which buffers hold f16 (the tensor cores' key always names all three).
@@ -1214,7 +1237,7 @@ pub fn fused_kernel(
             (kernel_name(product, false), key)
         }
         GemmPath::TensorCores { tile, subgroup } => {
-            let key = coop::key(product, shape, tile, subgroup, half, gemm.accumulate);
+            let key = coop::key(product, shape, tile, subgroup, half, (gemm.accumulate, 1));
             (coop::kernel_name(product), key)
         }
         GemmPath::Empty | GemmPath::Gemv => {

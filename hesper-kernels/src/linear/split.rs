@@ -1,0 +1,180 @@
+//! Split-K on the tensor cores: a GEMM whose output has few tiles but whose depth is long leaves
+//! most multiprocessors idle, each of its few workgroups stepping through the whole depth. The
+//! lm-head's `dn = dz·E` over a chunk of 1024 tokens is one: a `[1024, 576]` output (24 tiles
+//! of 128×256) summed over 49 152 vocabulary entries. [`execute_gemm_split`] cuts the depth into
+//! parts ([`coop::splits_for`]): layer `z` of the grid sums part `z` into slice `z` of a scratch
+//! buffer, and `gemm_split_sum` adds the slices into the output (or to it, accumulating). Where
+//! a split does not pay (enough tiles, a short depth, no tensor cores, an f16 output) it is
+//! [`execute_gemm`].
+//!
+//! ```
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use hesper_exec::Gpu;
+//! use hesper_kernels::linear::split::{execute_gemm_split, gemm_split_scratch_len};
+//! use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
+//!
+//! let gpu = Gpu::new()?;
+//! // dx = dy·W over a long depth: dy [8, 4096], W [4096, 32].
+//! let (m, n, k) = (8, 4096, 32);
+//! let gemm = Gemm::new(Product::Nn, (m, n, k), false).with_precision(Precision::F16);
+//! let dy = gpu.upload(&vec![0.5f32; m * n])?;
+//! let w = gpu.upload(&vec![0.25f32; n * k])?;
+//! let mut dx = gpu.zeros::<f32>(m * k)?;
+//! // Zero where the device has no tensor cores or the GEMM is not split.
+//! let mut scratch = gpu.zeros::<f32>(gemm_split_scratch_len(&gpu, &gemm).max(1))?;
+//! let mut rec = gpu.recorder();
+//! execute_gemm_split(&mut rec, &gemm, &dy, Weights::Dense(&w), &mut dx, &mut scratch)?;
+//! rec.submit()?;
+//! assert!(dx.read(&gpu)?.iter().all(|&v| v == 512.0));
+//! # Ok(())
+//! # }
+//! ```
+
+use hesper_dsl::Limits;
+use hesper_dsl::prelude::*;
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
+
+use super::{Gemm, Operand, OutputBuffer, Precision, Weights, check_gemm, coop, execute_gemm};
+use crate::{Len, expect_len, expect_u32};
+
+/// The split `execute_gemm_split` runs for `gemm` on `gpu`: its tensor-core tile, subgroup size
+/// and parts; `None` where it runs `execute_gemm`.
+fn plan(gpu: &Gpu, gemm: &Gemm) -> Option<(coop::CoopTile, u32, u32)> {
+    let (cols, depth) = gemm.cols_depth();
+    if gemm.precision != Precision::F16 || gemm.m == 0 || cols == 0 || depth == 0 {
+        return None;
+    }
+    coop::split_path(gpu, gemm)
+}
+
+/// Floats of the scratch buffer [`execute_gemm_split`] needs for `gemm` on `gpu`: one
+/// `[m, cols]` slice (rounded up to 4 floats) a part; 0 where it does not split.
+pub fn gemm_split_scratch_len(gpu: &Gpu, gemm: &Gemm) -> usize {
+    let (cols, _) = gemm.cols_depth();
+    plan(gpu, gemm).map_or(0, |(_, _, parts)| {
+        parts as usize * (gemm.m * cols).next_multiple_of(4)
+    })
+}
+
+/// [`execute_gemm`], its depth split into parts where that pays (the module doc): the parts'
+/// sums go to `scratch` (at least [`gemm_split_scratch_len`] floats; untouched where the GEMM is
+/// not split), then into `output`, added to it with `gemm.accumulate`. An f16 output or
+/// ternary weights are never split. Buffers are checked as [`execute_gemm`] checks them,
+/// `scratch` too, before anything is recorded.
+pub fn execute_gemm_split<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    input: impl Into<Operand<'a>>,
+    weights: Weights<'a>,
+    output: impl Into<OutputBuffer<'a>>,
+    scratch: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let (input, output) = (input.into(), output.into());
+    let dense = !matches!(weights, Weights::Ternary { .. });
+    let plan = plan(rec.gpu(), gemm).filter(|_| dense);
+    let (Some((tile, subgroup, parts)), OutputBuffer::F32(out)) = (plan, &output) else {
+        return execute_gemm(rec, gemm, input, weights, output);
+    };
+    let none = super::Fusion::NONE;
+    let (scale, half) = check_gemm(rec.gpu(), gemm, &none, (&input, &weights, &output))?;
+    let name = coop::kernel_name(gemm.product);
+    let (cols, depth) = gemm.cols_depth();
+    let slice = (gemm.m * cols).next_multiple_of(4);
+    let need = parts as usize * slice;
+    expect_u32(name, "the split's scratch (parts · m · cols)", need)?;
+    expect_len(
+        name,
+        "scratch",
+        scratch,
+        Len::AtLeast(need),
+        "gemm_split_scratch_len",
+    )?;
+    let w = match weights {
+        Weights::Dense(w) | Weights::ScaledDense { w, .. } => Operand::F32(w),
+        Weights::Half { w, .. } => Operand::F16(w),
+        Weights::Ternary { .. } => unreachable!("ternary weights are not split (above)"),
+    };
+    let launch = coop::Launch {
+        product: gemm.product,
+        shape: (cols as u32, depth as u32),
+        m: gemm.m as u32,
+        tile,
+        subgroup,
+        accumulate: false,
+        scale,
+        input_exponent: gemm.input_exponent,
+        splits: parts,
+    };
+    debug_assert!(!half.output, "an f16 output is not split (above)");
+    coop::record(
+        rec,
+        &launch,
+        input,
+        w,
+        OutputBuffer::F32(&mut *scratch),
+        &none,
+    )?;
+    let n4 = (slice / 4) as u32;
+    let kernel = rec
+        .gpu()
+        .kernel(&sum_key(parts, gemm.accumulate), sum_body)?;
+    let args = Args::new()
+        .buffer_vec4("slices", &*scratch)
+        .buffer_vec4("out", &**out)
+        .param("n4", n4);
+    rec.launch(&kernel, &args, Grid::Threads(u64::from(n4)))
+}
+
+fn sum_key(parts: u32, accumulate: bool) -> KernelKey {
+    KernelKey::new("gemm_split_sum")
+        .workgroup_size(256)
+        .shape("parts", parts)
+        .shape("accumulate", accumulate)
+}
+
+/// `out[i] (+)= Σ_z slices[z·n4 + i]` over vec4s (a slice `n4` vec4s; the output's allocation
+/// is padded to 16 bytes, so its last vec4 may run past its length).
+fn sum_body(k: &mut KernelBuilder) {
+    let parts: u32 = k.shape("parts");
+    let accumulate: bool = k.shape("accumulate");
+    let slices = k.storage::<Vec4<f32>>("slices");
+    let out = k.storage_rw::<Vec4<f32>>("out");
+    let n4 = k.param::<u32>("n4");
+    let index = k.global_index();
+    let i = k.let_("i", index);
+    k.if_(i.lt(&n4), |k| {
+        let mut sum = slices.at(&i);
+        for z in 1..parts {
+            sum = sum + slices.at(&i + &n4 * z);
+        }
+        if accumulate {
+            sum = out.at(&i) + sum;
+        }
+        k.store(&out, &i, sum);
+    });
+}
+
+/// The WGSL of this module's own kernel (the split GEMMs are [`coop`]'s), for snapshots.
+pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    Ok(vec![Kernel::build(&sum_key(4, true), sum_body)?])
+}
+
+/// The sum at any count of parts, within `limits`, for [`crate::catalog`].
+pub(crate) mod build {
+    use super::*;
+    use crate::catalog::Failure;
+
+    pub(crate) fn sum(parts: u32, accumulate: bool, limits: &Limits) -> Result<Kernel, Failure> {
+        if !(1..=coop::MAX_SPLITS).contains(&parts) {
+            return Err(Failure::rule(
+                format!("parts = {parts}"),
+                format!("a split GEMM has 1 to {} parts", coop::MAX_SPLITS),
+            ));
+        }
+        Ok(Kernel::build_with_limits(
+            &sum_key(parts, accumulate),
+            limits,
+            sum_body,
+        )?)
+    }
+}
