@@ -12,9 +12,12 @@ use hesper_kernels::testing::{
 /// of 4 or of its rounds of 8, ranks past 16 (more sums than a subgroup of 8 or 16 has lanes) up
 /// to the register kernels' 32; tokens past one `lora_down` tile (16), one weight-gradient block
 /// (256) and not a multiple of either. The last has a rank past the register kernels' limit (32):
-/// its products go through the GEMM.
-const SHAPES: [(usize, usize, usize, usize); 9] = [
+/// its products go through the GEMM. The weight gradients' blocks shrink for fewer than 16 384
+/// tokens (`lane_tokens` 8 below 2049 tokens; 16 at 2500, 64 at 8200, both ragged).
+const SHAPES: [(usize, usize, usize, usize); 11] = [
     (1, 7, 5, 1),
+    (2500, 64, 48, 8),
+    (8200, 12, 8, 2),
     (5, 100, 130, 4),
     (37, 256, 96, 16),
     (130, 64, 300, 8),

@@ -16,7 +16,8 @@
 //! - `lora_up`: the products out of `r` (`s·h·Bᵀ`, `s·dh·A`), which read and write each output
 //!   once;
 //! - the weight gradients `G(j, k) = scale·Σ_t u[t, j]·v[t, k]` (`dB`, `dA`), summed over tokens
-//!   in two passes: partials per block of 256 tokens, then a sum over blocks (no float atomics).
+//!   in two passes: partials per block of tokens (256, fewer where that leaves under 64
+//!   blocks), then a sum over blocks (no float atomics).
 //!
 //! Ranks past 32 (more sums than registers) go through the tiled GEMM ([`crate::linear`]).
 //!

@@ -15,6 +15,9 @@ use crate::catalog::Failure;
 use crate::linear::offset;
 use crate::{Columns, bad_tile};
 
+/// Blocks of tokens [`PartialsTile::for_tokens`] aims for at least.
+const MIN_BLOCKS: u32 = 64;
+
 /// The first pass's block sizes: a workgroup is `cols` invocations along the columns times
 /// `lanes` along the tokens, each lane summing `lane_tokens` tokens of the block with `unroll`
 /// rows in flight; the lanes' sums are added `round_sums` per invocation a round. Carried in the key;
@@ -36,6 +39,20 @@ impl PartialsTile {
         unroll: 8,
         round_sums: 16,
     };
+
+    /// The tile for a backward over `tokens`: [`PartialsTile::DEFAULT`] with fewer tokens a
+    /// lane (a power of two, `unroll` at least) until the blocks number [`MIN_BLOCKS`]. At
+    /// 4096 tokens the default's 16 blocks gave the SmolLM2 step's projections 80 workgroups
+    /// (17.7 µs a launch on the H200, where 4× the tokens took 22): too few to fill the GPU.
+    pub(super) fn for_tokens(tokens: usize) -> PartialsTile {
+        let d = PartialsTile::DEFAULT;
+        let per_lane = tokens.div_ceil((d.lanes * MIN_BLOCKS) as usize);
+        let per_lane = per_lane.next_power_of_two();
+        PartialsTile {
+            lane_tokens: per_lane.clamp(d.unroll as usize, d.lane_tokens as usize) as u32,
+            ..d
+        }
+    }
 
     fn invocations(&self) -> u32 {
         self.cols * self.lanes
@@ -86,7 +103,7 @@ pub(super) struct SumTile {
 }
 
 impl SumTile {
-    /// A 4096-token backward has 16 blocks: one step.
+    /// Blocks are read 16 a step (a 4096-token backward has 64 blocks of 64: four steps).
     pub(super) const DEFAULT: SumTile = SumTile {
         invocations: 256,
         loads: 16,
@@ -106,13 +123,14 @@ impl SumTile {
     }
 }
 
-/// Elements of the scratch buffer the weight gradients need: one partial sum per block of 256
-/// tokens per weight element, `⌈tokens / 256⌉·width·rank`, where `width` is `out` for
+/// Elements of the scratch buffer the weight gradients need: one partial sum per block of
+/// tokens (256, or as few as 32 so that there are 64 blocks where the tokens allow) per
+/// weight element, `blocks·width·rank`, where `width` is `out` for
 /// [`super::execute_grad_b`], `in` for [`super::execute_grad_a`] and `in + out` for
 /// [`super::execute_lora_backward`] (which keeps both gradients' partials, to add them in one
 /// launch).
 pub fn lora_scratch_len(tokens: usize, width: usize, rank: usize) -> usize {
-    let block = PartialsTile::DEFAULT.block_tokens() as usize;
+    let block = PartialsTile::for_tokens(tokens).block_tokens() as usize;
     tokens.div_ceil(block).max(1) * width * rank
 }
 
@@ -124,7 +142,7 @@ pub(super) fn expect_loops(
     kernel: &str,
     tokens: usize,
 ) -> Result<(), ExecError> {
-    let blocks = tokens.div_ceil(PartialsTile::DEFAULT.block_tokens() as usize);
+    let blocks = tokens.div_ceil(PartialsTile::for_tokens(tokens).block_tokens() as usize);
     let iterations = 2 * blocks.div_ceil(SumTile::DEFAULT.loads as usize) as u64;
     crate::expect_loops(gpu, kernel, || format!("{tokens} tokens"), iterations)
 }
@@ -324,7 +342,7 @@ pub(super) fn launch(
     (tokens, r, scale): (u32, u32, f32),
     scratch: &GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let tile = PartialsTile::DEFAULT;
+    let tile = PartialsTile::for_tokens(tokens as usize);
     tile.check("lora_weight_grad_partials")?;
     let blocks = tokens.div_ceil(tile.block_tokens());
     launch_partials(rec, first, (tokens, r, tile), scratch, 0)?;
