@@ -346,7 +346,7 @@ pub(super) fn project(
             Layout::RankMinor => linear::execute_matmul_nn(rec, a, w, out, t, n, r, false),
         };
     }
-    let sg_tile = SubgroupTile::DEFAULT;
+    let sg_tile = SubgroupTile::for_tokens(t);
     let subgroups = rec
         .gpu()
         .subgroup_size()

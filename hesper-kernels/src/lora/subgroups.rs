@@ -27,6 +27,19 @@ impl SubgroupTile {
         unroll: 4,
     };
 
+    /// The tile for `tokens` rows: [`SubgroupTile::DEFAULT`] with 8 tokens a workgroup where
+    /// 16 would give fewer than 512 workgroups (the SmolLM2 step's 4096 tokens: 256).
+    pub(super) fn for_tokens(tokens: u32) -> SubgroupTile {
+        let d = SubgroupTile::DEFAULT;
+        match tokens.div_ceil(d.group_tokens) >= 512 {
+            true => d,
+            false => SubgroupTile {
+                group_tokens: 8,
+                ..d
+            },
+        }
+    }
+
     /// Tokens per workgroup.
     pub(super) fn tokens(&self) -> u32 {
         self.group_tokens
