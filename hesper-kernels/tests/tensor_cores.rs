@@ -113,6 +113,17 @@ fn check_with(gemm: &Gemm, halves: Halves, seed: u64, split: bool) -> Option<Gem
     }
     recorded.unwrap();
     rec.submit().unwrap();
+    if split && scratch_len > 0 {
+        // Split: every part wrote its whole slice (the first and the last checked).
+        let parts = scratch.read(g).unwrap();
+        let slice = scratch_len / (scratch_len / out_len.next_multiple_of(4));
+        for part in [&parts[..out_len], &parts[scratch_len - slice..][..out_len]] {
+            assert!(
+                part.iter().all(|v| v.is_finite()),
+                "{gemm:?}: a slice unwritten"
+            );
+        }
+    }
     let got: Vec<f32> = match (&out32, &out16) {
         (Some(b), _) => b.read(g).unwrap(),
         (_, Some(b)) => b.read(g).unwrap().iter().map(|h| h.to_f32()).collect(),
@@ -256,6 +267,37 @@ fn split_gemms_match_reference() {
         let slice = (shape.0 * cols).next_multiple_of(4);
         assert_eq!(scratch, if tensor_cores { parts * slice } else { 0 });
         check_with(&gemm, halves, 200 + i as u64, true);
+    }
+    // A scratch too short for the split: an error naming it, and nothing recorded.
+    if tensor_cores {
+        let g = gpu();
+        let gemm = Gemm {
+            coop_tile: Some(small),
+            ..Gemm::new(Product::Nn, (40, 4096, 48), false).with_precision(Precision::F16)
+        };
+        let (dy, w) = (
+            g.zeros::<f32>(40 * 4096).unwrap(),
+            g.zeros::<f32>(4096 * 48).unwrap(),
+        );
+        let mut dx = g.zeros::<f32>(40 * 48).unwrap();
+        let need = linear::split::gemm_split_scratch_len(g, &gemm);
+        let mut short = g.zeros::<f32>(need - 1).unwrap();
+        let mut rec = g.recorder();
+        let err = linear::split::execute_gemm_split(
+            &mut rec,
+            &gemm,
+            &dy,
+            Weights::Dense(&w),
+            &mut dx,
+            &mut short,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            err.contains("scratch") && err.contains(&need.to_string()),
+            "{err}"
+        );
+        assert!(rec.is_empty());
     }
 }
 

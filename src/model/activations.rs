@@ -11,8 +11,8 @@
 
 use hesper_exec::{Gpu, GpuBuffer};
 use hesper_kernels::attention::ValidLengths;
-use hesper_kernels::linear::Product;
 use hesper_kernels::linear::split::gemm_split_scratch_len;
+use hesper_kernels::linear::{Precision, Product};
 use hesper_kernels::lora::lora_scratch_len;
 use hesper_kernels::optim::grad_norm_partials_len;
 
@@ -204,6 +204,8 @@ pub(crate) struct Inputs {
 pub struct StepBuffers {
     config: ModelConfig,
     lora: LoraConfig,
+    /// The model's precision: the lm-head backward's split-K scratch is sized for it.
+    precision: Precision,
     pub(crate) shape: StepShape,
     /// The loss chunk's rows: `loss_chunk`, or `T` when that is fewer.
     pub(crate) chunk: usize,
@@ -345,6 +347,7 @@ impl StepBuffers {
         Ok(StepBuffers {
             config: c.clone(),
             lora: adapters.lora().clone(),
+            precision: model.precision(),
             shape,
             chunk,
             layers,
@@ -363,9 +366,9 @@ impl StepBuffers {
         self.shape
     }
 
-    /// The model config and LoRA config these buffers were made for.
-    pub(crate) fn made_for(&self) -> (&ModelConfig, &LoraConfig) {
-        (&self.config, &self.lora)
+    /// The model config, LoRA config and model precision these buffers were made for.
+    pub(crate) fn made_for(&self) -> (&ModelConfig, &LoraConfig, Precision) {
+        (&self.config, &self.lora, self.precision)
     }
 
     /// Write the step's micro-batches (one per [`StepShape::micro_batches`], each of the

@@ -454,7 +454,7 @@ impl Ctx<'_> {
                     .gemm(Product::Nn, (chunk, vocab, d), false)
                     .with_input_exponent(self.grad_exponent);
                 // Split-K: 24 tiles of the output over a depth of the vocabulary leave most
-                // of the GPU idle (BENCHMARKS.md, "Split-K").
+                // of the GPU idle (BENCHMARKS.md, "Split-K for the lm-head's backward").
                 let (d_logits, scratch) = (&loss.d_logits, &mut loss.d_n_split);
                 execute_gemm_split(rec, &gemm, d_logits, head, &mut loss.d_n_chunk, scratch)?;
                 rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
@@ -467,20 +467,23 @@ impl Ctx<'_> {
     }
 }
 
-/// `Ok` when `buffers` were made for `model`'s config and `adapters`' LoRA config.
+/// `Ok` when `buffers` were made for `model`'s config and precision and `adapters`' LoRA
+/// config.
 fn check_buffers(
     model: &GpuModel,
     adapters: &GpuAdapters,
     buffers: &StepBuffers,
 ) -> Result<(), ModelError> {
-    let (config, lora) = buffers.made_for();
+    let (config, lora, precision) = buffers.made_for();
     let adapters_fit = adapters.config() == model.config() && adapters.lora() == lora;
-    if config != model.config() || !adapters_fit {
+    if config != model.config() || !adapters_fit || precision != model.precision() {
         return Err(ModelError::invalid(
             "StepBuffers",
             "model",
             "buffers made by StepBuffers::new for this model and these adapters",
-            format!("buffers of another model or LoRA config ({config:?}, {lora:?})"),
+            format!(
+                "buffers of another model, precision or LoRA config ({config:?}, {precision:?}, {lora:?})"
+            ),
         ));
     }
     Ok(())

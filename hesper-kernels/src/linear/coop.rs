@@ -150,7 +150,10 @@ pub(crate) fn check_splits(
             "1 for an accumulating GEMM or an f16 output (the parts are f32 slices, added \
              by `gemm_split_sum`)",
         ),
-        s if !depth.is_multiple_of(s * bk) => {
+        s if s
+            .checked_mul(bk)
+            .is_none_or(|step| !depth.is_multiple_of(step)) =>
+        {
             Err("a count that cuts the depth into whole steps (depth a multiple of splits·bk)")
         }
         _ => Ok(()),
@@ -169,8 +172,9 @@ pub fn splits_for(tiles: usize, depth: u32, bk: u32) -> u32 {
     [16u32, 8, 4, 2]
         .into_iter()
         .find(|&s| {
-            depth.is_multiple_of(s * bk)
-                && depth / (s * bk) >= SPLIT_MIN_STEPS
+            let part = s.saturating_mul(bk);
+            depth.is_multiple_of(part)
+                && depth / part >= SPLIT_MIN_STEPS
                 && tiles * s as usize <= SPLIT_WORKGROUPS
         })
         .unwrap_or(1)

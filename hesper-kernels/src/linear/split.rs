@@ -106,6 +106,10 @@ pub fn execute_gemm_split<'a>(
         splits: parts,
     };
     debug_assert!(!half.output, "an f16 output is not split (above)");
+    // Compiled before the GEMM is recorded: a failure leaves the recorder as it was.
+    let sum = rec
+        .gpu()
+        .kernel(&sum_key(parts, gemm.accumulate), sum_body)?;
     coop::record(
         rec,
         &launch,
@@ -115,14 +119,11 @@ pub fn execute_gemm_split<'a>(
         &none,
     )?;
     let n4 = (slice / 4) as u32;
-    let kernel = rec
-        .gpu()
-        .kernel(&sum_key(parts, gemm.accumulate), sum_body)?;
     let args = Args::new()
         .buffer_vec4("slices", &*scratch)
         .buffer_vec4("out", &**out)
         .param("n4", n4);
-    rec.launch(&kernel, &args, Grid::Threads(u64::from(n4)))
+    rec.launch(&sum, &args, Grid::Threads(u64::from(n4)))
 }
 
 fn sum_key(parts: u32, accumulate: bool) -> KernelKey {

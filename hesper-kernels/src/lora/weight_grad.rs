@@ -41,13 +41,17 @@ impl PartialsTile {
     };
 
     /// The tile for a backward over `tokens`: [`PartialsTile::DEFAULT`] with fewer tokens a
-    /// lane (a power of two, `unroll` at least) until the blocks number [`MIN_BLOCKS`]. At
+    /// lane (a power of two, `unroll` at least) so that the blocks number [`MIN_BLOCKS`] or
+    /// more where the tokens allow it. At
     /// 4096 tokens the default's 16 blocks gave the SmolLM2 step's projections 80 workgroups
     /// (17.7 µs a launch on the H200, where 4× the tokens took 22): too few to fill the GPU.
     pub(super) fn for_tokens(tokens: usize) -> PartialsTile {
         let d = PartialsTile::DEFAULT;
-        let per_lane = tokens.div_ceil((d.lanes * MIN_BLOCKS) as usize);
-        let per_lane = per_lane.next_power_of_two();
+        // Rounded down: at least MIN_BLOCKS blocks.
+        let per_lane = match tokens / (d.lanes * MIN_BLOCKS) as usize {
+            0 => 1,
+            p => 1 << p.ilog2(),
+        };
         PartialsTile {
             lane_tokens: per_lane.clamp(d.unroll as usize, d.lane_tokens as usize) as u32,
             ..d
@@ -124,7 +128,8 @@ impl SumTile {
 }
 
 /// Elements of the scratch buffer the weight gradients need: one partial sum per block of
-/// tokens (256, or as few as 32 so that there are 64 blocks where the tokens allow) per
+/// tokens (256, or as few as 32 so that there are 64 blocks where the tokens allow: it is for
+/// exactly `tokens`, and need not grow with them) per
 /// weight element, `blocks·width·rank`, where `width` is `out` for
 /// [`super::execute_grad_b`], `in` for [`super::execute_grad_a`] and `in + out` for
 /// [`super::execute_lora_backward`] (which keeps both gradients' partials, to add them in one
@@ -284,7 +289,7 @@ fn sum_body(k: &mut KernelBuilder) {
     let loads = k.shape::<u32>("loads");
     let i = k.global_index();
     // `loads` independent sums, so that many loads are in flight per step (a 4096-token
-    // backward has 16 blocks: one step); a block past the last reads the last one (in range)
+    // backward has 64 blocks: four steps); a block past the last reads the last one (in range)
     // and adds nothing.
     let add_blocks = |k: &mut KernelBuilder, (at, width, base): (Expr<u32>, u32, Expr<u32>)| {
         let accs: Vec<_> = (0..loads).map(|_| k.var("acc", 0.0f32)).collect();
