@@ -14,8 +14,7 @@ use hesper_kernels::testing::{
 /// (256) and not a multiple of either. The last has a rank past the register kernels' limit (32):
 /// its products go through the GEMM. The weight gradients' blocks shrink for fewer than 16 384
 /// tokens (`lane_tokens` 8 below 4096 tokens; 16 at 5000, 32 at 8200, both ragged), and so do
-/// `lora_up`'s and `lora_down_subgroups`' for less work (4 tokens a block of `lora_up`, 8 at
-/// 8200 × 512, 16 at 8200 × 1024; 8 a workgroup of `lora_down_subgroups` below 8192 tokens).
+/// `lora_down_subgroups`' workgroups (8 tokens below 8192 tokens, 16 at 8200).
 const SHAPES: [(usize, usize, usize, usize); 12] = [
     (1, 7, 5, 1),
     (5000, 64, 48, 8),

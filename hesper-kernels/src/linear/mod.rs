@@ -31,6 +31,11 @@
 //! ## Few rows
 //! `·Wᵀ` through a dense weight over at most [`gemv::MAX_ROWS`] rows (decoding's one token) runs
 //! [`gemv`] instead: a workgroup per output, its invocations along the depth.
+//!
+//! ## Long depths
+//! A product with few output tiles over a long depth (the lm-head's backward) leaves most of the
+//! GPU idle: [`split::execute_gemm_split`] cuts the depth into parts on the tensor cores, each
+//! summed into a scratch slice, and adds the slices.
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};

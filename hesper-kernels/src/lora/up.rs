@@ -23,29 +23,14 @@ pub(super) struct UpTile {
 }
 
 impl UpTile {
+    /// At every token count: blocks of 4 tokens at 4096 (4× the workgroups, for the SmolLM2
+    /// step's narrow v projection) measured slower on the H200 (BENCHMARKS.md, "Split-K for
+    /// the lm-head's backward").
     pub(super) const DEFAULT: UpTile = UpTile {
         invocations: 256,
         block_tokens: 16,
         unroll: 4,
     };
-
-    /// The tile for `tokens` rows of `groups` column groups: [`UpTile::DEFAULT`] with fewer
-    /// tokens a block (a power of two, 4 at least) until the invocations number ~128k. At
-    /// 4096 tokens the default gave the SmolLM2 step's v projection (48 vec4s wide) 48
-    /// workgroups and its q projection 144 (13.4 µs a launch on the H200 on average, where 4× the
-    /// tokens took 29): too few to fill the GPU.
-    pub(super) fn for_work(tokens: u32, groups: u32) -> UpTile {
-        let d = UpTile::DEFAULT;
-        let fill = u64::from(tokens) * u64::from(groups) / FILL_INVOCATIONS;
-        let block = match fill {
-            0 => 1,
-            f => 1u64 << f.ilog2(),
-        };
-        UpTile {
-            block_tokens: block.clamp(4, u64::from(d.block_tokens)) as u32,
-            ..d
-        }
-    }
 
     /// `Ok` when `lora_up` can run this tile; else an error naming `kernel` and the rule.
     pub(super) fn check(&self, kernel: &str) -> Result<(), ExecError> {
@@ -67,10 +52,6 @@ impl UpTile {
         }
     }
 }
-
-/// Invocations a `lora_up` launch aims for at least ([`UpTile::for_work`]): ~1000 for each of
-/// the H200's 132 multiprocessors.
-const FILL_INVOCATIONS: u64 = 128 * 1024;
 
 pub(super) fn key(n: u32, r: u32, layout: Layout, tile: UpTile) -> KernelKey {
     adapter_key("lora_up", n, r, layout)
@@ -151,7 +132,7 @@ pub(super) fn project_up(
     scale: f32,
 ) -> Result<(), ExecError> {
     if r <= MAX_RANK {
-        let tile = UpTile::for_work(t, row_elements(n));
+        let tile = UpTile::DEFAULT;
         tile.check("lora_up")?;
         let kernel = rec.gpu().kernel(&key(n, r, layout, tile), body)?;
         let blocks = t.div_ceil(tile.block_tokens);
