@@ -4,6 +4,7 @@
 //! a text, twice with identical losses; and the inputs the step refuses.
 
 use hesper::exec::{Gpu, GpuOptions};
+use hesper::kernels::linear::Precision;
 use hesper::kernels::optim::reference::{State, adamw_step, clip_coefficient, global_grad_norm};
 use hesper::kernels::testing::gpu;
 use hesper::model::config::{Family, LoraConfig, ModelConfig, Projection};
@@ -750,12 +751,24 @@ fn bad_inputs_are_errors_that_name_the_item() {
     let mut rec = g.recorder();
     let mut narrow_on_gpu = narrow_on_gpu;
     let result = record_forward_backward(&mut rec, &model, &mut narrow_on_gpu, &mut buffers);
-    assert_names(result, &["StepBuffers", "another model or LoRA config"]);
+    assert_names(
+        result,
+        &["StepBuffers", "another model, precision or LoRA config"],
+    );
     assert!(
         rec.is_empty(),
         "mismatched adapters recorded {} launches",
         rec.len()
     );
+    // Buffers of the f32 model under the same model in f16 (whose lm-head backward may be
+    // split, with scratch the f32 buffers lack): refused, nothing recorded.
+    if g.supports_f16() {
+        let half = GpuModel::upload_with_precision(g, &config, &weights, Precision::F16).unwrap();
+        let mut on_gpu = GpuAdapters::upload(g, &config, &lora, &adapters).unwrap();
+        let result = record_forward_backward(&mut rec, &half, &mut on_gpu, &mut buffers);
+        assert_names(result, &["StepBuffers", "F32"]);
+        assert!(rec.is_empty());
+    }
     drop(rec);
     let good = Batch::random(&config, 55, 8, &[8, 8]);
     assert_names(
