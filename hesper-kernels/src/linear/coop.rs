@@ -188,7 +188,7 @@ pub(crate) fn kernel_name(product: Product) -> &'static str {
 }
 
 /// The kernel key: the product's widths, the tile, the subgroup size the workgroup is laid out
-/// for, the element types, `accumulate` and the depth's `splits` (1: none; [`SplitK`]); `m`
+/// for, the element types, `accumulate` and the depth's `splits` (1: none; [`splits_for`]); `m`
 /// and the scale are runtime.
 pub(crate) fn key(
     product: Product,
