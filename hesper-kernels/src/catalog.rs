@@ -1440,15 +1440,23 @@ static ENTRIES: [Entry; 47] = [
         module: "norm",
         summary: "RMSNorm: y = x·r·γ, r = (mean x² + ε)^-½ saved per row, one workgroup per row",
         params: &[
-            u32_param("cols", "2560", "the row width n"),
+            u32_param(
+                "cols",
+                "2560",
+                "the row width n (a multiple of 4 goes as vec4s)",
+            ),
             Param {
                 name: "eps",
                 kind: Kind::F32,
                 default: "1e-6",
                 doc: "ε",
             },
+            SUBGROUPS,
         ],
-        build: |s| norm::build::rms_norm_forward(s.u32("cols"), s.f32("eps"), s.limits()),
+        build: |s| {
+            let (cols, eps) = (s.u32("cols"), s.f32("eps"));
+            norm::build::rms_norm_forward(cols, eps, s.features(), s.limits())
+        },
     },
     // optim
     Entry {

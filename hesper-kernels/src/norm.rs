@@ -2,65 +2,192 @@
 //! row, saved by the forward; with `m = dy ⊙ γ`,
 //! `dx = r·m − (r³/n)·(Σ_j m_j x_j)·x` and `dγ = Σ_rows dy ⊙ x·r`.
 //!
-//! One workgroup per row, its invocations striding over the columns; row sums go through
-//! `workgroup_reduce`. The backward reads the forward's saved `r` (so it uses the forward's ε by
+//! One workgroup per row, each invocation holding up to three of its elements (`vec4`s where
+//! the width allows) in registers, so a row is read once and written once; row sums go
+//! through `workgroup_reduce`. The backward reads the forward's saved `r` (so it uses the forward's ε by
 //! construction — Hesper recomputed it with another ε). `dx` can be added to what the buffer
 //! holds (the residual path is a sum, never an overwrite). `dγ` is a two-pass column reduction
 //! (partial sums per block of rows, then a sum over blocks): no float atomics.
 
 use hesper_dsl::prelude::*;
+use hesper_dsl::{LocalArray, WgslType};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::{expect_len, expect_rows, expect_u32};
 
-/// Invocations per row.
-const WG: u32 = 256;
 /// Rows per partial sum in the first pass of `dγ`.
 const ROWS_PER_BLOCK: u32 = 32;
 
-#[kernel(workgroup_size = WG)]
-fn rms_norm_forward(
-    x: &[f32],
-    gamma: &[f32],
-    y: &mut [f32],
-    rstd: &mut [f32],
-    #[shape] cols: u32,
-    #[shape] eps: f32,
-    #[runtime] rows: u32,
-) {
-    // Rows past 65535 arrive as a 2-D grid of workgroups.
-    let row = workgroup_index();
-    if row < rows {
-        let base = row * cols;
-        let mut sum_sq = 0.0;
-        for c in (local_index()..cols).step_by(WG) {
-            let v = x[base + c];
-            sum_sq += v * v;
-        }
-        let total = workgroup_reduce(sum_sq, Reduce::Sum);
-        let r = inverse_sqrt(total / cols as f32 + eps);
-        for c in (local_index()..cols).step_by(WG) {
-            y[base + c] = x[base + c] * r * gamma[c];
-        }
-        if local_index() == 0 {
-            rstd[row] = r;
-        }
-    }
-}
-
-/// Key of the backward: the width and `accumulate` shape the text; rows of a multiple of 4
-/// columns go as `vec4`s; subgroups speed the row reduction up where the device has them.
-fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
+/// Lanes per element (4 where the row is a whole number of `vec4`s) and invocations per row:
+/// at most three elements each, kept in registers, in a multiple of 16 invocations (at 576
+/// columns: 48 × 3 vec4s, no ragged step; 0.69 of copy on the H200 against 0.67 with 64 ×
+/// 2.25) and at least one NVIDIA warp.
+fn row_layout(cols: u32) -> (u32, u32) {
     let lanes = if cols.is_multiple_of(4) { 4 } else { 1 };
-    // At most three elements per invocation, kept in registers, in a multiple of 16
-    // invocations (at 576 columns: 48 × 3 vec4s, no ragged step; 0.69 of copy on the H200
-    // against 0.67 with 64 × 2.25) and at least one NVIDIA warp.
     let wg = (cols / lanes)
         .div_ceil(3)
         .next_multiple_of(16)
         .clamp(32, 256);
+    (lanes, wg)
+}
+
+/// Iterations of the runtime loops an invocation makes over a row of `cols` in two passes
+/// (0 where the row is held in registers).
+fn row_loop_iterations(cols: u32) -> u64 {
+    let (lanes, wg) = row_layout(cols);
+    let per_invocation = (cols / lanes).div_ceil(wg);
+    if per_invocation <= MAX_HELD {
+        0
+    } else {
+        2 * u64::from(per_invocation)
+    }
+}
+
+/// Key of the forward: the width and ε shape the text; the layout is [`row_layout`]'s and
+/// subgroups speed the row reduction up where the device has them.
+fn forward_key(cols: u32, eps: f32, features: Features) -> KernelKey {
+    KernelKey::new("rms_norm_forward")
+        .workgroup_size(row_layout(cols).1)
+        .shape("cols", cols)
+        .shape("eps", eps)
+        .features(features & Features::SUBGROUPS)
+        // Register arrays are indexed by constants and columns guarded: no runtime bounds checks.
+        .assume_in_bounds()
+}
+
+/// `y = x·r·γ`, `r = (Σ x²/n + ε)^-½`: each invocation loads its share of the row once into
+/// registers, so the row is read once and written once.
+fn forward_body(k: &mut KernelBuilder) {
+    if k.shape::<u32>("cols").is_multiple_of(4) {
+        forward_lanes::<Vec4<f32>>(k, 4, |v| v.x() + v.y() + v.z() + v.w());
+    } else {
+        forward_lanes::<f32>(k, 1, |v| v);
+    }
+}
+
+fn forward_lanes<E>(k: &mut KernelBuilder, lanes: u32, lane_sum: fn(Expr<E>) -> Expr<f32>)
+where
+    E: hesper_dsl::Reducible,
+    Expr<E>: std::ops::Mul<Expr<E>, Output = Expr<E>> + std::ops::Mul<Expr<f32>, Output = Expr<E>>,
+{
+    let cols = k.shape::<u32>("cols");
+    let eps = k.shape_const::<f32>("eps");
+    let x = k.storage::<E>("x");
+    let gamma = k.storage::<E>("gamma");
+    let y = k.storage_rw::<E>("y");
+    let rstd = k.storage_rw::<f32>("rstd");
+    let rows = k.param::<u32>("rows");
+    let row = k.let_("row", k.workgroup_index());
+    // The whole workgroup leaves together (same row): the barriers below stay uniform.
+    k.if_(row.ge(&rows), |k| k.return_());
+    let row_pass = RowPass::new(k, cols / lanes, &row);
+    let xs = row_pass.registers::<E>(k, "xs");
+    let squares = k.var("squares", E::zero());
+    row_pass.each(k, &|k, at, _, j| {
+        let v = row_pass.keep(k, &xs, j, x.at(at));
+        k.add_assign(&squares, &v * &v);
+    });
+    let total = k.workgroup_reduce(lane_sum(squares.get()), Reduce::Sum);
+    let r = k.let_("r", (total / cols as f32 + eps).inverse_sqrt());
+    k.if_(row_pass.lid.eq(0u32), |k| k.store(&rstd, &row, r.clone()));
+    row_pass.each(k, &|k, at, c, j| {
+        let v = RowPass::kept(&xs, j).unwrap_or_else(|| x.at(at));
+        k.store(&y, at, v * r.clone() * gamma.at(c));
+    });
+}
+
+/// Most elements of a row an invocation holds in registers; a wider row is read twice, a
+/// stride of the workgroup at a time (and counts against the device's loop limit).
+const MAX_HELD: u32 = 8;
+
+/// What a pass does at one column: `(k, index in the buffer, column, which held one)`.
+type ColumnBody<'a> = dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>, Option<u32>) + 'a;
+
+/// One row's columns shared out over a workgroup: invocation `lid` takes columns `lid + j·wg`.
+/// Up to [`MAX_HELD`] a row, `j` runs over constants (the last step guarded where it runs past
+/// the row) and what the first pass reads can be kept in registers for the second; past it,
+/// a runtime loop.
+struct RowPass {
+    lid: Expr<u32>,
+    base: Expr<u32>,
+    width: u32,
+    wg: u32,
+    /// Elements per invocation, where they are held.
+    held: Option<u32>,
+}
+
+impl RowPass {
+    fn new(k: &mut KernelBuilder, width: u32, row: &Expr<u32>) -> RowPass {
+        let wg = k.invocations();
+        let lid = k.let_("lid", k.local_index());
+        let base = k.let_("base", row * width);
+        let per_invocation = width.div_ceil(wg);
+        RowPass {
+            lid,
+            base,
+            width,
+            wg,
+            held: (per_invocation <= MAX_HELD).then_some(per_invocation),
+        }
+    }
+
+    /// A register array for one element per held column (none where the row is looped).
+    fn registers<E: WgslType>(&self, k: &mut KernelBuilder, hint: &str) -> Option<LocalArray<E>> {
+        self.held.map(|n| k.var_array::<E>(hint, n))
+    }
+
+    /// `value`, stored in `registers[j]` where the row is held; the value to use after.
+    fn keep<E: WgslType>(
+        &self,
+        k: &mut KernelBuilder,
+        registers: &Option<LocalArray<E>>,
+        j: Option<u32>,
+        value: Expr<E>,
+    ) -> Expr<E> {
+        match (registers, j) {
+            (Some(registers), Some(j)) => {
+                k.store(registers, j, value);
+                registers.at(j)
+            }
+            _ => k.let_("v", value),
+        }
+    }
+
+    /// What [`RowPass::keep`] stored for column `j`, where the row is held.
+    fn kept<E: WgslType>(registers: &Option<LocalArray<E>>, j: Option<u32>) -> Option<Expr<E>> {
+        Some(registers.as_ref()?.at(j?))
+    }
+
+    /// `f(k, index in the buffer, column, j)` for each of this invocation's columns (`j`:
+    /// which held one, `None` in the runtime loop).
+    fn each(&self, k: &mut KernelBuilder, f: &ColumnBody) {
+        let Some(held) = self.held else {
+            k.for_step("c", self.lid.clone(), self.width, self.wg, |k, c| {
+                let at = k.let_("at", &self.base + &c);
+                f(k, &at, &c, None);
+            });
+            return;
+        };
+        for j in 0..held {
+            let body = |k: &mut KernelBuilder| {
+                let c = k.let_("c", &self.lid + j * self.wg);
+                let at = k.let_("at", &self.base + &c);
+                f(k, &at, &c, Some(j));
+            };
+            if (j + 1) * self.wg <= self.width {
+                body(k)
+            } else {
+                k.if_((&self.lid + j * self.wg).lt(self.width), body)
+            }
+        }
+    }
+}
+
+/// Key of the backward: the width and `accumulate` shape the text; the layout is
+/// [`row_layout`]'s and subgroups speed the row reduction up where the device has them.
+fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
     KernelKey::new("rms_norm_backward")
-        .workgroup_size(wg)
+        .workgroup_size(row_layout(cols).1)
         .shape("cols", cols)
         .shape("accumulate", accumulate)
         .features(features & Features::SUBGROUPS)
@@ -87,8 +214,6 @@ where
 {
     let cols = k.shape::<u32>("cols");
     let accumulate = k.shape::<bool>("accumulate");
-    let wg = k.invocations();
-    let (width, per_invocation) = (cols / lanes, (cols / lanes).div_ceil(wg));
     let x = k.storage::<E>("x");
     let gamma = k.storage::<E>("gamma");
     let rstd = k.storage::<f32>("rstd");
@@ -98,44 +223,30 @@ where
     let row = k.let_("row", k.workgroup_index());
     // The whole workgroup leaves together (same row): the barriers below stay uniform.
     k.if_(row.ge(&rows), |k| k.return_());
-    let lid = k.let_("lid", k.local_index());
-    let base = k.let_("base", &row * width);
+    let row_pass = RowPass::new(k, cols / lanes, &row);
     // Read before the reduction: after its barriers the load would add a memory latency to
     // every row's critical path.
     let r = k.let_("r", rstd.at(&row));
-    let xs = k.var_array::<E>("xs", per_invocation);
-    let ms = k.var_array::<E>("ms", per_invocation);
+    let xs = row_pass.registers::<E>(k, "xs");
+    let ms = row_pass.registers::<E>(k, "ms");
     let dot = k.var("dot", E::zero());
-    // Columns `lid + j·wg`; only the last step can run past the row.
-    let column = |j: u32| &lid + j * wg;
-    let guarded = |k: &mut KernelBuilder, j: u32, f: &dyn Fn(&mut KernelBuilder)| {
-        if (j + 1) * wg <= width {
-            f(k)
-        } else {
-            k.if_(column(j).lt(width), |k| f(k))
-        }
-    };
-    for j in 0..per_invocation {
-        guarded(k, j, &|k| {
-            let c = k.let_("c", column(j));
-            k.store(&xs, j, x.at(&base + &c));
-            k.store(&ms, j, dy.at(&base + &c) * gamma.at(&c));
-            k.add_assign(&dot, ms.at(j) * xs.at(j));
-        });
-    }
+    row_pass.each(k, &|k, at, c, j| {
+        let xv = row_pass.keep(k, &xs, j, x.at(at));
+        let m = row_pass.keep(k, &ms, j, dy.at(at) * gamma.at(c));
+        k.add_assign(&dot, m * xv);
+    });
     let m_dot_x = k.workgroup_reduce(lane_sum(dot.get()), Reduce::Sum);
     let coef = k.let_("coef", &r * &r * &r * m_dot_x / cols as f32);
-    for j in 0..per_invocation {
-        guarded(k, j, &|k| {
-            let at = k.let_("at", &base + column(j));
-            let g = ms.at(j) * r.clone() - xs.at(j) * coef.clone();
-            if accumulate {
-                k.store(&dx, &at, dx.at(&at) + g);
-            } else {
-                k.store(&dx, &at, g);
-            }
-        });
-    }
+    row_pass.each(k, &|k, at, c, j| {
+        let xv = RowPass::kept(&xs, j).unwrap_or_else(|| x.at(at));
+        let m = RowPass::kept(&ms, j).unwrap_or_else(|| dy.at(at) * gamma.at(c));
+        let g = m * r.clone() - xv * coef.clone();
+        if accumulate {
+            k.store(&dx, at, dx.at(at) + g);
+        } else {
+            k.store(&dx, at, g);
+        }
+    });
 }
 
 /// First pass of `dγ`: `partials[block, c] = Σ_{rows r of the block} dy[r, c]·x[r, c]·rstd[r]`.
@@ -187,12 +298,15 @@ fn rms_norm_dgamma_sum(
 /// The WGSL of this module's kernels at representative shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
-        rms_norm_forward::build(2560, 1e-6)?,
+        Kernel::build(&forward_key(2560, 1e-6, Features::SUBGROUPS), forward_body)?,
+        Kernel::build(&forward_key(66, 1e-5, Features::NONE), forward_body)?,
+        Kernel::build(&forward_key(8196, 1e-6, Features::NONE), forward_body)?,
         Kernel::build(
             &backward_key(2560, true, Features::SUBGROUPS),
             backward_body,
         )?,
         Kernel::build(&backward_key(576, false, Features::NONE), backward_body)?,
+        Kernel::build(&backward_key(2051, false, Features::NONE), backward_body)?,
         rms_norm_dgamma_partials::build(2560, ROWS_PER_BLOCK)?,
         rms_norm_dgamma_sum::build(2560)?,
     ])
@@ -206,14 +320,11 @@ pub(crate) mod build {
     pub(crate) fn rms_norm_forward(
         cols: u32,
         eps: f32,
+        features: Features,
         limits: &Limits,
     ) -> Result<Kernel, Failure> {
-        let key = super::rms_norm_forward::key(cols, eps);
-        Ok(Kernel::build_with_limits(
-            &key,
-            limits,
-            super::rms_norm_forward::body,
-        )?)
+        let key = forward_key(cols, eps, features);
+        Ok(Kernel::build_with_limits(&key, limits, forward_body)?)
     }
 
     pub(crate) fn rms_norm_backward(
@@ -278,7 +389,7 @@ pub fn execute_rms_norm_forward(
     rstd: &mut GpuBuffer<f32>,
     eps: f32,
 ) -> Result<(), ExecError> {
-    let name = rms_norm_forward::NAME;
+    let name = "rms_norm_forward";
     let (rows, cols) = rows_of(name, x, gamma)?;
     expect_len(name, "y", y, x.len(), "as x")?;
     expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
@@ -291,21 +402,29 @@ pub fn execute_rms_norm_forward(
             given: eps.to_string(),
         });
     }
-    // Two strides over the row: the sum of squares, then the scaling.
-    let iterations = 2 * u64::from(cols.div_ceil(WG));
-    crate::expect_loops(rec.gpu(), name, || format!("cols = {cols}"), iterations)?;
+    crate::expect_loops(
+        rec.gpu(),
+        name,
+        || format!("cols = {cols}"),
+        row_loop_iterations(cols),
+    )?;
     if rows == 0 {
         return Ok(());
     }
-    let kernel = rec
-        .gpu()
-        .kernel(&rms_norm_forward::key(cols, eps), rms_norm_forward::body)?;
-    let args = Args::new()
-        .buffer("x", x)
-        .buffer("gamma", gamma)
-        .buffer("y", y)
-        .buffer("rstd", rstd)
-        .param("rows", rows);
+    let key = forward_key(cols, eps, rec.gpu().kernel_features());
+    let kernel = rec.gpu().kernel(&key, forward_body)?;
+    let args = if cols.is_multiple_of(4) {
+        Args::new()
+            .buffer_vec4("x", x)
+            .buffer_vec4("gamma", gamma)
+            .buffer_vec4("y", y)
+    } else {
+        Args::new()
+            .buffer("x", x)
+            .buffer("gamma", gamma)
+            .buffer("y", y)
+    };
+    let args = args.buffer("rstd", rstd).param("rows", rows);
     rec.launch(&kernel, &args, row_grid(rows))
 }
 
@@ -325,6 +444,12 @@ pub fn execute_rms_norm_backward(
     expect_len(name, "rstd", rstd, rows as usize, "one per row of x")?;
     expect_len(name, "dy", dy, x.len(), "as x")?;
     expect_len(name, "dx", dx, x.len(), "as x")?;
+    crate::expect_loops(
+        rec.gpu(),
+        name,
+        || format!("cols = {cols}"),
+        row_loop_iterations(cols),
+    )?;
     if rows == 0 {
         return Ok(());
     }
@@ -344,7 +469,7 @@ pub fn execute_rms_norm_backward(
             .buffer("dx", dx)
     };
     let args = args.buffer("rstd", rstd).param("rows", rows);
-    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(rows as u64))
+    rec.launch(&kernel, &args, row_grid(rows))
 }
 
 /// Elements of the scratch buffer [`execute_rms_norm_dgamma`] needs for `rows` × `cols`.

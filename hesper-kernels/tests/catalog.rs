@@ -177,7 +177,10 @@ fn a_width_override_shows_in_the_wgsl_as_a_constant() {
         "{}",
         wide.wgsl()
     );
-    assert!(wide.wgsl().contains("row * 1000u"));
+    assert!(
+        wide.wgsl().contains("row * 250u"),
+        "vec4s: 1000 columns are 250"
+    );
     assert!(!wide.wgsl().contains("2560"));
     assert_eq!(wide.key().get("cols"), Some(1000u32.into()));
 
@@ -314,7 +317,7 @@ fn an_unknown_parameter_names_the_kernel_the_parameter_and_those_it_has() {
     assert!(matches!(err, CatalogError::UnknownParam { .. }), "{err:?}");
     assert_eq!(
         message,
-        "kernel `rms_norm_forward` has no shape parameter `colls`; its parameters are: cols, eps"
+        "kernel `rms_norm_forward` has no shape parameter `colls`; its parameters are: cols, eps, subgroups"
     );
     let (_, message) = error("add", &[("n", "4")]);
     assert_eq!(

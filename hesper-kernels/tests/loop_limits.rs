@@ -78,14 +78,16 @@ fn the_gemm_refuses_a_depth_past_the_loop_limit() {
     }
 }
 
-/// RMSNorm's forward strides over the row twice: 2·⌈cols / 256⌉ iterations (at 2 × 32 767,
-/// 10 short of the limit, its second stride stopped early before the check).
+/// RMSNorm's forward holds rows of up to 8 elements an invocation in registers; a wider one it
+/// strides over twice: 2·⌈cols / 256⌉ iterations for a width that is not a multiple of 4 (at
+/// 2 × 32 767, 10 short of the limit, its second stride stopped early before the check).
 #[test]
 fn rms_norm_refuses_a_row_past_the_loop_limit() {
     let g = gpu();
     let Some(max) = limit(g) else { return };
-    let largest = (max as usize / 2) * 256;
-    for (cols, fits) in [(largest, true), (largest + 1, false)] {
+    // Odd widths go element by element (a multiple of 4 would go as vec4s, 4× further).
+    let largest = (max as usize / 2) * 256 - 1;
+    for (cols, fits) in [(largest, true), (largest + 2, false)] {
         let x = ramp(cols);
         let gamma: Vec<f32> = (0..cols).map(|i| 1.0 + (i % 3) as f32 / 4.0).collect();
         let (x_b, gamma_b) = (g.upload(&x).unwrap(), g.upload(&gamma).unwrap());

@@ -6,10 +6,20 @@ use hesper_kernels::testing::{
     Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
 };
 
-/// (rows, cols): columns that are and are not multiples of the workgroup (256).
 /// (rows, cols): scalar and vec4 rows, one to three elements per invocation, with and without
-/// a ragged last step (576: 48 invocations × 3 vec4s exactly).
-const SHAPES: [(usize, usize); 6] = [(1, 7), (3, 256), (5, 1000), (33, 2560), (70, 96), (4, 576)];
+/// a ragged last step (576: 48 invocations × 3 vec4s exactly); 2047 columns hold 8 an
+/// invocation (the most in registers), 2051 and 8196 (2049 vec4s) go through the runtime loop.
+const SHAPES: [(usize, usize); 9] = [
+    (1, 7),
+    (3, 256),
+    (5, 1000),
+    (33, 2560),
+    (70, 96),
+    (4, 576),
+    (3, 2047),
+    (3, 2051),
+    (2, 8196),
+];
 const EPS: f32 = 1e-5;
 
 #[test]
@@ -164,9 +174,12 @@ fn bad_shapes_name_kernel_and_buffer() {
 #[test]
 fn wgsl_snapshots() {
     let names = [
-        "rms_norm_forward_cols2560",
+        "rms_norm_forward_cols2560_subgroups",
+        "rms_norm_forward_cols66_eps1e-5",
+        "rms_norm_forward_cols8196_looped",
         "rms_norm_backward_cols2560_accumulate_subgroups",
         "rms_norm_backward_cols576",
+        "rms_norm_backward_cols2051_looped",
         "rms_norm_dgamma_partials_cols2560_rows32",
         "rms_norm_dgamma_sum_cols2560",
     ];
