@@ -117,7 +117,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             ));
         }
     }
-    // --- RMSNorm backward (dx): reads x, dy, writes dx (γ and rstd are small)
+    // --- RMSNorm forward (reads x, writes y) and backward (dx: reads x, dy, writes dx); γ and
+    // rstd are small
     if wanted("norm") {
         for (cols, target) in [(2560, "≥ 0.85"), (576, "≥ 0.70")] {
             let n = t * cols;
@@ -131,9 +132,16 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 gpu.zeros::<f32>(t)?,
                 gpu.zeros::<f32>(n)?,
             );
-            let mut rec = gpu.recorder();
-            norm::execute_rms_norm_forward(&mut rec, &x, &gamma, &mut y, &mut rstd, 1e-5)?;
-            rec.submit()?;
+            let m = bench(&gpu, "rms_norm_forward", config, |rec| {
+                norm::execute_rms_norm_forward(rec, &x, &gamma, &mut y, &mut rstd, 1e-5)
+            })?;
+            rows.push(bandwidth(
+                "rms_norm_forward (y)",
+                format!("{t}×{cols}"),
+                m,
+                2.0 * 4.0 * n as f64,
+                target,
+            ));
             let m = bench(&gpu, "rms_norm_backward", config, |rec| {
                 norm::execute_rms_norm_backward(rec, &x, &gamma, &rstd, &dy, &mut dx, false)
             })?;
