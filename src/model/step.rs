@@ -20,8 +20,14 @@ use hesper_kernels::ffn::{
 };
 use hesper_kernels::linear::fusion::Residual;
 use hesper_kernels::linear::split::execute_gemm_split;
-use hesper_kernels::linear::{Fusion, GemmFusion, Product, execute_gemm, execute_gemm_fused};
-use hesper_kernels::lora::{LoraBackward, execute_lora_backward, execute_lora_forward};
+use hesper_kernels::linear::{
+    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Product, Weights, execute_gemm,
+    execute_gemm_fused, gemm_path,
+};
+use hesper_kernels::lora::{
+    LoraBackward, LoraUp, UpWeight, execute_lora_backward, execute_lora_down, execute_lora_forward,
+    execute_lora_weight_backward,
+};
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
     execute_cross_entropy_rows,
@@ -36,6 +42,21 @@ use super::activations::{
 };
 use super::config::{ModelError, Projection};
 use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
+
+/// Whether `gemm` over `weights` runs on the tensor cores, which add LoRA's up-projection
+/// (`s·h·Bᵀ`, `s·dh·A`) as more depth of their own product (`linear::fusion::LowRank`) for
+/// less than its own launch costs; elsewhere it keeps its launch (an element-by-element
+/// epilogue costs the f32 GEMM more, BENCHMARKS.md "Fusion").
+fn on_tensor_cores(rec: &Recorder<'_>, gemm: &Gemm, weights: &Weights<'_>) -> bool {
+    let half = HalfBuffers {
+        weight: matches!(weights, Weights::Half { .. }),
+        ..HalfBuffers::NONE
+    };
+    matches!(
+        gemm_path(rec.gpu(), gemm, weights, half),
+        GemmPath::TensorCores { .. }
+    )
+}
 
 /// What every launch of one micro-batch shares.
 struct Ctx<'a> {
@@ -63,9 +84,9 @@ struct Ctx<'a> {
 impl Ctx<'_> {
     /// `y = residual + x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer` (no
     /// residual: `y` is overwritten), saving `x·Aᵀ` in `lora_h` where LoRA adapts it. The
-    /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first. LoRA's
-    /// up-projection and the bias are not fused: on the H200 the fused GEMM costs more than
-    /// their own kernels (BENCHMARKS.md, "Fusion").
+    /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first; so is
+    /// LoRA's up-projection on the tensor cores ([`on_tensor_cores`]). The bias is not fused:
+    /// on the H200 the fused GEMM costs more than its own kernel (BENCHMARKS.md, "Fusion").
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
@@ -82,28 +103,48 @@ impl Ctx<'_> {
         let gemm = self
             .model
             .gemm(Product::Nt, (self.tokens, out, input), false);
+        let frozen = weights.projection(projection).weights();
+        let adapter = adapters.index(layer, projection).map(|i| {
+            let h = &mut lora_h[i % adapters.lora().targets.len()];
+            (&adapters.adapters[i], h)
+        });
+        let fuse_lora = adapter.is_some() && on_tensor_cores(rec, &gemm, &frozen);
+        let (adapter, up) = match adapter {
+            Some((adapter, h)) if fuse_lora => {
+                execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
+                let up = LoraUp {
+                    h,
+                    weight: UpWeight::B(&adapter.b),
+                    rank: self.rank,
+                    scale: self.scale,
+                };
+                (None, Some(up))
+            }
+            adapter => (adapter, None),
+        };
         let residual = residual.map(|residual| Residual { residual });
-        let epilogues: Vec<&dyn GemmFusion> =
-            residual.iter().map(|r| r as &dyn GemmFusion).collect();
+        let epilogues: Vec<&dyn GemmFusion> = residual
+            .iter()
+            .map(|r| r as &dyn GemmFusion)
+            .chain(up.iter().map(|u| u as &dyn GemmFusion))
+            .collect();
         let fusion = Fusion {
             prologue: None,
             epilogues: &epilogues,
         };
-        let frozen = weights.projection(projection).weights();
         execute_gemm_fused(rec, &gemm, &fusion, x, frozen, &mut *y)?;
         if let Some(bias) = weights.bias(projection) {
             execute_add_bias(rec, y, bias)?;
         }
-        if let Some(i) = adapters.index(layer, projection) {
-            let adapter = &adapters.adapters[i];
-            let h = &mut lora_h[i % adapters.lora().targets.len()];
+        if let Some((adapter, h)) = adapter {
             execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?;
         }
         Ok(())
     }
 
-    /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer`, and its adapter's gradients
-    /// (written by the first micro-batch, added to by the others).
+    /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer` (one GEMM on the tensor
+    /// cores), and its adapter's gradients (written by the first micro-batch, added to by the
+    /// others).
     #[allow(clippy::too_many_arguments)]
     fn project_backward(
         &self,
@@ -122,15 +163,9 @@ impl Ctx<'_> {
             .model
             .gemm(Product::Nn, (self.tokens, out, input), accumulate)
             .with_input_exponent(self.grad_exponent);
-        execute_gemm(
-            rec,
-            &gemm,
-            dy,
-            weights.projection(projection).weights(),
-            &mut *dx,
-        )?;
+        let frozen = weights.projection(projection).weights();
         let Some(i) = adapters.index(layer, projection) else {
-            return Ok(());
+            return Ok(execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?);
         };
         let target = i % adapters.lora().targets.len();
         let GpuAdapter {
@@ -151,12 +186,30 @@ impl Ctx<'_> {
         };
         let (rank, scale) = (self.rank, self.scale);
         let (dh, scratch) = (&mut work.dh, &mut work.scratch);
-        if self.micro == 0 {
-            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, da, db, dx)?;
+        // The first micro-batch writes the gradients, the others add theirs.
+        let (grad_a, grad_b) = match self.micro {
+            0 => (&mut *da, &mut *db),
+            _ => (&mut *micro_da, &mut *micro_db),
+        };
+        if on_tensor_cores(rec, &gemm, &frozen) {
+            // `dx = dy·W + s·dh·A` in one GEMM, `dh = dy·B` first.
+            execute_lora_weight_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b)?;
+            let up = LoraUp {
+                h: dh,
+                weight: UpWeight::A(a),
+                rank,
+                scale,
+            };
+            let fusion = Fusion {
+                prologue: None,
+                epilogues: &[&up],
+            };
+            execute_gemm_fused(rec, &gemm, &fusion, dy, frozen, &mut *dx)?;
         } else {
-            execute_lora_backward(
-                rec, &inputs, rank, scale, dh, scratch, micro_da, micro_db, dx,
-            )?;
+            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
+            execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b, dx)?;
+        }
+        if self.micro > 0 {
             execute_add(rec, micro_da, da)?;
             execute_add(rec, micro_db, db)?;
         }

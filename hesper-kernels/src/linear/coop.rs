@@ -25,7 +25,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{ReadBuffer, RwBuffer, Var, WorkgroupArray};
 use hesper_exec::{ExecError, Gpu};
 
-use super::fusion::{ElementFn, Fusion};
+use super::fusion::{ElementFn, Fusion, LowRankBuilt};
 use super::{HalfBuffers, Product};
 use crate::bad_tile;
 
@@ -617,7 +617,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     let a_vec4 = depth.is_multiple_of(4);
     // An f32 input is scaled (by a power of two, `Gemm::input_exponent`) before it is rounded.
     let input_scale = (!types.input).then(|| k.param::<f32>("input_scale"));
-    let a = Source::declare(k, input_name, (types.input, a_vec4), input_scale);
+    let a = Source::declare(k, input_name, (types.input, a_vec4), input_scale.clone());
     let w_vec4 = w_width.is_multiple_of(4);
     let w = Source::declare(k, "w", (types.weight, w_vec4), None);
     let out = match types.output {
@@ -626,7 +626,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     };
     let rows = k.param::<u32>("rows");
     let scale = k.param::<f32>("scale");
-    let fused = fusion.build(k, (cols, depth));
+    let fused = fusion.build(k, (cols, depth), tile.bk);
 
     let threads = tile.subgroups() * subgroup;
     let sg = k.let_("sg", k.subgroup_id());
@@ -772,10 +772,34 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         k.workgroup_barrier();
     });
 
+    let low_rank = (!fused.low_rank.is_empty()).then(|| {
+        k.comment("Stage the low-rank epilogues' operands as more depth.");
+        let staged = LowRankStage::new(&fused.low_rank, input_scale.as_ref());
+        let slices = Slices {
+            product,
+            tile: &tile,
+            threads,
+            origin: (&m0, &n0),
+            rows: &rows,
+            cols,
+            a: (&a_tile, a_stride),
+            b: (&b_tile, b_stride),
+        };
+        staged.stage(k, &slices, input_scale.as_ref());
+        k.workgroup_barrier();
+        staged
+    });
+
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
     let col0 = k.let_("col0", &n0 + &wn0);
     let c_tile = k.workgroup_array::<f32>("c_tile", tile.subgroups() * 256);
+    let low_rank_frags = low_rank.as_ref().map(|staged| LowRankFrags {
+        staged,
+        product,
+        a: (&a_tile, a_stride, &a_base),
+        b: (&b_tile, b_stride, &b_base),
+    });
     let epilogue = Epilogue {
         out: &out,
         acc: &acc,
@@ -786,6 +810,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         scale: &scale,
         accumulate,
         fused: fused.epilogue.as_ref(),
+        low_rank: low_rank_frags.as_ref(),
         slice: split.as_ref().map(|(_, at)| at),
     };
     if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
@@ -844,11 +869,25 @@ struct Epilogue<'a> {
     accumulate: bool,
     /// The fusion's epilogues, on each element before it is stored.
     fused: Option<&'a ElementFn>,
+    /// The low-rank epilogues, added to each fragment before the others.
+    low_rank: Option<&'a LowRankFrags<'a>>,
     /// A split GEMM's slice of `out` (its first element): it neither accumulates nor fuses.
     slice: Option<&'a Expr<u32>>,
 }
 
 impl Epilogue<'_> {
+    /// `s·acc` of fragment `f`, the low-rank products added.
+    fn scaled(&self, k: &mut KernelBuilder, f: u32, acc: &Var<Acc>) -> Expr<Acc> {
+        let value = acc.get() * self.scale;
+        match self.low_rank {
+            Some(low_rank) => {
+                let (i, j) = (f / self.frag_cols, f % self.frag_cols);
+                low_rank.add(k, (i, j), value)
+            }
+            None => value,
+        }
+    }
+
     /// Fragment `f`'s first row and column.
     fn corner(&self, f: u32) -> (Expr<u32>, Expr<u32>) {
         let (i, j) = (f / self.frag_cols, f % self.frag_cols);
@@ -878,7 +917,7 @@ impl Epilogue<'_> {
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
             let at = k.let_("at", self.index(row, col));
-            let mut value = acc.get() * self.scale;
+            let mut value = self.scaled(k, f as u32, acc);
             for m in matrices {
                 value = value + k.coop_load::<Acc, _>(m, &at, self.cols, Major::Row);
             }
@@ -909,7 +948,13 @@ impl Epilogue<'_> {
         let lane = k.let_("lane", k.subgroup_invocation_id());
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
-            k.coop_store(c_tile, &mine, 16u32, Major::Row, acc.get());
+            // With low-rank products the fragment is scaled before it is staged (they are
+            // added to it there); else each element after.
+            let staged = match self.low_rank {
+                Some(_) => self.scaled(k, f as u32, acc),
+                None => acc.get(),
+            };
+            k.coop_store(c_tile, &mine, 16u32, Major::Row, staged);
             k.workgroup_barrier();
             for e in 0..256 / subgroup {
                 let idx = k.let_("idx", super::offset(&lane, e * subgroup));
@@ -917,7 +962,12 @@ impl Epilogue<'_> {
                 let c = k.let_("c", &col + &idx % 16u32);
                 k.if_(r.lt(self.rows).and(c.lt(self.cols)), |k| {
                     let at = k.let_("at", self.index(r.clone(), c.clone()));
-                    let mut value = k.let_("value", c_tile.at(&mine + &idx) * self.scale);
+                    let element = c_tile.at(&mine + &idx);
+                    let element = match self.low_rank {
+                        Some(_) => element,
+                        None => element * self.scale,
+                    };
+                    let mut value = k.let_("value", element);
                     if let Some(f) = self.fused {
                         let fused = f(k, &r, &c, value);
                         value = k.let_("fused", fused);
@@ -936,6 +986,190 @@ impl Epilogue<'_> {
             }
             k.workgroup_barrier();
         }
+    }
+}
+
+/// Where a tensor-core GEMM stages its slices, for the low-rank epilogues' operands.
+struct Slices<'a> {
+    product: Product,
+    tile: &'a CoopTile,
+    threads: u32,
+    /// The workgroup's first output row and column.
+    origin: (&'a Expr<u32>, &'a Expr<u32>),
+    rows: &'a Expr<u32>,
+    cols: u32,
+    /// `A`'s and `B`'s staged slices and their strides in halves.
+    a: (&'a WorkgroupArray<Vec4<F16>>, u32),
+    b: (&'a WorkgroupArray<Vec4<F16>>, u32),
+}
+
+/// The low-rank epilogues ([`GemmFusion::low_rank`](super::GemmFusion::low_rank)) as more
+/// depth of the product: after the main loop, each term's `h` is staged into `A`'s slice and
+/// its `w` into `B`'s, side by side along the depth (each rank rounded up to 16, zeros past
+/// it), so that every fragment adds `s·h·w` from one or two more products on the tensor
+/// cores, a tile at a time, where the element-by-element epilogue would read `rank` values of
+/// each from memory for every element.
+struct LowRankStage<'a> {
+    terms: &'a [LowRankBuilt],
+    /// Each term's first staged column along the depth and its depth (multiples of 16).
+    spans: Vec<(u32, u32)>,
+    /// What each term's product is multiplied by: its `s` over the input's scale, since `h`
+    /// is staged scaled as the input is (out of f16's subnormals, as a backward's `dy·B` is).
+    multipliers: Vec<Expr<f32>>,
+}
+
+impl<'a> LowRankStage<'a> {
+    fn new(terms: &'a [LowRankBuilt], input_scale: Option<&Expr<f32>>) -> Self {
+        let mut at = 0;
+        let spans = terms
+            .iter()
+            .map(|t| {
+                let span = (at, t.rank.div_ceil(16) * 16);
+                at += span.1;
+                span
+            })
+            .collect();
+        let multipliers = terms
+            .iter()
+            .map(|t| match input_scale {
+                Some(s) => &t.scale / s,
+                None => t.scale.clone(),
+            })
+            .collect();
+        LowRankStage {
+            terms,
+            spans,
+            multipliers,
+        }
+    }
+
+    /// Stages every term's `h` (times `input_scale`) and `w` as f16.
+    fn stage(&self, k: &mut KernelBuilder, slices: &Slices<'_>, input_scale: Option<&Expr<f32>>) {
+        let (m0, n0) = slices.origin;
+        let (bm, bn) = (slices.tile.bm, slices.tile.bn);
+        let lid = k.local_index();
+        let zero = Expr::<F16>::lit(0.0);
+        for (term, &(at, span)) in self.terms.iter().zip(&self.spans) {
+            let rank = term.rank;
+            // `(j, col)` of `w`, both clamped into it (the lane is zeroed outside).
+            let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
+                let (j, col) = (j.min(rank - 1), col.min(slices.cols - 1));
+                match term.rank_minor {
+                    true => col * rank + j,
+                    false => j * slices.cols + col,
+                }
+            };
+            // Every vec4 of a `height × width`-half slice (width a multiple of 4), its
+            // position given to `each` as (row, vec4 along it).
+            let over = |k: &mut KernelBuilder, (height, width): (u32, u32), each: &VecSlot| {
+                let total = height * width / 4;
+                for s in 0..total.div_ceil(slices.threads) {
+                    let idx = k.let_("low_rank_idx", super::offset(&lid, s * slices.threads));
+                    let body = |k: &mut KernelBuilder| {
+                        let row = k.let_("low_rank_row", &idx / (width / 4));
+                        let c4 = k.let_("low_rank_c4", &idx % (width / 4));
+                        each(k, &row, &c4);
+                    };
+                    match (s + 1) * slices.threads <= total {
+                        true => body(k),
+                        false => k.if_(idx.lt(total), body),
+                    }
+                }
+            };
+            // `h`: `bm` rows of `span`, into A's slice at column `at`.
+            let (a_tile, a_stride) = slices.a;
+            over(k, (bm, span), &|k, row, c4| {
+                let r = k.let_("low_rank_r", m0 + row);
+                let inside = r.lt(slices.rows);
+                let r = r.min(&(slices.rows - 1u32));
+                let lanes = (0..4)
+                    .map(|q| {
+                        let j = super::offset(&(c4 * 4u32), q);
+                        let v = term.h.at(&r * rank + j.min(rank - 1));
+                        let v = match input_scale {
+                            Some(s) => v * s,
+                            None => v,
+                        };
+                        select(
+                            inside.clone().and(j.lt(rank)),
+                            v.cast::<F16>(),
+                            zero.clone(),
+                        )
+                    })
+                    .collect();
+                let to = row * (a_stride / 4) + at / 4 + c4;
+                k.store(a_tile, to, super::vec4_of(lanes));
+            });
+            // `w`: through `·Wᵀ` `bn` rows of `span` (B's columns), through `·W` `span` rows
+            // of `bn`, into B's slice at depth `at`.
+            let (b_tile, b_stride) = slices.b;
+            let w_lane = |j: Expr<u32>, col: Expr<u32>| {
+                let inside = col.lt(slices.cols).and(j.lt(rank));
+                select(
+                    inside,
+                    term.w.at(w_at(&j, &col)).cast::<F16>(),
+                    zero.clone(),
+                )
+            };
+            match slices.product {
+                Product::Nt => over(k, (bn, span), &|k, row, c4| {
+                    let col = k.let_("low_rank_col", n0 + row);
+                    let lanes = (0..4)
+                        .map(|q| w_lane(super::offset(&(c4 * 4u32), q), col.clone()))
+                        .collect();
+                    let to = row * (b_stride / 4) + at / 4 + c4;
+                    k.store(b_tile, to, super::vec4_of(lanes));
+                }),
+                Product::Nn => over(k, (span, bn), &|k, row, c4| {
+                    let col = k.let_("low_rank_col", n0 + c4 * 4u32);
+                    let lanes = (0..4)
+                        .map(|q| w_lane(row.clone(), super::offset(&col, q)))
+                        .collect();
+                    let to = (row + at) * (b_stride / 4) + c4;
+                    k.store(b_tile, to, super::vec4_of(lanes));
+                }),
+            }
+        }
+    }
+}
+
+/// Code for one vec4 of a staged slice, given its row and its vec4 along the row.
+type VecSlot<'a> = dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>) + 'a;
+
+/// A subgroup's view of the staged low-rank operands.
+struct LowRankFrags<'a> {
+    staged: &'a LowRankStage<'a>,
+    product: Product,
+    /// `A`'s and `B`'s staged slices, their strides in halves and the subgroup's first vec4.
+    a: (&'a WorkgroupArray<Vec4<F16>>, u32, &'a Expr<u32>),
+    b: (&'a WorkgroupArray<Vec4<F16>>, u32, &'a Expr<u32>),
+}
+
+impl LowRankFrags<'_> {
+    /// `value` plus every term's `s·h·w` at fragment (`i`, `j`) of the subgroup's.
+    fn add(&self, k: &mut KernelBuilder, (i, j): (u32, u32), mut value: Expr<Acc>) -> Expr<Acc> {
+        let ((a_tile, a_stride, a_base), (b_tile, b_stride, b_base)) = (self.a, self.b);
+        let s = self.staged;
+        for ((at, span), multiplier) in s.spans.iter().zip(&s.multipliers) {
+            let mut product = Expr::<Acc>::zero();
+            for d in (*at..at + span).step_by(16) {
+                let a_at = super::offset(a_base, i * 16 * a_stride / 4 + d / 4);
+                let a = k.coop_load::<TileA, _>(a_tile, a_at, a_stride / 4, Major::Row);
+                let b = match self.product {
+                    Product::Nt => {
+                        let at = super::offset(b_base, j * 16 * b_stride / 4 + d / 4);
+                        k.coop_load::<TileB, _>(b_tile, at, b_stride / 4, Major::Column)
+                    }
+                    Product::Nn => {
+                        let at = super::offset(b_base, d * b_stride / 4 + j * 4);
+                        k.coop_load::<TileB, _>(b_tile, at, b_stride / 4, Major::Row)
+                    }
+                };
+                product = coop_multiply_add(a, b, product);
+            }
+            value = value + product * multiplier;
+        }
+        value
     }
 }
 

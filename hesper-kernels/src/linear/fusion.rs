@@ -15,6 +15,12 @@
 //! Kernels of other modules provide their own: [`crate::lora::LoraUp`] (the LoRA
 //! up-projection as an epilogue), [`crate::ffn::SwigluInput`] (SwiGLU as a prologue); this
 //! module [`Residual`] and [`Bias`].
+//!
+//! Two kinds of epilogue the tensor cores take a tile at a time rather than element by
+//! element (which goes through workgroup memory): a matrix added ([`GemmFusion::added_matrix`],
+//! a residual) and a product of low rank added ([`GemmFusion::low_rank`], LoRA's
+//! up-projection), which they multiply as more depth of their own product, its operands
+//! rounded to f16 as the GEMM's are.
 
 use hesper_dsl::ShapeValue;
 use hesper_dsl::prelude::*;
@@ -59,6 +65,38 @@ pub trait GemmFusion {
     fn added_matrix(&self) -> Option<&'static str> {
         None
     }
+
+    /// `Some(term)` where the code is exactly `value + s·Σ_j h[row, j]·w(col, j)`, a product
+    /// of low rank added ([`LowRank`]): the tensor cores then multiply it as more depth of
+    /// their own product (`[A | h]·[B; w]`), rounded to f16 as the GEMM's operands are, and
+    /// the epilogue stays a tile at a time where the others allow it.
+    fn low_rank(&self) -> Option<LowRank> {
+        None
+    }
+}
+
+/// A low-rank product an epilogue adds ([`GemmFusion::low_rank`]): the bindings and runtime
+/// parameter that [`GemmFusion::bind`] binds, and the shape of `w`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LowRank {
+    /// `h: [rows, rank]`, f32.
+    pub h: &'static str,
+    /// `w`, f32: `[width, rank]` where `rank_minor` (element `(col, j)` at `col·rank + j`),
+    /// else `[rank, width]` (at `j·width + col`).
+    pub w: &'static str,
+    pub rank: u32,
+    pub rank_minor: bool,
+    /// The runtime f32 parameter `s`.
+    pub scale: &'static str,
+}
+
+/// An epilogue's low-rank product as a tensor-core GEMM declared it.
+pub(crate) struct LowRankBuilt {
+    pub h: hesper_dsl::ReadBuffer<f32>,
+    pub w: hesper_dsl::ReadBuffer<f32>,
+    pub rank: u32,
+    pub rank_minor: bool,
+    pub scale: Expr<f32>,
 }
 
 /// The fusions of one GEMM: at most one prologue, any number of epilogues.
@@ -78,6 +116,33 @@ impl<'a> Fusion<'a> {
     /// Whether some epilogue adds a matrix ([`GemmFusion::added_matrix`]).
     pub(crate) fn adds_matrices(&self) -> bool {
         self.epilogues.iter().any(|e| e.added_matrix().is_some())
+    }
+
+    /// Which epilogues the tensor cores multiply as more depth ([`GemmFusion::low_rank`]):
+    /// low-rank ones with only additions before them (an addition moved ahead of them changes
+    /// nothing), while their ranks, each rounded up to 16, fit in `capacity` (one staged slice
+    /// of the GEMM's depth); the others go element by element.
+    pub(crate) fn low_rank_taken(&self, capacity: u32) -> Vec<bool> {
+        let mut additive = true;
+        let mut depth = 0;
+        self.epilogues
+            .iter()
+            .map(|e| {
+                let taken = match e.low_rank() {
+                    Some(t)
+                        if additive
+                            && t.rank > 0
+                            && depth + t.rank.div_ceil(16) * 16 <= capacity =>
+                    {
+                        depth += t.rank.div_ceil(16) * 16;
+                        true
+                    }
+                    _ => false,
+                };
+                additive &= e.added_matrix().is_some() || e.low_rank().is_some();
+                taken
+            })
+            .collect()
     }
 
     /// Whether there is no code to fuse.
@@ -153,15 +218,40 @@ impl<'a> Fusion<'a> {
     }
 
     /// Builds the code inside a GEMM's kernel: the prologue's element function (over
-    /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; and where
-    /// every epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
-    pub(crate) fn build(&self, k: &mut KernelBuilder, (cols, depth): (u32, u32)) -> Built {
+    /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; the
+    /// low-rank epilogues a tensor-core GEMM multiplies in a slice of `low_rank_depth`
+    /// ([`Fusion::low_rank_taken`]; 0 elsewhere) declared instead of chained; and where every
+    /// other epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
+    pub(crate) fn build(
+        &self,
+        k: &mut KernelBuilder,
+        (cols, depth): (u32, u32),
+        low_rank_depth: u32,
+    ) -> Built {
         let prologue = self.prologue.map(|p| p.build(k, depth));
-        let all_matrices = self.epilogues.iter().all(|e| e.added_matrix().is_some());
-        let mut added_matrices = vec![];
-        let epilogues: Vec<ElementFn> = self
+        let taken = self.low_rank_taken(low_rank_depth);
+        let mut low_rank = vec![];
+        let all_matrices = self
             .epilogues
             .iter()
+            .zip(&taken)
+            .all(|(e, taken)| *taken || e.added_matrix().is_some());
+        let mut added_matrices = vec![];
+        let mut chained = vec![];
+        for (e, taken) in self.epilogues.iter().zip(taken) {
+            match (taken, e.low_rank()) {
+                (true, Some(term)) => low_rank.push(LowRankBuilt {
+                    h: k.storage::<f32>(term.h),
+                    w: k.storage::<f32>(term.w),
+                    rank: term.rank,
+                    rank_minor: term.rank_minor,
+                    scale: k.param::<f32>(term.scale),
+                }),
+                _ => chained.push(e),
+            }
+        }
+        let epilogues: Vec<ElementFn> = chained
+            .into_iter()
             .map(|e| match (all_matrices, e.added_matrix()) {
                 (true, Some(binding)) => {
                     // The GEMM declares it, to add it by tiles as well.
@@ -187,6 +277,7 @@ impl<'a> Fusion<'a> {
             prologue,
             epilogue,
             added_matrices: (!self.epilogues.is_empty() && all_matrices).then_some(added_matrices),
+            low_rank,
         }
     }
 }
@@ -194,9 +285,13 @@ impl<'a> Fusion<'a> {
 /// A fusion's code inside a GEMM kernel.
 pub(crate) struct Built {
     pub prologue: Option<ElementFn>,
+    /// The epilogues but the low-rank products the tensor cores multiply.
     pub epilogue: Option<ElementFn>,
-    /// Where every epilogue adds a matrix: those matrices (`[rows, cols]`, f32), in order.
+    /// Where every epilogue adds a matrix or is such a low-rank product: the matrices
+    /// (`[rows, cols]`, f32), in order.
     pub added_matrices: Option<Vec<hesper_dsl::ReadBuffer<f32>>>,
+    /// The low-rank products the tensor cores multiply.
+    pub low_rank: Vec<LowRankBuilt>,
 }
 
 /// The element function applied to each lane of `v` at columns `col + q` (`col(q)` gives

@@ -597,6 +597,15 @@ impl crate::linear::GemmFusion for LoraUp<'_> {
         expect_len(kernel, "lora_h", self.h, rows * self.rank, "[rows, rank]")?;
         expect_len(kernel, "lora_w", w, width * self.rank, what)
     }
+    fn low_rank(&self) -> Option<crate::linear::fusion::LowRank> {
+        Some(crate::linear::fusion::LowRank {
+            h: "lora_h",
+            w: "lora_w",
+            rank: u32::try_from(self.rank).unwrap_or(u32::MAX),
+            rank_minor: matches!(self.weight, UpWeight::B(_)),
+            scale: "lora_scale",
+        })
+    }
     fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
         let w = match self.weight {
             UpWeight::B(w) | UpWeight::A(w) => w,
