@@ -1005,10 +1005,12 @@ struct Slices<'a> {
 
 /// The low-rank epilogues ([`GemmFusion::low_rank`](super::GemmFusion::low_rank)) as more
 /// depth of the product: after the main loop, each term's `h` is staged into `A`'s slice and
-/// its `w` into `B`'s, side by side along the depth (each rank rounded up to 16, zeros past
-/// it), so that every fragment adds `s·h·w` from one or two more products on the tensor
-/// cores, a tile at a time, where the element-by-element epilogue would read `rank` values of
-/// each from memory for every element.
+/// its `w` into `B`'s, side by side along the depth, so that every fragment adds `s·h·w` from
+/// one or two more products on the tensor cores, a tile at a time, where the element-by-element
+/// epilogue would read `rank` values of each from memory for every element. Each is staged in
+/// parts, `[h₁ | h₂ | h₁]` against `[w₁; w₁; w₂]` (a value's f16 rounding and the rounding's
+/// error, as many parts as the tile's depth has room for:
+/// [`low_rank_depth`](super::fusion::low_rank_depth)).
 struct LowRankStage<'a> {
     terms: &'a [LowRankBuilt],
     /// Each term's first staged column along the depth and its depth (multiples of 16).
@@ -1024,7 +1026,7 @@ impl<'a> LowRankStage<'a> {
         let spans = terms
             .iter()
             .map(|t| {
-                let span = (at, t.rank.div_ceil(16) * 16);
+                let span = (at, super::fusion::low_rank_depth(t.rank, t.parts));
                 at += span.1;
                 span
             })
@@ -1050,7 +1052,7 @@ impl<'a> LowRankStage<'a> {
         let lid = k.local_index();
         let zero = Expr::<F16>::lit(0.0);
         for (term, &(at, span)) in self.terms.iter().zip(&self.spans) {
-            let rank = term.rank;
+            let (rank, parts) = (term.rank, term.parts);
             // `(j, col)` of `w`, both clamped into it (the lane is zeroed outside).
             let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
                 let (j, col) = (j.min(rank - 1), col.min(slices.cols - 1));
@@ -1084,17 +1086,15 @@ impl<'a> LowRankStage<'a> {
                 let r = r.min(&(slices.rows - 1u32));
                 let lanes = (0..4)
                     .map(|q| {
-                        let j = super::offset(&(c4 * 4u32), q);
-                        let v = term.h.at(&r * rank + j.min(rank - 1));
+                        // Staged column `c` holds part `c / rank` of `h[r, c mod rank]`.
+                        let c = super::offset(&(c4 * 4u32), q);
+                        let v = term.h.at(&r * rank + &c % rank);
                         let v = match input_scale {
                             Some(s) => v * s,
                             None => v,
                         };
-                        select(
-                            inside.clone().and(j.lt(rank)),
-                            v.cast::<F16>(),
-                            zero.clone(),
-                        )
+                        let v = split_part(k, "low_rank_h", v, (&c / rank).eq(1u32));
+                        select(inside.clone().and(c.lt(parts * rank)), v, zero.clone())
                     })
                     .collect();
                 let to = row * (a_stride / 4) + at / 4 + c4;
@@ -1103,19 +1103,18 @@ impl<'a> LowRankStage<'a> {
             // `w`: through `·Wᵀ` `bn` rows of `span` (B's columns), through `·W` `span` rows
             // of `bn`, into B's slice at depth `at`.
             let (b_tile, b_stride) = slices.b;
-            let w_lane = |j: Expr<u32>, col: Expr<u32>| {
-                let inside = col.lt(slices.cols).and(j.lt(rank));
-                select(
-                    inside,
-                    term.w.at(w_at(&j, &col)).cast::<F16>(),
-                    zero.clone(),
-                )
+            // Staged depth `c` holds part `c / rank` of `w(col, c mod rank)`.
+            let w_lane = |k: &mut KernelBuilder, c: Expr<u32>, col: Expr<u32>| {
+                let inside = col.lt(slices.cols).and(c.lt(parts * rank));
+                let v = term.w.at(w_at(&(&c % rank), &col));
+                let v = split_part(k, "low_rank_w", v, (&c / rank).eq(2u32));
+                select(inside, v, zero.clone())
             };
             match slices.product {
                 Product::Nt => over(k, (bn, span), &|k, row, c4| {
                     let col = k.let_("low_rank_col", n0 + row);
                     let lanes = (0..4)
-                        .map(|q| w_lane(super::offset(&(c4 * 4u32), q), col.clone()))
+                        .map(|q| w_lane(k, super::offset(&(c4 * 4u32), q), col.clone()))
                         .collect();
                     let to = row * (b_stride / 4) + at / 4 + c4;
                     k.store(b_tile, to, super::vec4_of(lanes));
@@ -1123,7 +1122,7 @@ impl<'a> LowRankStage<'a> {
                 Product::Nn => over(k, (span, bn), &|k, row, c4| {
                     let col = k.let_("low_rank_col", n0 + c4 * 4u32);
                     let lanes = (0..4)
-                        .map(|q| w_lane(row.clone(), super::offset(&col, q)))
+                        .map(|q| w_lane(k, row.clone(), super::offset(&col, q)))
                         .collect();
                     let to = (row + at) * (b_stride / 4) + c4;
                     k.store(b_tile, to, super::vec4_of(lanes));
@@ -1135,6 +1134,14 @@ impl<'a> LowRankStage<'a> {
 
 /// Code for one vec4 of a staged slice, given its row and its vec4 along the row.
 type VecSlot<'a> = dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>) + 'a;
+
+/// `v` rounded to f16, or where `error` the rounding's error rounded to f16 (a value's two
+/// f16 parts, [`low_rank_depth`](super::fusion::low_rank_depth)).
+fn split_part(k: &mut KernelBuilder, hint: &str, v: Expr<f32>, error: Expr<bool>) -> Expr<F16> {
+    let v = k.let_(hint, v);
+    let high = k.let_(&format!("{hint}_high"), v.cast::<F16>());
+    select(error, (v - high.cast::<f32>()).cast::<F16>(), high)
+}
 
 /// A subgroup's view of the staged low-rank operands.
 struct LowRankFrags<'a> {

@@ -19,8 +19,7 @@
 //! Two kinds of epilogue the tensor cores take a tile at a time rather than element by
 //! element (which goes through workgroup memory): a matrix added ([`GemmFusion::added_matrix`],
 //! a residual) and a product of low rank added ([`GemmFusion::low_rank`], LoRA's
-//! up-projection), which they multiply as more depth of their own product, its operands
-//! rounded to f16 as the GEMM's are.
+//! up-projection), which they multiply as more depth of their own product.
 
 use hesper_dsl::ShapeValue;
 use hesper_dsl::prelude::*;
@@ -68,8 +67,9 @@ pub trait GemmFusion {
 
     /// `Some(term)` where the code is exactly `value + s·Σ_j h[row, j]·w(col, j)`, a product
     /// of low rank added ([`LowRank`]): the tensor cores then multiply it as more depth of
-    /// their own product (`[A | h]·[B; w]`), rounded to f16 as the GEMM's operands are, and
-    /// the epilogue stays a tile at a time where the others allow it.
+    /// their own product (`[A | h]·[B; w]`, both in f16 parts that keep about 22 bits where
+    /// the tile's depth has room, [`low_rank_depth`]), and the epilogue stays a tile at a time
+    /// where the others allow it.
     fn low_rank(&self) -> Option<LowRank> {
         None
     }
@@ -90,12 +90,23 @@ pub struct LowRank {
     pub scale: &'static str,
 }
 
+/// The depth a low-rank product of `rank` takes on the tensor cores in `parts` products,
+/// rounded up to 16. With `h = h₁ + h₂` and `w = w₁ + w₂` (each value's f16 rounding and the
+/// rounding's error), the parts are `h₁·w₁`, `h₂·w₁`, `h₁·w₂`, as many as fit: three keep
+/// f32's digits but the last few (an adapter's values are f32 parameters, not the frozen
+/// f16 weights), one is f16's rounding of both.
+pub(crate) fn low_rank_depth(rank: u32, parts: u32) -> u32 {
+    (parts * rank).div_ceil(16) * 16
+}
+
 /// An epilogue's low-rank product as a tensor-core GEMM declared it.
 pub(crate) struct LowRankBuilt {
     pub h: hesper_dsl::ReadBuffer<f32>,
     pub w: hesper_dsl::ReadBuffer<f32>,
     pub rank: u32,
     pub rank_minor: bool,
+    /// Products of its f16 parts ([`low_rank_depth`]).
+    pub parts: u32,
     pub scale: Expr<f32>,
 }
 
@@ -118,29 +129,30 @@ impl<'a> Fusion<'a> {
         self.epilogues.iter().any(|e| e.added_matrix().is_some())
     }
 
-    /// Which epilogues the tensor cores multiply as more depth ([`GemmFusion::low_rank`]):
-    /// low-rank ones with only additions before them (an addition moved ahead of them changes
-    /// nothing), while their ranks, each rounded up to 16, fit in `capacity` (one staged slice
-    /// of the GEMM's depth); the others go element by element.
-    pub(crate) fn low_rank_taken(&self, capacity: u32) -> Vec<bool> {
+    /// How the tensor cores multiply each low-rank epilogue ([`GemmFusion::low_rank`]): in how
+    /// many parts ([`low_rank_depth`]), or `None` (element by element). Taken are low-rank
+    /// epilogues with only additions before them (an addition moved ahead of them changes
+    /// nothing), in as many parts as fit in what `capacity` (one staged slice of the GEMM's
+    /// depth) has left.
+    pub(crate) fn low_rank_parts(&self, capacity: u32) -> Vec<Option<u32>> {
         let mut additive = true;
-        let mut depth = 0;
+        let mut left = capacity;
         self.epilogues
             .iter()
             .map(|e| {
-                let taken = match e.low_rank() {
-                    Some(t)
-                        if additive
-                            && t.rank > 0
-                            && depth + t.rank.div_ceil(16) * 16 <= capacity =>
-                    {
-                        depth += t.rank.div_ceil(16) * 16;
-                        true
-                    }
-                    _ => false,
-                };
+                let parts = e
+                    .low_rank()
+                    .filter(|t| additive && t.rank > 0)
+                    .and_then(|t| {
+                        (1..=3)
+                            .rev()
+                            .find(|&parts| low_rank_depth(t.rank, parts) <= left)
+                    });
+                if let (Some(parts), Some(t)) = (parts, e.low_rank()) {
+                    left -= low_rank_depth(t.rank, parts);
+                }
                 additive &= e.added_matrix().is_some() || e.low_rank().is_some();
-                taken
+                parts
             })
             .collect()
     }
@@ -220,7 +232,7 @@ impl<'a> Fusion<'a> {
     /// Builds the code inside a GEMM's kernel: the prologue's element function (over
     /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; the
     /// low-rank epilogues a tensor-core GEMM multiplies in a slice of `low_rank_depth`
-    /// ([`Fusion::low_rank_taken`]; 0 elsewhere) declared instead of chained; and where every
+    /// ([`Fusion::low_rank_parts`]; 0 elsewhere) declared instead of chained; and where every
     /// other epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
     pub(crate) fn build(
         &self,
@@ -229,22 +241,23 @@ impl<'a> Fusion<'a> {
         low_rank_depth: u32,
     ) -> Built {
         let prologue = self.prologue.map(|p| p.build(k, depth));
-        let taken = self.low_rank_taken(low_rank_depth);
+        let taken = self.low_rank_parts(low_rank_depth);
         let mut low_rank = vec![];
         let all_matrices = self
             .epilogues
             .iter()
             .zip(&taken)
-            .all(|(e, taken)| *taken || e.added_matrix().is_some());
+            .all(|(e, parts)| parts.is_some() || e.added_matrix().is_some());
         let mut added_matrices = vec![];
         let mut chained = vec![];
-        for (e, taken) in self.epilogues.iter().zip(taken) {
-            match (taken, e.low_rank()) {
-                (true, Some(term)) => low_rank.push(LowRankBuilt {
+        for (e, parts) in self.epilogues.iter().zip(taken) {
+            match (parts, e.low_rank()) {
+                (Some(parts), Some(term)) => low_rank.push(LowRankBuilt {
                     h: k.storage::<f32>(term.h),
                     w: k.storage::<f32>(term.w),
                     rank: term.rank,
                     rank_minor: term.rank_minor,
+                    parts,
                     scale: k.param::<f32>(term.scale),
                 }),
                 _ => chained.push(e),
