@@ -787,19 +787,20 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         };
         staged.stage(k, &slices, input_scale.as_ref());
         k.workgroup_barrier();
-        staged
+        k.comment("The accumulators scaled, the low-rank products added.");
+        let frags = LowRankFrags {
+            staged: &staged,
+            product,
+            a: (&a_tile, a_stride, &a_base),
+            b: (&b_tile, b_stride, &b_base),
+        };
+        frags.fold(k, (&acc, frag_cols), &scale);
     });
 
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
     let col0 = k.let_("col0", &n0 + &wn0);
     let c_tile = k.workgroup_array::<f32>("c_tile", tile.subgroups() * 256);
-    let low_rank_frags = low_rank.as_ref().map(|staged| LowRankFrags {
-        staged,
-        product,
-        a: (&a_tile, a_stride, &a_base),
-        b: (&b_tile, b_stride, &b_base),
-    });
     let epilogue = Epilogue {
         out: &out,
         acc: &acc,
@@ -810,7 +811,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         scale: &scale,
         accumulate,
         fused: fused.epilogue.as_ref(),
-        low_rank: low_rank_frags.as_ref(),
+        scaled: low_rank.is_some(),
         slice: split.as_ref().map(|(_, at)| at),
     };
     if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
@@ -869,22 +870,18 @@ struct Epilogue<'a> {
     accumulate: bool,
     /// The fusion's epilogues, on each element before it is stored.
     fused: Option<&'a ElementFn>,
-    /// The low-rank epilogues, added to each fragment before the others.
-    low_rank: Option<&'a LowRankFrags<'a>>,
+    /// The accumulators hold `s·Σ` already (and the low-rank products).
+    scaled: bool,
     /// A split GEMM's slice of `out` (its first element): it neither accumulates nor fuses.
     slice: Option<&'a Expr<u32>>,
 }
 
 impl Epilogue<'_> {
-    /// `s·acc` of fragment `f`, the low-rank products added.
-    fn scaled(&self, k: &mut KernelBuilder, f: u32, acc: &Var<Acc>) -> Expr<Acc> {
-        let value = acc.get() * self.scale;
-        match self.low_rank {
-            Some(low_rank) => {
-                let (i, j) = (f / self.frag_cols, f % self.frag_cols);
-                low_rank.add(k, (i, j), value)
-            }
-            None => value,
+    /// `s·acc` of a fragment.
+    fn scaled(&self, acc: &Var<Acc>) -> Expr<Acc> {
+        match self.scaled {
+            true => acc.get(),
+            false => acc.get() * self.scale,
         }
     }
 
@@ -917,7 +914,7 @@ impl Epilogue<'_> {
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
             let at = k.let_("at", self.index(row, col));
-            let mut value = self.scaled(k, f as u32, acc);
+            let mut value = self.scaled(acc);
             for m in matrices {
                 value = value + k.coop_load::<Acc, _>(m, &at, self.cols, Major::Row);
             }
@@ -948,13 +945,7 @@ impl Epilogue<'_> {
         let lane = k.let_("lane", k.subgroup_invocation_id());
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
-            // With low-rank products the fragment is scaled before it is staged (they are
-            // added to it there); else each element after.
-            let staged = match self.low_rank {
-                Some(_) => self.scaled(k, f as u32, acc),
-                None => acc.get(),
-            };
-            k.coop_store(c_tile, &mine, 16u32, Major::Row, staged);
+            k.coop_store(c_tile, &mine, 16u32, Major::Row, acc.get());
             k.workgroup_barrier();
             for e in 0..256 / subgroup {
                 let idx = k.let_("idx", super::offset(&lane, e * subgroup));
@@ -963,9 +954,9 @@ impl Epilogue<'_> {
                 k.if_(r.lt(self.rows).and(c.lt(self.cols)), |k| {
                     let at = k.let_("at", self.index(r.clone(), c.clone()));
                     let element = c_tile.at(&mine + &idx);
-                    let element = match self.low_rank {
-                        Some(_) => element,
-                        None => element * self.scale,
+                    let element = match self.scaled {
+                        true => element,
+                        false => element * self.scale,
                     };
                     let mut value = k.let_("value", element);
                     if let Some(f) = self.fused {
@@ -1008,8 +999,8 @@ struct Slices<'a> {
 /// its `w` into `B`'s, side by side along the depth, so that every fragment adds `s·h·w` from
 /// one or two more products on the tensor cores, a tile at a time, where the element-by-element
 /// epilogue would read `rank` values of each from memory for every element. Each is staged in
-/// parts, `[h₁ | h₂ | h₁]` against `[w₁; w₁; w₂]` (a value's f16 rounding and the rounding's
-/// error, as many parts as the tile's depth has room for:
+/// parts, `[h₁ | h₂ | h₁]` against `[w₁; w₁; w₂]` (a value cut to f16's digits and what was
+/// cut, as many parts as the tile's depth has room for:
 /// [`low_rank_depth`](super::fusion::low_rank_depth)).
 struct LowRankStage<'a> {
     terms: &'a [LowRankBuilt],
@@ -1093,7 +1084,8 @@ impl<'a> LowRankStage<'a> {
                             Some(s) => v * s,
                             None => v,
                         };
-                        let v = split_part(k, "low_rank_h", v, (&c / rank).eq(1u32));
+                        let error = (parts >= 2).then(|| (&c / rank).eq(1u32));
+                        let v = split_part(k, "low_rank_h", v, error);
                         select(inside.clone().and(c.lt(parts * rank)), v, zero.clone())
                     })
                     .collect();
@@ -1107,7 +1099,8 @@ impl<'a> LowRankStage<'a> {
             let w_lane = |k: &mut KernelBuilder, c: Expr<u32>, col: Expr<u32>| {
                 let inside = col.lt(slices.cols).and(c.lt(parts * rank));
                 let v = term.w.at(w_at(&(&c % rank), &col));
-                let v = split_part(k, "low_rank_w", v, (&c / rank).eq(2u32));
+                let error = (parts >= 3).then(|| (&c / rank).eq(2u32));
+                let v = split_part(k, "low_rank_w", v, error);
                 select(inside, v, zero.clone())
             };
             match slices.product {
@@ -1135,12 +1128,24 @@ impl<'a> LowRankStage<'a> {
 /// Code for one vec4 of a staged slice, given its row and its vec4 along the row.
 type VecSlot<'a> = dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>) + 'a;
 
-/// `v` rounded to f16, or where `error` the rounding's error rounded to f16 (a value's two
-/// f16 parts, [`low_rank_depth`](super::fusion::low_rank_depth)).
-fn split_part(k: &mut KernelBuilder, hint: &str, v: Expr<f32>, error: Expr<bool>) -> Expr<F16> {
+/// A value's f16 parts ([`low_rank_depth`](super::fusion::low_rank_depth)): where `error` is
+/// given, `v` with its mantissa cut to f16's 10 bits (exact in f16 in its normal range), or
+/// where `error` holds what was cut (exact in f32), rounded to f16; else `v` rounded to f16.
+/// Cut on the bits, not rounded by a conversion and back: the H200's compiler folds
+/// `f32(f16(v))` into `v`, which left the error part zero.
+fn split_part(
+    k: &mut KernelBuilder,
+    hint: &str,
+    v: Expr<f32>,
+    error: Option<Expr<bool>>,
+) -> Expr<F16> {
+    let Some(error) = error else {
+        return v.cast::<F16>();
+    };
     let v = k.let_(hint, v);
-    let high = k.let_(&format!("{hint}_high"), v.cast::<F16>());
-    select(error, (v - high.cast::<f32>()).cast::<F16>(), high)
+    let cut = (v.bitcast::<u32>() & 0xFFFF_E000u32).bitcast::<f32>();
+    let high = k.let_(&format!("{hint}_high"), cut);
+    select(error, (v - &high).cast::<F16>(), high.cast::<F16>())
 }
 
 /// A subgroup's view of the staged low-rank operands.
@@ -1153,30 +1158,56 @@ struct LowRankFrags<'a> {
 }
 
 impl LowRankFrags<'_> {
-    /// `value` plus every term's `s·h·w` at fragment (`i`, `j`) of the subgroup's.
-    fn add(&self, k: &mut KernelBuilder, (i, j): (u32, u32), mut value: Expr<Acc>) -> Expr<Acc> {
+    /// `acc = s·acc + Σ s_t·h_t·w_t` for every fragment of the subgroup's `frag_cols`-wide
+    /// grid: `w`'s fragments read once, `h`'s once a row of fragments.
+    fn fold(&self, k: &mut KernelBuilder, (acc, frag_cols): (&[Var<Acc>], u32), scale: &Expr<f32>) {
         let ((a_tile, a_stride, a_base), (b_tile, b_stride, b_base)) = (self.a, self.b);
         let s = self.staged;
-        for ((at, span), multiplier) in s.spans.iter().zip(&s.multipliers) {
-            let mut product = Expr::<Acc>::zero();
-            for d in (*at..at + span).step_by(16) {
-                let a_at = super::offset(a_base, i * 16 * a_stride / 4 + d / 4);
-                let a = k.coop_load::<TileA, _>(a_tile, a_at, a_stride / 4, Major::Row);
-                let b = match self.product {
-                    Product::Nt => {
-                        let at = super::offset(b_base, j * 16 * b_stride / 4 + d / 4);
-                        k.coop_load::<TileB, _>(b_tile, at, b_stride / 4, Major::Column)
+        // Every 16 of the staged depth, with the term it belongs to.
+        let depths: Vec<(usize, u32)> = (s.spans.iter().enumerate())
+            .flat_map(|(t, (at, span))| (*at..at + span).step_by(16).map(move |d| (t, d)))
+            .collect();
+        let b: Vec<Vec<Expr<TileB>>> = (depths.iter())
+            .map(|(_, d)| {
+                (0..frag_cols)
+                    .map(|j| {
+                        let (at, major) = match self.product {
+                            Product::Nt => (j * 16 * b_stride / 4 + d / 4, Major::Column),
+                            Product::Nn => (d * b_stride / 4 + j * 4, Major::Row),
+                        };
+                        let at = super::offset(b_base, at);
+                        let frag = k.coop_load::<TileB, _>(b_tile, at, b_stride / 4, major);
+                        k.let_("low_rank_b", frag)
+                    })
+                    .collect()
+            })
+            .collect();
+        for i in 0..acc.len() as u32 / frag_cols {
+            let a: Vec<Expr<TileA>> = (depths.iter())
+                .map(|(_, d)| {
+                    let at = super::offset(a_base, i * 16 * a_stride / 4 + d / 4);
+                    let frag = k.coop_load::<TileA, _>(a_tile, at, a_stride / 4, Major::Row);
+                    k.let_("low_rank_a", frag)
+                })
+                .collect();
+            for j in 0..frag_cols {
+                let c = &acc[(i * frag_cols + j) as usize];
+                let mut value = c.get() * scale;
+                for (t, multiplier) in s.multipliers.iter().enumerate() {
+                    let mut product = Expr::<Acc>::zero();
+                    for (n, _) in depths
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, (term, _))| *term == t)
+                    {
+                        let b = b[n][j as usize].clone();
+                        product = coop_multiply_add(a[n].clone(), b, product);
                     }
-                    Product::Nn => {
-                        let at = super::offset(b_base, d * b_stride / 4 + j * 4);
-                        k.coop_load::<TileB, _>(b_tile, at, b_stride / 4, Major::Row)
-                    }
-                };
-                product = coop_multiply_add(a, b, product);
+                    value = value + product * multiplier;
+                }
+                k.assign(c, value);
             }
-            value = value + product * multiplier;
         }
-        value
     }
 }
 

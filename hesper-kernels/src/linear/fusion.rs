@@ -91,10 +91,10 @@ pub struct LowRank {
 }
 
 /// The depth a low-rank product of `rank` takes on the tensor cores in `parts` products,
-/// rounded up to 16. With `h = h₁ + h₂` and `w = w₁ + w₂` (each value's f16 rounding and the
-/// rounding's error), the parts are `h₁·w₁`, `h₂·w₁`, `h₁·w₂`, as many as fit: three keep
-/// f32's digits but the last few (an adapter's values are f32 parameters, not the frozen
-/// f16 weights), one is f16's rounding of both.
+/// rounded up to 16. With `h = h₁ + h₂` and `w = w₁ + w₂` (each value cut to f16's digits,
+/// and what was cut rounded to f16), the parts are `h₁·w₁`, `h₂·w₁`, `h₁·w₂`, as many as fit:
+/// three keep f32's digits but the last few (an adapter's values are f32 parameters, not the
+/// frozen f16 weights), one is f16's digits of both.
 pub(crate) fn low_rank_depth(rank: u32, parts: u32) -> u32 {
     (parts * rank).div_ceil(16) * 16
 }
