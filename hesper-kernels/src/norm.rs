@@ -46,24 +46,38 @@ fn row_loop_iterations(cols: u32) -> u64 {
 
 /// Key of the forward: the width and ε shape the text; the layout is [`row_layout`]'s and
 /// subgroups speed the row reduction up where the device has them.
-fn forward_key(cols: u32, eps: f32, features: Features) -> KernelKey {
-    KernelKey::new("rms_norm_forward")
+/// The key both kernels start from: a workgroup a row of `cols` ([`row_layout`]), subgroups
+/// where the device has them.
+fn row_key(name: &str, cols: u32, features: Features) -> KernelKey {
+    KernelKey::new(name)
         .workgroup_size(row_layout(cols).1)
         .shape("cols", cols)
-        .shape("eps", eps)
         .features(features & Features::SUBGROUPS)
         // Register arrays are indexed by constants and columns guarded: no runtime bounds checks.
         .assume_in_bounds()
 }
 
+/// A body over lanes of `E`: the builder, the lanes an element, and the sum of an element's
+/// lanes.
+type Lanes<E> = fn(&mut KernelBuilder, u32, fn(Expr<E>) -> Expr<f32>);
+
+/// Runs `vec4` where the row's width (`cols`) is a multiple of 4, else `scalar`.
+fn by_width(k: &mut KernelBuilder, vec4: Lanes<Vec4<f32>>, scalar: Lanes<f32>) {
+    if k.shape::<u32>("cols").is_multiple_of(4) {
+        vec4(k, 4, |v| v.x() + v.y() + v.z() + v.w());
+    } else {
+        scalar(k, 1, |v| v);
+    }
+}
+
+fn forward_key(cols: u32, eps: f32, features: Features) -> KernelKey {
+    row_key("rms_norm_forward", cols, features).shape("eps", eps)
+}
+
 /// `y = x·r·γ`, `r = (Σ x²/n + ε)^-½`: each invocation loads its share of the row once into
 /// registers, so the row is read once and written once (twice read past [`MAX_HELD`]).
 fn forward_body(k: &mut KernelBuilder) {
-    if k.shape::<u32>("cols").is_multiple_of(4) {
-        forward_lanes::<Vec4<f32>>(k, 4, |v| v.x() + v.y() + v.z() + v.w());
-    } else {
-        forward_lanes::<f32>(k, 1, |v| v);
-    }
+    by_width(k, forward_lanes::<Vec4<f32>>, forward_lanes::<f32>);
 }
 
 fn forward_lanes<E>(k: &mut KernelBuilder, lanes: u32, lane_sum: fn(Expr<E>) -> Expr<f32>)
@@ -187,23 +201,13 @@ impl RowPass {
 /// Key of the backward: the width and `accumulate` shape the text; the layout is
 /// [`row_layout`]'s and subgroups speed the row reduction up where the device has them.
 fn backward_key(cols: u32, accumulate: bool, features: Features) -> KernelKey {
-    KernelKey::new("rms_norm_backward")
-        .workgroup_size(row_layout(cols).1)
-        .shape("cols", cols)
-        .shape("accumulate", accumulate)
-        .features(features & Features::SUBGROUPS)
-        // Register arrays are indexed by constants and columns guarded: no runtime bounds checks.
-        .assume_in_bounds()
+    row_key("rms_norm_backward", cols, features).shape("accumulate", accumulate)
 }
 
 /// `dx = r·m − (r³/n)·(Σ m·x)·x` with `m = dy·γ`. Each invocation loads its share of the row
 /// once into registers (`x` and `m`), so the row is read once and written once.
 fn backward_body(k: &mut KernelBuilder) {
-    if k.shape::<u32>("cols").is_multiple_of(4) {
-        backward_lanes::<Vec4<f32>>(k, 4, |v| v.x() + v.y() + v.z() + v.w());
-    } else {
-        backward_lanes::<f32>(k, 1, |v| v);
-    }
+    by_width(k, backward_lanes::<Vec4<f32>>, backward_lanes::<f32>);
 }
 
 fn backward_lanes<E>(k: &mut KernelBuilder, lanes: u32, lane_sum: fn(Expr<E>) -> Expr<f32>)
