@@ -67,9 +67,10 @@ pub trait GemmFusion {
 
     /// `Some(term)` where the code is exactly `value + s·Σ_j h[row, j]·w(col, j)`, a product
     /// of low rank added ([`LowRank`]): the tensor cores then multiply it as more depth of
-    /// their own product (`[A | h]·[B; w]`, both in f16 parts that keep about 22 bits where
-    /// the tile's depth has room, [`low_rank_depth`]), and the epilogue stays a tile at a time
-    /// where the others allow it.
+    /// their own product (`[A | h]·[B; w]`, each value of `h` and `w` in two f16 parts, its
+    /// 10 leading mantissa bits and the rest, which keep about 22 bits where the tile's depth
+    /// has room for three products of `rank`), and the epilogue stays a tile at a time where
+    /// the others allow it.
     fn low_rank(&self) -> Option<LowRank> {
         None
     }
