@@ -18,7 +18,7 @@ use hesper_kernels::ffn::{
     execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
     execute_swiglu_forward,
 };
-use hesper_kernels::linear::fusion::Residual;
+use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
 use hesper_kernels::linear::{
     Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Product, Weights, execute_gemm,
@@ -43,19 +43,21 @@ use super::activations::{
 use super::config::{ModelError, Projection};
 use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
 
-/// Whether `gemm` over `weights` runs on the tensor cores, which add LoRA's up-projection
-/// (`s·h·Bᵀ`, `s·dh·A`) as more depth of their own product (`linear::fusion::LowRank`) for
-/// less than its own launch costs; elsewhere it keeps its launch (an element-by-element
-/// epilogue costs the f32 GEMM more, BENCHMARKS.md "Fusion").
-fn on_tensor_cores(rec: &Recorder<'_>, gemm: &Gemm, weights: &Weights<'_>) -> bool {
+/// Whether `gemm` over `weights` runs on the tensor cores at a tile that adds LoRA's
+/// up-projection of `rank` (`s·h·Bᵀ`, `s·dh·A`) as more depth of its own product
+/// (`linear::fusion::low_rank_fits`), for less than the up-projection's own launch costs;
+/// elsewhere it keeps its launch (an element-by-element epilogue costs the GEMM more,
+/// BENCHMARKS.md "Fusion"). `gemm` is the GEMM as its tile is chosen (accumulating where it
+/// adds a residual).
+fn lora_fuses(rec: &Recorder<'_>, gemm: &Gemm, weights: &Weights<'_>, rank: usize) -> bool {
     let half = HalfBuffers {
         weight: matches!(weights, Weights::Half { .. }),
         ..HalfBuffers::NONE
     };
-    matches!(
-        gemm_path(rec.gpu(), gemm, weights, half),
-        GemmPath::TensorCores { .. }
-    )
+    match gemm_path(rec.gpu(), gemm, weights, half) {
+        GemmPath::TensorCores { tile, .. } => low_rank_fits(rank, tile.bk),
+        _ => false,
+    }
 }
 
 /// What every launch of one micro-batch shares.
@@ -85,7 +87,7 @@ impl Ctx<'_> {
     /// `y = residual + x·Wᵀ (+ bias) + s·(x·Aᵀ)·Bᵀ` for `projection` of `layer` (no
     /// residual: `y` is overwritten), saving `x·Aᵀ` in `lora_h` where LoRA adapts it. The
     /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first; so is
-    /// LoRA's up-projection on the tensor cores ([`on_tensor_cores`]). The bias is not fused:
+    /// LoRA's up-projection on the tensor cores ([`lora_fuses`]). The bias is not fused:
     /// on the H200 the fused GEMM costs more than its own kernel (BENCHMARKS.md, "Fusion").
     #[allow(clippy::too_many_arguments)]
     fn project(
@@ -108,7 +110,11 @@ impl Ctx<'_> {
             let h = &mut lora_h[i % adapters.lora().targets.len()];
             (&adapters.adapters[i], h)
         });
-        let fuse_lora = adapter.is_some() && on_tensor_cores(rec, &gemm, &frozen);
+        let chosen_as = Gemm {
+            accumulate: residual.is_some(),
+            ..gemm
+        };
+        let fuse_lora = adapter.is_some() && lora_fuses(rec, &chosen_as, &frozen, self.rank);
         let (adapter, up) = match adapter {
             Some((adapter, h)) if fuse_lora => {
                 execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
@@ -191,7 +197,7 @@ impl Ctx<'_> {
             0 => (&mut *da, &mut *db),
             _ => (&mut *micro_da, &mut *micro_db),
         };
-        if on_tensor_cores(rec, &gemm, &frozen) {
+        if lora_fuses(rec, &gemm, &frozen, rank) {
             // `dx = dy·W + s·dh·A` in one GEMM, `dh = dy·B` first.
             execute_lora_weight_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b)?;
             let up = LoraUp {

@@ -1000,8 +1000,7 @@ struct Slices<'a> {
 /// one or two more products on the tensor cores, a tile at a time, where the element-by-element
 /// epilogue would read `rank` values of each from memory for every element. Each is staged in
 /// parts, `[h₁ | h₂ | h₁]` against `[w₁; w₁; w₂]` (a value cut to f16's digits and what was
-/// cut, as many parts as the tile's depth has room for:
-/// [`low_rank_depth`](super::fusion::low_rank_depth)).
+/// cut: [`low_rank_depth`](super::fusion::low_rank_depth)).
 struct LowRankStage<'a> {
     terms: &'a [LowRankBuilt],
     /// Each term's first staged column along the depth and its depth (multiples of 16).
@@ -1017,7 +1016,7 @@ impl<'a> LowRankStage<'a> {
         let spans = terms
             .iter()
             .map(|t| {
-                let span = (at, super::fusion::low_rank_depth(t.rank, t.parts));
+                let span = (at, super::fusion::low_rank_depth(t.rank));
                 at += span.1;
                 span
             })
@@ -1043,7 +1042,7 @@ impl<'a> LowRankStage<'a> {
         let lid = k.local_index();
         let zero = Expr::<F16>::lit(0.0);
         for (term, &(at, span)) in self.terms.iter().zip(&self.spans) {
-            let (rank, parts) = (term.rank, term.parts);
+            let rank = term.rank;
             // `(j, col)` of `w`, both clamped into it (the lane is zeroed outside).
             let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
                 let (j, col) = (j.min(rank - 1), col.min(slices.cols - 1));
@@ -1084,9 +1083,8 @@ impl<'a> LowRankStage<'a> {
                             Some(s) => v * s,
                             None => v,
                         };
-                        let error = (parts >= 2).then(|| (&c / rank).eq(1u32));
-                        let v = split_part(k, "low_rank_h", v, error);
-                        select(inside.clone().and(c.lt(parts * rank)), v, zero.clone())
+                        let v = split_part(k, "low_rank_h", v, (&c / rank).eq(1u32));
+                        select(inside.clone().and(c.lt(3 * rank)), v, zero.clone())
                     })
                     .collect();
                 let to = row * (a_stride / 4) + at / 4 + c4;
@@ -1097,10 +1095,9 @@ impl<'a> LowRankStage<'a> {
             let (b_tile, b_stride) = slices.b;
             // Staged depth `c` holds part `c / rank` of `w(col, c mod rank)`.
             let w_lane = |k: &mut KernelBuilder, c: Expr<u32>, col: Expr<u32>| {
-                let inside = col.lt(slices.cols).and(c.lt(parts * rank));
+                let inside = col.lt(slices.cols).and(c.lt(3 * rank));
                 let v = term.w.at(w_at(&(&c % rank), &col));
-                let error = (parts >= 3).then(|| (&c / rank).eq(2u32));
-                let v = split_part(k, "low_rank_w", v, error);
+                let v = split_part(k, "low_rank_w", v, (&c / rank).eq(2u32));
                 select(inside, v, zero.clone())
             };
             match slices.product {
@@ -1128,20 +1125,11 @@ impl<'a> LowRankStage<'a> {
 /// Code for one vec4 of a staged slice, given its row and its vec4 along the row.
 type VecSlot<'a> = dyn Fn(&mut KernelBuilder, &Expr<u32>, &Expr<u32>) + 'a;
 
-/// A value's f16 parts ([`low_rank_depth`](super::fusion::low_rank_depth)): where `error` is
-/// given, `v` with its mantissa cut to f16's 10 bits (exact in f16 in its normal range), or
-/// where `error` holds what was cut (exact in f32), rounded to f16; else `v` rounded to f16.
-/// Cut on the bits, not rounded by a conversion and back: the H200's compiler folds
-/// `f32(f16(v))` into `v`, which left the error part zero.
-fn split_part(
-    k: &mut KernelBuilder,
-    hint: &str,
-    v: Expr<f32>,
-    error: Option<Expr<bool>>,
-) -> Expr<F16> {
-    let Some(error) = error else {
-        return v.cast::<F16>();
-    };
+/// A value's two f16 parts ([`low_rank_depth`](super::fusion::low_rank_depth)): `v` with its
+/// mantissa cut to f16's 10 bits (exact in f16 in its normal range), or where `error` what
+/// was cut (exact in f32), rounded to f16. Cut on the bits, not rounded by a conversion and
+/// back: the H200's compiler folds `f32(f16(v))` into `v`, which left the error part zero.
+fn split_part(k: &mut KernelBuilder, hint: &str, v: Expr<f32>, error: Expr<bool>) -> Expr<F16> {
     let v = k.let_(hint, v);
     let cut = (v.bitcast::<u32>() & 0xFFFF_E000u32).bitcast::<f32>();
     let high = k.let_(&format!("{hint}_high"), cut);

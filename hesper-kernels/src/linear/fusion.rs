@@ -68,9 +68,9 @@ pub trait GemmFusion {
     /// `Some(term)` where the code is exactly `value + s·Σ_j h[row, j]·w(col, j)`, a product
     /// of low rank added ([`LowRank`]): the tensor cores then multiply it as more depth of
     /// their own product (`[A | h]·[B; w]`, each value of `h` and `w` in two f16 parts, its
-    /// 10 leading mantissa bits and the rest, which keep about 22 bits where the tile's depth
-    /// has room for three products of `rank`), and the epilogue stays a tile at a time where
-    /// the others allow it.
+    /// 10 leading mantissa bits and the rest, which keep about 22 bits) where the tile's depth
+    /// has room ([`low_rank_fits`]), and the epilogue stays a tile at a time where the others
+    /// allow it.
     fn low_rank(&self) -> Option<LowRank> {
         None
     }
@@ -91,13 +91,20 @@ pub struct LowRank {
     pub scale: &'static str,
 }
 
-/// The depth a low-rank product of `rank` takes on the tensor cores in `parts` products,
-/// rounded up to 16. With `h = h₁ + h₂` and `w = w₁ + w₂` (each value cut to f16's digits,
-/// and what was cut rounded to f16), the parts are `h₁·w₁`, `h₂·w₁`, `h₁·w₂`, as many as fit:
-/// three keep f32's digits but the last few (an adapter's values are f32 parameters, not the
-/// frozen f16 weights), one is f16's digits of both.
-pub(crate) fn low_rank_depth(rank: u32, parts: u32) -> u32 {
-    (parts * rank).div_ceil(16) * 16
+/// The depth a low-rank product of `rank` takes on the tensor cores, rounded up to 16: with
+/// `h = h₁ + h₂` and `w = w₁ + w₂` (each value cut to f16's 10 mantissa bits, and what was cut
+/// rounded to f16), three products `h₁·w₁ + h₂·w₁ + h₁·w₂`, which keep f32's digits but the
+/// last few (an adapter's values are f32 parameters, not the frozen f16 weights).
+pub(crate) fn low_rank_depth(rank: u32) -> u32 {
+    (3 * rank).div_ceil(16) * 16
+}
+
+/// Whether a tensor-core GEMM stepping `bk` of its depth at a time multiplies a low-rank
+/// epilogue of `rank` ([`GemmFusion::low_rank`]) as more depth of its product; else the
+/// epilogue goes element by element through workgroup memory, which costs more than a launch
+/// of its own (BENCHMARKS.md, "Fusion").
+pub fn low_rank_fits(rank: usize, bk: u32) -> bool {
+    u32::try_from(rank).is_ok_and(|r| r > 0 && low_rank_depth(r) <= bk)
 }
 
 /// An epilogue's low-rank product as a tensor-core GEMM declared it.
@@ -106,8 +113,6 @@ pub(crate) struct LowRankBuilt {
     pub w: hesper_dsl::ReadBuffer<f32>,
     pub rank: u32,
     pub rank_minor: bool,
-    /// Products of its f16 parts ([`low_rank_depth`]).
-    pub parts: u32,
     pub scale: Expr<f32>,
 }
 
@@ -130,30 +135,26 @@ impl<'a> Fusion<'a> {
         self.epilogues.iter().any(|e| e.added_matrix().is_some())
     }
 
-    /// How the tensor cores multiply each low-rank epilogue ([`GemmFusion::low_rank`]): in how
-    /// many parts ([`low_rank_depth`]), or `None` (element by element). Taken are low-rank
-    /// epilogues with only additions before them (an addition moved ahead of them changes
-    /// nothing), in as many parts as fit in what `capacity` (one staged slice of the GEMM's
-    /// depth) has left.
-    pub(crate) fn low_rank_parts(&self, capacity: u32) -> Vec<Option<u32>> {
+    /// Which epilogues the tensor cores multiply as more depth ([`GemmFusion::low_rank`]):
+    /// low-rank ones with only additions before them (an addition moved ahead of them changes
+    /// nothing), while their depths ([`low_rank_depth`]) fit in what `capacity` (one staged
+    /// slice of the GEMM's depth) has left; the others go element by element.
+    pub(crate) fn low_rank_taken(&self, capacity: u32) -> Vec<bool> {
         let mut additive = true;
         let mut left = capacity;
         self.epilogues
             .iter()
             .map(|e| {
-                let parts = e
-                    .low_rank()
-                    .filter(|t| additive && t.rank > 0)
-                    .and_then(|t| {
-                        (1..=3)
-                            .rev()
-                            .find(|&parts| low_rank_depth(t.rank, parts) <= left)
-                    });
-                if let (Some(parts), Some(t)) = (parts, e.low_rank()) {
-                    left -= low_rank_depth(t.rank, parts);
-                }
+                let depth = e.low_rank().filter(|t| additive && t.rank > 0);
+                let depth = depth.map(|t| low_rank_depth(t.rank));
                 additive &= e.added_matrix().is_some() || e.low_rank().is_some();
-                parts
+                match depth {
+                    Some(depth) if depth <= left => {
+                        left -= depth;
+                        true
+                    }
+                    _ => false,
+                }
             })
             .collect()
     }
@@ -233,7 +234,7 @@ impl<'a> Fusion<'a> {
     /// Builds the code inside a GEMM's kernel: the prologue's element function (over
     /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; the
     /// low-rank epilogues a tensor-core GEMM multiplies in a slice of `low_rank_depth`
-    /// ([`Fusion::low_rank_parts`]; 0 elsewhere) declared instead of chained; and where every
+    /// ([`Fusion::low_rank_taken`]; 0 elsewhere) declared instead of chained; and where every
     /// other epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
     pub(crate) fn build(
         &self,
@@ -242,23 +243,22 @@ impl<'a> Fusion<'a> {
         low_rank_depth: u32,
     ) -> Built {
         let prologue = self.prologue.map(|p| p.build(k, depth));
-        let taken = self.low_rank_parts(low_rank_depth);
+        let taken = self.low_rank_taken(low_rank_depth);
         let mut low_rank = vec![];
         let all_matrices = self
             .epilogues
             .iter()
             .zip(&taken)
-            .all(|(e, parts)| parts.is_some() || e.added_matrix().is_some());
+            .all(|(e, taken)| *taken || e.added_matrix().is_some());
         let mut added_matrices = vec![];
         let mut chained = vec![];
-        for (e, parts) in self.epilogues.iter().zip(taken) {
-            match (parts, e.low_rank()) {
-                (Some(parts), Some(term)) => low_rank.push(LowRankBuilt {
+        for (e, taken) in self.epilogues.iter().zip(taken) {
+            match (taken, e.low_rank()) {
+                (true, Some(term)) => low_rank.push(LowRankBuilt {
                     h: k.storage::<f32>(term.h),
                     w: k.storage::<f32>(term.w),
                     rank: term.rank,
                     rank_minor: term.rank_minor,
-                    parts,
                     scale: k.param::<f32>(term.scale),
                 }),
                 _ => chained.push(e),
