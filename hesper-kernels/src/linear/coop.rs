@@ -772,7 +772,9 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         k.workgroup_barrier();
     });
 
-    let low_rank = (!fused.low_rank.is_empty()).then(|| {
+    // With low-rank products, the accumulators are scaled (and the products added) here.
+    let scaled = !fused.low_rank.is_empty();
+    if scaled {
         k.comment("Stage the low-rank epilogues' operands as more depth.");
         let staged = LowRankStage::new(&fused.low_rank, input_scale.as_ref());
         let slices = Slices {
@@ -795,7 +797,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
             b: (&b_tile, b_stride, &b_base),
         };
         frags.fold(k, (&acc, frag_cols), &scale);
-    });
+    }
 
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
@@ -811,7 +813,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         scale: &scale,
         accumulate,
         fused: fused.epilogue.as_ref(),
-        scaled: low_rank.is_some(),
+        scaled,
         slice: split.as_ref().map(|(_, at)| at),
     };
     if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
@@ -1043,9 +1045,10 @@ impl<'a> LowRankStage<'a> {
         let zero = Expr::<F16>::lit(0.0);
         for (term, &(at, span)) in self.terms.iter().zip(&self.spans) {
             let rank = term.rank;
-            // `(j, col)` of `w`, both clamped into it (the lane is zeroed outside).
+            // `(j, col)` of `w` (`j < rank`), the column clamped into it (the lane is zeroed
+            // outside).
             let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
-                let (j, col) = (j.min(rank - 1), col.min(slices.cols - 1));
+                let col = col.min(slices.cols - 1);
                 match term.rank_minor {
                     true => col * rank + j,
                     false => j * slices.cols + col,
