@@ -325,8 +325,8 @@ fn copy_range_refuses_ranges_past_the_end_and_one_buffer_for_both() {
     assert_eq!(
         err(&a, 0, &a, 5, 5),
         "kernel `hesper_copy_range`, binding `dst`: expected a buffer other than src (a storage \
-         buffer cannot be bound both read and read_write in one dispatch; copy through a second \
-         buffer), given src's buffer"
+         buffer cannot be bound both read and read_write in one dispatch, views of it included; \
+         copy through a second buffer), given src's buffer"
     );
 }
 

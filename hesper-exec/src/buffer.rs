@@ -74,6 +74,10 @@ host_element!(
 /// A storage buffer of `len` elements of `T` on one [`Gpu`]. Its allocation is padded to a
 /// multiple of 16 bytes, so the executor's fill and copy kernels can move it as `vec4<u32>`.
 ///
+/// It may also be a view of a range of another buffer ([`GpuBuffer::view`]): one allocation
+/// then holds several arrays (the `[W_gate; W_up]` a merged GEMM reads, and each of them for
+/// the kernels that read one), each bound, read and written as a buffer of its own.
+///
 /// It belongs to the `Gpu` that made it: reading, writing or binding it with another is an
 /// [`ExecError::WrongGpu`]. Host writes and reads happen when they are called, so while a
 /// [`Recorder`] that uses the buffer is not submitted, they would see or overwrite the data
@@ -81,6 +85,11 @@ host_element!(
 /// recorder is submitted or dropped.
 pub struct GpuBuffer<T: Element> {
     raw: wgpu::Buffer,
+    /// Where the elements start in `raw`, in bytes: 0, or a view's offset (a multiple of the
+    /// device's storage-binding alignment).
+    offset: u64,
+    /// The bytes a binding covers: the elements padded to 16 bytes (within `raw`).
+    size: u64,
     len: usize,
     pub(crate) tracking: Arc<BufferTracking>,
     _t: PhantomData<T>,
@@ -136,12 +145,77 @@ impl<T: Element> GpuBuffer<T> {
     pub fn elem_ty(&self) -> Ty {
         T::ty()
     }
+    /// The wgpu buffer the elements are in: for a view, the whole allocation, the elements
+    /// from [`GpuBuffer::offset`] on.
     pub fn raw(&self) -> &wgpu::Buffer {
         &self.raw
     }
-    /// The allocation as `vec4<u32>` words.
+    /// Where the elements start in [`GpuBuffer::raw`], in bytes (0 unless a view).
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    /// The bytes a binding of the buffer covers: its elements, padded to 16 bytes.
+    pub(crate) fn binding_size(&self) -> u64 {
+        self.size
+    }
+    /// The elements, padded, as `vec4<u32>` words.
     fn vec4s(&self) -> usize {
-        (self.raw.size() / 16) as usize
+        (self.size / 16) as usize
+    }
+
+    /// Elements `range` of this buffer as a buffer of their own, in the same allocation: bound
+    /// to a kernel, read, written, filled or copied, it is those elements and nothing around
+    /// them. Views of one buffer share its tracking: while an unsubmitted recorder uses one,
+    /// host access to any is refused; one kernel may bind several where no two overlap and
+    /// either all are written or none is (wgpu tracks a buffer's use as a whole).
+    ///
+    /// The range must start at a byte offset that is a multiple of the device's
+    /// `min_storage_buffer_offset_alignment` (256 bytes on most devices and in WebGPU), and end
+    /// on a multiple of 16 bytes or at this buffer's end (the executor's fill and copy move
+    /// whole 16-byte words: a view ending elsewhere would write its neighbour's first bytes).
+    pub fn view(
+        &self,
+        gpu: &Gpu,
+        range: std::ops::Range<usize>,
+    ) -> Result<GpuBuffer<T>, ExecError> {
+        self.tracking
+            .check_gpu(gpu, || format!("buffer `{}` (a view)", self.label()))?;
+        let err = |message: String| ExecError::Buffer {
+            buffer: self.label(),
+            message: format!("a view of elements {range:?}: {message}"),
+        };
+        if range.start > range.end || range.end > self.len {
+            return Err(err(format!("expected a range within 0..{}", self.len)));
+        }
+        let elem = size_of::<T>() as u64;
+        let start = self.offset + range.start as u64 * elem;
+        let align = u64::from(gpu.wgpu_limits().min_storage_buffer_offset_alignment);
+        if !start.is_multiple_of(align) {
+            return Err(err(format!(
+                "expected a start at a multiple of the device's storage-binding alignment of \
+                 {align} bytes, given byte {start} of the allocation"
+            )));
+        }
+        let bytes = (range.end - range.start) as u64 * elem;
+        let size = if range.end == self.len {
+            self.offset + self.size - start
+        } else if bytes.is_multiple_of(16) {
+            bytes
+        } else {
+            return Err(err(format!(
+                "expected an end on a multiple of 16 bytes or at the buffer's end (fills and \
+                 copies move 16-byte words), given {bytes} bytes ending at element {}",
+                range.end
+            )));
+        };
+        Ok(GpuBuffer {
+            raw: self.raw.clone(),
+            offset: start,
+            size: size.max(16),
+            len: range.end - range.start,
+            tracking: Arc::clone(&self.tracking),
+            _t: PhantomData,
+        })
     }
 
     /// Check that the buffer belongs to `gpu` and no unsubmitted recorder uses it.
@@ -180,7 +254,7 @@ impl<T: Element> GpuBuffer<T> {
             }
         };
         gpu.scoped(&|| format!("writing buffer `{}`", self.label()), || {
-            gpu.queue.write_buffer(&self.raw, 0, bytes)
+            gpu.queue.write_buffer(&self.raw, self.offset, bytes)
         })
     }
 
@@ -210,7 +284,7 @@ impl<T: Element> GpuBuffer<T> {
         let mapping = if self.len == 0 {
             None
         } else {
-            Some(gpu.start_readback(&self.raw, words, &|| what.clone())?)
+            Some(gpu.start_readback(&self.raw, self.offset, words, &|| what.clone())?)
         };
         Ok(PendingRead {
             mapping,
@@ -225,9 +299,14 @@ impl<T: Element> GpuBuffer<T> {
         format!("reading buffer `{}` back", self.label())
     }
 
-    /// How error messages name the buffer: its number, length and element type.
+    /// How error messages name the buffer: its number, length and element type (and, for a
+    /// view, where in its allocation it starts).
     pub(crate) fn label(&self) -> String {
-        format!("#{} ({} × {})", self.tracking.id, self.len, T::ty())
+        let at = match self.offset {
+            0 => String::new(),
+            offset => format!(" at byte {offset}"),
+        };
+        format!("#{}{at} ({} × {})", self.tracking.id, self.len, T::ty())
     }
 }
 
@@ -335,6 +414,8 @@ impl Gpu {
             })
         })?;
         Ok(GpuBuffer {
+            offset: 0,
+            size: raw.size(),
             raw,
             len,
             tracking: Arc::new(BufferTracking {
@@ -389,11 +470,12 @@ impl Gpu {
         rec.submit()
     }
 
-    /// Submit the copy of `bytes` bytes of `buffer` into a reused staging buffer and ask for
-    /// its mapping. `what` names the readback in errors.
+    /// Submit the copy of `bytes` bytes of `buffer` from byte `offset` into a reused staging
+    /// buffer and ask for its mapping. `what` names the readback in errors.
     fn start_readback(
         &self,
         buffer: &wgpu::Buffer,
+        offset: u64,
         bytes: u64,
         what: &dyn Fn() -> String,
     ) -> Result<Mapping, ExecError> {
@@ -413,7 +495,7 @@ impl Gpu {
         };
         let _index = self.scoped(what, || {
             let mut enc = self.device.create_command_encoder(&Default::default());
-            enc.copy_buffer_to_buffer(buffer, 0, &staging, 0, bytes);
+            enc.copy_buffer_to_buffer(buffer, offset, &staging, 0, bytes);
             let index = self.queue.submit([enc.finish()]);
             staging
                 .slice(..bytes)
@@ -437,7 +519,7 @@ impl Gpu {
         bytes: u64,
         what: &dyn Fn() -> String,
     ) -> Result<Vec<u8>, ExecError> {
-        let mapping = self.start_readback(buffer, bytes, what)?;
+        let mapping = self.start_readback(buffer, 0, bytes, what)?;
         self.finish_readback_blocking(mapping, bytes, what)
     }
 
@@ -671,7 +753,8 @@ impl Recorder<'_> {
                 kernel: "hesper_copy_range".into(),
                 binding: "dst".into(),
                 expected: "a buffer other than src (a storage buffer cannot be bound both read \
-                           and read_write in one dispatch; copy through a second buffer)"
+                           and read_write in one dispatch, views of it included; copy through a \
+                           second buffer)"
                     .into(),
                 given: "src's buffer".into(),
             });

@@ -83,13 +83,14 @@ pub(crate) struct InterpretedLaunch {
     pub params: Vec<(String, ScalarValue)>,
 }
 
-/// A buffer as one binding sees it: the first `bytes` bytes of `raw` (the view's elements;
-/// the interpreter's bounds are the buffer's length, not its padded allocation).
+/// A buffer as one binding sees it: `bytes` bytes of `raw` from `offset` (the elements; the
+/// interpreter's bounds are the buffer's length, not its padded allocation).
 pub(crate) struct InterpretedBinding {
     pub name: String,
     /// The buffer's number (`GpuBuffer`'s): two bindings of one buffer share its bytes.
     pub buffer: u64,
     pub raw: wgpu::Buffer,
+    pub offset: u64,
     pub bytes: u64,
     /// Whether the kernel may write it (`read_write`).
     pub writable: bool,
@@ -139,7 +140,7 @@ impl InterpretedLaunch {
                     })
                 }
             };
-            let view = &copy.bytes[..b.bytes as usize];
+            let view = &copy.bytes[b.offset as usize..(b.offset + b.bytes) as usize];
             run.buffers.insert(b.name.clone(), view.to_vec());
         }
         let result = interpret(&self.kernel, &mut run);
@@ -150,7 +151,8 @@ impl InterpretedLaunch {
         result.map_err(|e| ExecError::Interpreter(Box::new(e)))?;
         for b in self.buffers.iter().filter(|b| b.writable) {
             let copy = memory.get_mut(&b.buffer).expect("read above");
-            copy.bytes[..b.bytes as usize].copy_from_slice(&run.buffers[&b.name]);
+            let range = b.offset as usize..(b.offset + b.bytes) as usize;
+            copy.bytes[range].copy_from_slice(&run.buffers[&b.name]);
             copy.written = true;
         }
         Ok(())

@@ -73,6 +73,9 @@ impl From<i32> for ParamValue {
 struct BoundBuffer<'a> {
     name: &'a str,
     raw: &'a wgpu::Buffer,
+    /// The bytes of `raw` bound: from `offset` (a view's), `size` of them.
+    offset: u64,
+    size: u64,
     tracking: &'a Arc<BufferTracking>,
     ty: Ty,
     len: usize,
@@ -108,6 +111,8 @@ impl<'a> Args<'a> {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
+            offset: buffer.offset(),
+            size: buffer.binding_size(),
             tracking: &buffer.tracking,
             ty: T::ty(),
             len: buffer.len(),
@@ -144,6 +149,8 @@ impl<'a> Args<'a> {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
+            offset: buffer.offset(),
+            size: buffer.binding_size(),
             tracking: &buffer.tracking,
             ty,
             len,
@@ -164,6 +171,8 @@ impl<'a> Args<'a> {
         self.buffers.push(BoundBuffer {
             name,
             raw: buffer.raw(),
+            offset: buffer.offset(),
+            size: buffer.binding_size(),
             tracking: &buffer.tracking,
             ty,
             len,
@@ -276,7 +285,8 @@ struct LaunchCacheInner {
 #[derive(Hash, PartialEq, Eq)]
 struct BindKey {
     layout: wgpu::BindGroupLayout,
-    buffers: Vec<u64>,
+    /// Each binding's buffer and view offset.
+    buffers: Vec<(u64, u64)>,
     uniform: Option<(usize, u64)>,
 }
 
@@ -563,7 +573,11 @@ impl<'g> Recorder<'g> {
                 .expect("checked above");
             entries.push(wgpu::BindGroupEntry {
                 binding: b.binding,
-                resource: a.raw.as_entire_binding(),
+                resource: wgpu::BindingResource::Buffer(wgpu::BufferBinding {
+                    buffer: a.raw,
+                    offset: a.offset,
+                    size: NonZeroU64::new(a.size),
+                }),
             });
         }
         if let Some((binding, (chunk, offset))) = uniform {
@@ -594,7 +608,8 @@ impl<'g> Recorder<'g> {
                         .iter()
                         .map(|b| {
                             let a = args.buffers.iter().find(|a| a.name == b.name);
-                            a.expect("checked above").tracking.id
+                            let a = a.expect("checked above");
+                            (a.tracking.id, a.offset)
                         })
                         .collect(),
                     uniform: uniform.map(|(_, (chunk, offset))| (chunk, offset)),
@@ -798,6 +813,7 @@ fn interpreted_launch(
                 name: b.name.clone(),
                 buffer: a.tracking.id,
                 raw: a.raw.clone(),
+                offset: a.offset,
                 bytes: a.len as u64 * a.ty.size() as u64,
                 writable: b.access == Access::ReadWrite,
             }
@@ -851,12 +867,17 @@ fn check_buffers(gpu: &Gpu, kernel: &Kernel, args: &Args<'_>) -> Result<(), Exec
         })?;
     }
     // A buffer written through one binding and read or written through another is a race
-    // inside the dispatch (and wgpu refuses read-only beside read-write, reporting it only as
-    // an uncaptured error): say which bindings alias.
+    // inside the dispatch, unless they are views of disjoint ranges that are both written
+    // (wgpu tracks a buffer's use as a whole: it refuses read-only beside read-write, views
+    // of disjoint ranges included, reporting it only as an uncaptured error): say which
+    // bindings alias.
     let writes = |a: &BoundBuffer<'_>| {
         kernel
             .binding(a.name)
             .is_some_and(|b| b.access == Access::ReadWrite)
+    };
+    let overlap = |a: &BoundBuffer<'_>, b: &BoundBuffer<'_>| {
+        a.offset < b.offset + b.size && b.offset < a.offset + a.size
     };
     for (i, a) in args.buffers.iter().enumerate() {
         for b in &args.buffers[i + 1..] {
@@ -864,14 +885,25 @@ fn check_buffers(gpu: &Gpu, kernel: &Kernel, args: &Args<'_>) -> Result<(), Exec
                 continue;
             }
             let (w, other) = if writes(a) { (a, b) } else { (b, a) };
-            let how = if writes(other) { "written" } else { "read" };
+            let expected = match (writes(other), overlap(a, b)) {
+                (true, false) => continue,
+                (written, true) => {
+                    let how = if written { "written" } else { "read" };
+                    format!(
+                        "a buffer of its own (it is written, and `{}` is {how})",
+                        other.name
+                    )
+                }
+                (false, false) => format!(
+                    "a buffer of its own (it is written, and `{}` is read from a view of the \
+                     same buffer: wgpu tracks a buffer's use as a whole)",
+                    other.name
+                ),
+            };
             return Err(err_binding(
                 kernel,
                 w.name,
-                format!(
-                    "a buffer of its own (it is written, and `{}` is {how})",
-                    other.name
-                ),
+                expected,
                 format!("the buffer also bound to `{}`", other.name),
             ));
         }
