@@ -235,3 +235,34 @@ fn ranges_a_device_cannot_bind_are_refused() {
         "{message}"
     );
 }
+
+/// A recorder reusing bind groups ([`hesper::exec::LaunchCache`]) tells apart views that start
+/// at the same byte but end elsewhere: the longer view's launch writes all of it.
+#[test]
+fn reused_bind_groups_tell_views_of_one_start_apart() {
+    let g = gpu();
+    let mut rng = Rng::new(73);
+    let a = aligned(g);
+    let kernel = g
+        .kernel(
+            &KernelKey::new("double_plus_one").workgroup_size(64),
+            double_plus_one,
+        )
+        .unwrap();
+    let x_host = values(&mut rng, 2 * a);
+    let xs = g.upload(&x_host).unwrap();
+    let ys = g.filled(2 * a, 0u32).unwrap();
+    let cache = hesper::exec::LaunchCache::new();
+    for n in [a, 2 * a] {
+        let (x, y) = (xs.view(g, 0..n).unwrap(), ys.view(g, 0..n).unwrap());
+        let mut rec = g.recorder_reusing(&cache);
+        let args = Args::new()
+            .buffer("x", &x)
+            .buffer("y", &y)
+            .param("n", n as u32);
+        rec.launch(&kernel, &args, Grid::Threads(n as u64)).unwrap();
+        rec.submit().unwrap();
+    }
+    let expect: Vec<u32> = x_host.iter().map(|v| v * 2 + 1).collect();
+    assert_eq!(ys.read(g).unwrap(), expect);
+}

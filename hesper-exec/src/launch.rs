@@ -281,12 +281,13 @@ struct LaunchCacheInner {
 }
 
 /// A bind group's identity: its layout (wgpu compares layouts by identity), its buffers by id
-/// in binding order (ids are never reused), and its params chunk and offset.
+/// in binding order (ids are never reused) with the range of each bound, and its params
+/// chunk and offset.
 #[derive(Hash, PartialEq, Eq)]
 struct BindKey {
     layout: wgpu::BindGroupLayout,
-    /// Each binding's buffer and view offset.
-    buffers: Vec<(u64, u64)>,
+    /// Each binding's buffer and the bytes of it bound (a view's offset and size).
+    buffers: Vec<(u64, u64, u64)>,
     uniform: Option<(usize, u64)>,
 }
 
@@ -609,7 +610,7 @@ impl<'g> Recorder<'g> {
                         .map(|b| {
                             let a = args.buffers.iter().find(|a| a.name == b.name);
                             let a = a.expect("checked above");
-                            (a.tracking.id, a.offset)
+                            (a.tracking.id, a.offset, a.size)
                         })
                         .collect(),
                     uniform: uniform.map(|(_, (chunk, offset))| (chunk, offset)),
