@@ -802,7 +802,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 47] = [
+static ENTRIES: [Entry; 49] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1002,6 +1002,21 @@ static ENTRIES: [Entry; 47] = [
         summary: "SwiGLU (Llama): h = silu(g)·u",
         params: &[],
         build: |s| ffn::build::swiglu_forward(s.limits()),
+    },
+    Entry {
+        name: "swiglu_packed_backward",
+        module: "ffn",
+        summary: "SwiGLU backward over rows of gate then up (one GEMM's [T, 2I] output): \
+                  d_gate_up packed the same way",
+        params: &[],
+        build: |s| ffn::build::swiglu_packed_backward(s.limits()),
+    },
+    Entry {
+        name: "swiglu_packed_forward",
+        module: "ffn",
+        summary: "SwiGLU over rows of gate then up (one GEMM's [T, 2I] output): h = silu(g)·u",
+        params: &[],
+        build: |s| ffn::build::swiglu_packed_forward(s.limits()),
     },
     // linear
     Entry {

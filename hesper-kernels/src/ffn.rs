@@ -5,6 +5,11 @@
 //!
 //! Elementwise and bandwidth-bound: one `vec4<f32>` per invocation (the buffers' allocations are
 //! padded to 16 bytes, so any length works).
+//!
+//! SwiGLU also reads its gate and up from one packed `[rows, 2·I]` array, each row a gate row
+//! then an up row (`swiglu_packed_*`): what one GEMM over `[W_gate; W_up]` writes, so the step
+//! computes both projections in one launch; its backward writes the gradients packed the same
+//! way, for one GEMM back through `[W_gate; W_up]`.
 
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
@@ -71,6 +76,43 @@ fn swiglu_backward(
     }
 }
 
+/// `h = silu(g)·u` with row `r` of `gate_up` holding `g` then `u` (`i4` vec4s each).
+#[kernel(workgroup_size = 256)]
+fn swiglu_packed_forward(
+    gate_up: &[Vec4<f32>],
+    h: &mut [Vec4<f32>],
+    #[runtime] i4: u32,
+    #[runtime] n4: u32,
+) {
+    let i = global_index();
+    if i < n4 {
+        // `i = r·i4 + c`: the gate's vec4 is at `r·2·i4 + c = i + r·i4`, the up's `i4` past it.
+        let at = i + i / i4 * i4;
+        let g = gate_up[at];
+        h[i] = g / (1.0 + exp(-g)) * gate_up[at + i4];
+    }
+}
+
+/// `swiglu_backward` over the packed layout: `d_gate_up` packed as `gate_up` is.
+#[kernel(workgroup_size = 256)]
+fn swiglu_packed_backward(
+    gate_up: &[Vec4<f32>],
+    d_h: &[Vec4<f32>],
+    d_gate_up: &mut [Vec4<f32>],
+    #[runtime] i4: u32,
+    #[runtime] n4: u32,
+) {
+    let i = global_index();
+    if i < n4 {
+        let at = i + i / i4 * i4;
+        let g = gate_up[at];
+        let dh = d_h[i];
+        let sig = 1.0 / (1.0 + exp(-g));
+        d_gate_up[at + i4] = dh * g * sig;
+        d_gate_up[at] = dh * gate_up[at + i4] * sig * (1.0 + g * (1.0 - sig));
+    }
+}
+
 /// The WGSL of each kernel of this module at its default shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
@@ -78,6 +120,8 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         relu_sqr_mul_backward::build()?,
         swiglu_forward::build()?,
         swiglu_backward::build()?,
+        swiglu_packed_forward::build()?,
+        swiglu_packed_backward::build()?,
     ])
 }
 
@@ -109,6 +153,22 @@ pub(crate) mod build {
 
     pub(crate) fn swiglu_backward(limits: &Limits) -> Result<Kernel, Failure> {
         let (key, body) = (super::swiglu_backward::key(), super::swiglu_backward::body);
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn swiglu_packed_forward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (
+            super::swiglu_packed_forward::key(),
+            super::swiglu_packed_forward::body,
+        );
+        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    }
+
+    pub(crate) fn swiglu_packed_backward(limits: &Limits) -> Result<Kernel, Failure> {
+        let (key, body) = (
+            super::swiglu_packed_backward::key(),
+            super::swiglu_packed_backward::body,
+        );
         Ok(Kernel::build_with_limits(&key, limits, body)?)
     }
 }
@@ -173,6 +233,82 @@ fn forward(
         .buffer_vec4("h", h)
         .param("n4", n4);
     rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+}
+
+/// `h = silu(gate)·up` `[rows, width]` with `gate_up` `[rows, 2·width]` packed: each row a
+/// gate row then an up row. `width` must be a multiple of 4 (the rows go as vec4s).
+pub fn execute_swiglu_packed_forward(
+    rec: &mut Recorder<'_>,
+    gate_up: &GpuBuffer<f32>,
+    width: usize,
+    h: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "swiglu_packed_forward";
+    let (i4, n4) = packed_shape(name, gate_up, width, h, "h")?;
+    if n4 == 0 {
+        return Ok(());
+    }
+    let kernel = rec
+        .gpu()
+        .kernel(&swiglu_packed_forward::key(), swiglu_packed_forward::body)?;
+    let args = Args::new()
+        .buffer_vec4("gate_up", gate_up)
+        .buffer_vec4("h", h)
+        .param("i4", i4)
+        .param("n4", n4);
+    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+}
+
+/// `d_gate_up` (packed as `gate_up` is) of `h = silu(gate)·up` given `d_h` `[rows, width]`,
+/// with `gate_up` as [`execute_swiglu_packed_forward`] reads it. Overwrites `d_gate_up`.
+pub fn execute_swiglu_packed_backward(
+    rec: &mut Recorder<'_>,
+    gate_up: &GpuBuffer<f32>,
+    width: usize,
+    d_h: &GpuBuffer<f32>,
+    d_gate_up: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "swiglu_packed_backward";
+    let (i4, n4) = packed_shape(name, gate_up, width, d_h, "d_h")?;
+    expect_len(name, "d_gate_up", d_gate_up, gate_up.len(), "as gate_up")?;
+    if n4 == 0 {
+        return Ok(());
+    }
+    let kernel = rec
+        .gpu()
+        .kernel(&swiglu_packed_backward::key(), swiglu_packed_backward::body)?;
+    let args = Args::new()
+        .buffer_vec4("gate_up", gate_up)
+        .buffer_vec4("d_h", d_h)
+        .buffer_vec4("d_gate_up", d_gate_up)
+        .param("i4", i4)
+        .param("n4", n4);
+    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+}
+
+/// `(width / 4, rows·width / 4)` of a packed SwiGLU, checked: `width` a positive multiple of
+/// 4, `gate_up` `[rows, 2·width]`, `out` (`binding`) `[rows, width]`.
+fn packed_shape(
+    name: &str,
+    gate_up: &GpuBuffer<f32>,
+    width: usize,
+    out: &GpuBuffer<f32>,
+    binding: &str,
+) -> Result<(u32, u32), ExecError> {
+    if width == 0 || !width.is_multiple_of(4) {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "width".into(),
+            expected: "a positive multiple of 4 (rows go as vec4s)".into(),
+            given: width.to_string(),
+        });
+    }
+    let rows = expect_rows(name, "gate_up", gate_up, 2 * width, "rows of gate then up")?;
+    expect_len(name, binding, out, rows * width, "rows × width")?;
+    Ok((
+        expect_u32(name, "width / 4", width / 4)?,
+        vec4s(name, rows * width)?,
+    ))
 }
 
 /// `d_gate, d_up` of `h = relu(gate)²·up` given `d_h` (all of one length). Overwrites both.

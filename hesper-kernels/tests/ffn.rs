@@ -162,6 +162,87 @@ fn backward_references_match_finite_differences() {
     }
 }
 
+/// Rows of `width` gate values then `width` up values, from the two `[rows, width]` arrays.
+fn pack(gate: &[f32], up: &[f32], width: usize) -> Vec<f32> {
+    gate.chunks(width)
+        .zip(up.chunks(width))
+        .flat_map(|(g, u)| g.iter().chain(u).copied())
+        .collect()
+}
+
+/// The packed SwiGLU (rows of gate then up, as one GEMM over `[W_gate; W_up]` writes them)
+/// against the f64 reference of the two arrays apart; outputs poisoned, widths of one vec4 to
+/// more than a workgroup's, rows from one to many.
+#[test]
+fn swiglu_packed_matches_reference() {
+    let g = gpu();
+    for (seed, (rows, width)) in [(1, 4), (3, 12), (37, 256), (5, 1028), (700, 8)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(seed as u64 + 300);
+        let n = rows * width;
+        let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let gate_up = g.upload(&pack(&gate, &up, width)).unwrap();
+        let d_h = g.upload(&dh).unwrap();
+        let mut h = g.filled(n, f32::NAN).unwrap();
+        let mut d_gate_up = g.filled(2 * n, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        ffn::execute_swiglu_packed_forward(&mut rec, &gate_up, width, &mut h).unwrap();
+        ffn::execute_swiglu_packed_backward(&mut rec, &gate_up, width, &d_h, &mut d_gate_up)
+            .unwrap();
+        rec.submit().unwrap();
+        let (gate, up, dh) = (f64s(&gate), f64s(&up), f64s(&dh));
+        let what = format!("swiglu_packed {rows}×{width}");
+        let want = reference::swiglu_forward(&gate, &up);
+        assert_close(&what, &h.read(g).unwrap(), &want, 1e-5, 1e-6);
+        let (want_gate, want_up) = reference::swiglu_backward(&gate, &up, &dh);
+        let want: Vec<f64> = want_gate
+            .chunks(width)
+            .zip(want_up.chunks(width))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let what = format!("swiglu_packed_backward {rows}×{width} d_gate_up");
+        assert_close(&what, &d_gate_up.read(g).unwrap(), &want, 1e-5, 1e-6);
+    }
+}
+
+#[test]
+fn packed_shapes_are_checked() {
+    let g = gpu();
+    let (gate_up, h) = (g.zeros::<f32>(48).unwrap(), g.zeros::<f32>(24).unwrap());
+    let mut h_short = g.zeros::<f32>(20).unwrap();
+    let mut d_gate_up = g.zeros::<f32>(40).unwrap();
+    let mut rec = g.recorder();
+    let err = |e: ExecError| e.to_string();
+    assert_eq!(
+        err(ffn::execute_swiglu_packed_forward(&mut rec, &gate_up, 6, &mut h_short).unwrap_err()),
+        "kernel `swiglu_packed_forward`, binding `width`: expected a positive multiple of 4 \
+         (rows go as vec4s), given 6"
+    );
+    assert_eq!(
+        err(ffn::execute_swiglu_packed_forward(&mut rec, &gate_up, 8, &mut h_short).unwrap_err()),
+        "kernel `swiglu_packed_forward`, binding `h`: expected 24 elements (rows × width), given \
+         20 elements"
+    );
+    let err =
+        ffn::execute_swiglu_packed_backward(&mut rec, &gate_up, 8, &h, &mut d_gate_up).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `swiglu_packed_backward`, binding `d_gate_up`: expected 48 elements (as \
+         gate_up), given 40 elements"
+    );
+    let odd = g.zeros::<f32>(50).unwrap();
+    let err =
+        ffn::execute_swiglu_packed_backward(&mut rec, &odd, 8, &h, &mut d_gate_up).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("kernel `swiglu_packed_backward`, binding `gate_up`: expected"),
+        "{err}"
+    );
+    assert!(rec.is_empty());
+}
+
 #[test]
 fn mismatched_lengths_name_kernel_and_buffer() {
     let g = gpu();
@@ -185,6 +266,8 @@ fn wgsl_snapshots() {
         "relu_sqr_mul_backward",
         "swiglu_forward",
         "swiglu_backward",
+        "swiglu_packed_forward",
+        "swiglu_packed_backward",
     ];
     let kernels = ffn::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -101,6 +101,44 @@ async fn elementwise_matches_reference() {
     }
 }
 
+/// SwiGLU over rows of gate then up (`tests/ffn.rs`'s packed test): one vec4 a row, and rows
+/// wider than a workgroup.
+#[wasm_bindgen_test]
+async fn swiglu_packed_matches_reference() {
+    let g = gpu().await;
+    for (seed, (rows, width)) in [(3usize, 4usize), (5, 1028)].into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 300);
+        let n = rows * width;
+        let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let packed: Vec<f32> = gate
+            .chunks(width)
+            .zip(up.chunks(width))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let gate_up = g.upload(&packed).unwrap();
+        let d_h = g.upload(&dh).unwrap();
+        let mut h = g.filled(n, f32::NAN).unwrap();
+        let mut d_gate_up = g.filled(2 * n, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        ffn::execute_swiglu_packed_forward(&mut rec, &gate_up, width, &mut h).unwrap();
+        ffn::execute_swiglu_packed_backward(&mut rec, &gate_up, width, &d_h, &mut d_gate_up)
+            .unwrap();
+        rec.submit().unwrap();
+        let (gate, up, dh) = (f64s(&gate), f64s(&up), f64s(&dh));
+        let want = ffn::reference::swiglu_forward(&gate, &up);
+        let what = format!("swiglu_packed {rows}×{width}");
+        assert_close(&what, &read(&g, &h).await, &want, 1e-5, 1e-6);
+        let (want_g, want_u) = ffn::reference::swiglu_backward(&gate, &up, &dh);
+        let want: Vec<f64> = want_g
+            .chunks(width)
+            .zip(want_u.chunks(width))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let what = format!("swiglu_packed_backward {rows}×{width}");
+        assert_close(&what, &read(&g, &d_gate_up).await, &want, 1e-5, 1e-6);
+    }
+}
+
 /// RMSNorm forward, backward (overwriting and added to a residual) and dγ (`tests/norm.rs`):
 /// a scalar row, a vec4 row past the 256-invocation workgroup, and one of three vec4s an
 /// invocation.
