@@ -131,14 +131,49 @@ pub(crate) struct LayerActivations {
     pub(crate) x1: GpuBuffer<f32>,
     pub(crate) rstd2: GpuBuffer<f32>,
     pub(crate) n2: GpuBuffer<f32>,
-    pub(crate) gate: GpuBuffer<f32>,
-    pub(crate) up: GpuBuffer<f32>,
+    pub(crate) gate_up: GateUp,
     /// The FFN's `h = act(gate)·up`; BitNet's sub-norm of it and its `rstd`.
     pub(crate) h: GpuBuffer<f32>,
     pub(crate) h_sub: Option<GpuBuffer<f32>>,
     pub(crate) rstd_h: Option<GpuBuffer<f32>>,
     /// `x·Aᵀ` `[T, r]` of each adapted projection, in the LoRA config's order.
     pub(crate) lora_h: Vec<GpuBuffer<f32>>,
+}
+
+/// The FFN's gate and up projections' outputs (or their gradients): two `[T, I]` arrays, or one
+/// `[T, 2I]` of rows of gate then up where the step computes both in one GEMM
+/// ([`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up)).
+pub(crate) enum GateUp {
+    Apart {
+        gate: GpuBuffer<f32>,
+        up: GpuBuffer<f32>,
+    },
+    Packed(GpuBuffer<f32>),
+}
+
+impl GateUp {
+    /// `[T, I]` twice, or packed as one `[T, 2I]`, zeroed.
+    fn new(
+        gpu: &Gpu,
+        (tokens, ffn_dim): (usize, usize),
+        packed: bool,
+    ) -> Result<GateUp, ModelError> {
+        let n = tokens * ffn_dim;
+        Ok(match packed {
+            true => GateUp::Packed(gpu.zeros(2 * n)?),
+            false => GateUp::Apart {
+                gate: gpu.zeros(n)?,
+                up: gpu.zeros(n)?,
+            },
+        })
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            GateUp::Apart { gate, up } => gate.bytes() + up.bytes(),
+            GateUp::Packed(gate_up) => gate_up.bytes(),
+        }
+    }
 }
 
 /// The gradients of one block's activations (reused by every block) and the LoRA backward's
@@ -150,8 +185,8 @@ pub(crate) struct Workspace {
     pub(crate) dn: GpuBuffer<f32>,
     pub(crate) d_h: GpuBuffer<f32>,
     pub(crate) d_h_sub: Option<GpuBuffer<f32>>,
-    pub(crate) d_gate: GpuBuffer<f32>,
-    pub(crate) d_up: GpuBuffer<f32>,
+    /// The gradients of the FFN's gate and up, laid out as the saved ones are.
+    pub(crate) d_gate_up: GateUp,
     /// The gradient of `W_o`'s input `[T, Hq]`; BitNet's of the attention output before it.
     pub(crate) d_o: GpuBuffer<f32>,
     pub(crate) d_o_attn: Option<GpuBuffer<f32>>,
@@ -246,6 +281,7 @@ impl StepBuffers {
         let buf = |n: usize| gpu.zeros::<f32>(n);
         let opt = |on: bool, n: usize| on.then(|| buf(n)).transpose();
         let kept = if shape.recompute { 1 } else { c.layers };
+        let packed = model.packs_gate_up(adapters.lora());
         let layers = (0..kept)
             .map(|_| {
                 Ok(LayerActivations {
@@ -266,8 +302,7 @@ impl StepBuffers {
                     x1: buf(t * d)?,
                     rstd2: buf(t)?,
                     n2: buf(t * d)?,
-                    gate: buf(t * i)?,
-                    up: buf(t * i)?,
+                    gate_up: GateUp::new(gpu, (t, i), packed)?,
                     h: buf(t * i)?,
                     h_sub: opt(bitnet, t * i)?,
                     rstd_h: opt(bitnet, t)?,
@@ -295,8 +330,7 @@ impl StepBuffers {
             dn: buf(t * d)?,
             d_h: buf(t * i)?,
             d_h_sub: opt(bitnet, t * i)?,
-            d_gate: buf(t * i)?,
-            d_up: buf(t * i)?,
+            d_gate_up: GateUp::new(gpu, (t, i), packed)?,
             d_o: buf(t * hq)?,
             d_o_attn: opt(bitnet, t * hq)?,
             stats: buf(2 * t * c.heads)?,
@@ -454,8 +488,7 @@ impl StepBuffers {
         };
         let layer = |l: &LayerActivations| {
             let fixed = [
-                &l.x, &l.rstd1, &l.n1, &l.q, &l.k, &l.v, &l.o, &l.lse, &l.x1, &l.rstd2, &l.n2,
-                &l.gate, &l.up, &l.h,
+                &l.x, &l.rstd1, &l.n1, &l.q, &l.k, &l.v, &l.o, &l.lse, &l.x1, &l.rstd2, &l.n2, &l.h,
             ];
             let extra = [
                 &l.q_pre, &l.k_pre, &l.rstd_q, &l.rstd_k, &l.o_sub, &l.rstd_o, &l.h_sub, &l.rstd_h,
@@ -463,14 +496,13 @@ impl StepBuffers {
             sum(&mut fixed.into_iter().map(Some))
                 + sum(&mut extra.into_iter().map(Option::as_ref))
                 + sum(&mut l.lora_h.iter().map(Some))
+                + l.gate_up.bytes()
         };
         let w = &self.work;
         let work = [
             &w.dx,
             &w.dn,
             &w.d_h,
-            &w.d_gate,
-            &w.d_up,
             &w.d_o,
             &w.stats,
             &w.d_q,
@@ -497,6 +529,7 @@ impl StepBuffers {
             + self.layer_inputs.iter().map(GpuBuffer::bytes).sum::<u64>()
             + self.x_out.bytes()
             + sum(&mut work.into_iter().map(Some))
+            + w.d_gate_up.bytes()
             + sum(&mut work_extra.into_iter().map(Option::as_ref))
             + sum(&mut loss.into_iter().map(Some))
             + l.labels_chunk.bytes()

@@ -8,7 +8,7 @@ use hesper_exec::{Gpu, GpuBuffer, PendingRead};
 use hesper_kernels::linear::{Gemm, Precision, Product, Weights as GemmWeights};
 use hesper_kernels::rope::RopeTable;
 
-use super::config::{LoraConfig, ModelConfig, ModelError, Projection};
+use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
 use super::reference::{Adapter, Adapters, LayerWeights, Weights};
 
 /// An adapter's `A` and `B` on their way to the host.
@@ -30,6 +30,20 @@ fn upload_option(
     values.as_deref().map(|v| upload(gpu, v)).transpose()
 }
 
+/// An error unless `values` (`what` in it) fit `precision`: f16's range is ±65 504.
+fn check_range(what: &str, values: &[f64], precision: Precision) -> Result<(), ModelError> {
+    let max = f64::from(f16::MAX);
+    match values.iter().find(|v| v.is_nan() || v.abs() > max) {
+        Some(v) if precision == Precision::F16 => Err(ModelError::invalid(
+            "GpuModel",
+            what,
+            "values within f16's range (±65504) for Precision::F16",
+            v,
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// A frozen matrix a GEMM reads: f32, or f16 (half the memory) in a mixed-precision model.
 pub(crate) enum Frozen {
     F32(GpuBuffer<f32>),
@@ -45,22 +59,22 @@ impl Frozen {
         values: &[f64],
         precision: Precision,
     ) -> Result<Frozen, ModelError> {
+        check_range(what, values, precision)?;
         match precision {
             Precision::F32 => Ok(Frozen::F32(upload(gpu, values)?)),
             Precision::F16 => {
-                let max = f64::from(f16::MAX);
-                if let Some(v) = values.iter().find(|v| v.is_nan() || v.abs() > max) {
-                    return Err(ModelError::invalid(
-                        "GpuModel",
-                        what,
-                        "values within f16's range (±65504) for Precision::F16",
-                        v,
-                    ));
-                }
                 let halves: Vec<f16> = values.iter().map(|&v| f16::from_f64(v)).collect();
                 Ok(Frozen::F16(gpu.upload(&halves)?))
             }
         }
+    }
+
+    /// Elements `range` of the matrix, in its allocation ([`GpuBuffer::view`]).
+    fn view(&self, gpu: &Gpu, range: std::ops::Range<usize>) -> Result<Frozen, ModelError> {
+        Ok(match self {
+            Frozen::F32(w) => Frozen::F32(w.view(gpu, range)?),
+            Frozen::F16(w) => Frozen::F16(w.view(gpu, range)?),
+        })
     }
 
     /// The matrix as a GEMM's weights.
@@ -84,6 +98,11 @@ pub(crate) struct GpuLayer {
     pub(crate) attn_norm: GpuBuffer<f32>,
     /// `W_q, W_k, W_v, W_o, W_gate, W_up, W_down`, in [`Projection::ALL`]'s order.
     projections: [Frozen; 7],
+    /// `[W_gate; W_up]` `[2I, D]`: one allocation of which `W_gate` and `W_up` above are views,
+    /// so that the step computes both projections in one GEMM. `None` where the device cannot
+    /// bind `W_up` where it starts (`I·D` elements not a multiple of its storage-binding
+    /// alignment): then they are two allocations.
+    gate_up: Option<Frozen>,
     pub(crate) ffn_norm: GpuBuffer<f32>,
     pub(crate) q_bias: Option<GpuBuffer<f32>>,
     pub(crate) k_bias: Option<GpuBuffer<f32>>,
@@ -100,14 +119,35 @@ impl GpuLayer {
         (layer, w): (usize, &LayerWeights),
         precision: Precision,
     ) -> Result<GpuLayer, ModelError> {
+        let what = |p: Projection| format!("layers[{layer}].{p:?}");
+        let (gate, up) = (w.projection(Projection::Gate), w.projection(Projection::Up));
+        let elem = match precision {
+            Precision::F32 => 4,
+            Precision::F16 => 2,
+        };
+        let align = gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize;
+        let gate_up = if (gate.len() * elem).is_multiple_of(align) && gate.len() == up.len() {
+            check_range(&what(Projection::Gate), gate, precision)?;
+            check_range(&what(Projection::Up), up, precision)?;
+            let what = format!("layers[{layer}].[Gate; Up]");
+            Some(Frozen::upload(gpu, &what, &[gate, up].concat(), precision)?)
+        } else {
+            None
+        };
         let mut projections = Vec::with_capacity(7);
         for p in Projection::ALL {
-            let what = format!("layers[{layer}].{p:?}");
-            projections.push(Frozen::upload(gpu, &what, w.projection(p), precision)?);
+            let n = gate.len();
+            let frozen = match (p, &gate_up) {
+                (Projection::Gate, Some(merged)) => merged.view(gpu, 0..n)?,
+                (Projection::Up, Some(merged)) => merged.view(gpu, n..2 * n)?,
+                _ => Frozen::upload(gpu, &what(p), w.projection(p), precision)?,
+            };
+            projections.push(frozen);
         }
         Ok(GpuLayer {
             attn_norm: upload(gpu, &w.attn_norm)?,
             projections: projections.try_into().ok().expect("seven projections"),
+            gate_up,
             ffn_norm: upload(gpu, &w.ffn_norm)?,
             q_bias: upload_option(gpu, &w.q_bias)?,
             k_bias: upload_option(gpu, &w.k_bias)?,
@@ -126,6 +166,11 @@ impl GpuLayer {
             .position(|&p| p == projection)
             .expect("ALL holds every projection");
         &self.projections[at]
+    }
+
+    /// `[W_gate; W_up]` `[2I, D]`, where the layer holds them in one allocation.
+    pub(crate) fn gate_up(&self) -> Option<&Frozen> {
+        self.gate_up.as_ref()
     }
 
     /// The bias of `projection`, where the family has one (Qwen2's Q, K, V).
@@ -251,7 +296,24 @@ impl GpuModel {
         Gemm::new(product, dims, accumulate).with_precision(self.precision)
     }
 
-    /// Bytes of GPU memory the frozen weights take.
+    /// Whether the step computes the FFN's gate and up projections in one GEMM over
+    /// `[W_gate; W_up]`, into rows of gate then up (`ffn::execute_swiglu_packed_*`): where every
+    /// layer holds them in one allocation, the FFN is SwiGLU (BitNet's ReLU² has no packed
+    /// kernel), `I` is a multiple of 4 (the packed kernels' vec4s), and `lora` adapts neither
+    /// (its up-projection would add to half of each row).
+    pub(crate) fn packs_gate_up(&self, lora: &LoraConfig) -> bool {
+        let c = &self.config;
+        self.layers.iter().all(|l| l.gate_up.is_some())
+            && c.family != Family::BitNet
+            && c.ffn_dim.is_multiple_of(4)
+            && !lora
+                .targets
+                .iter()
+                .any(|p| matches!(p, Projection::Gate | Projection::Up))
+    }
+
+    /// Bytes of GPU memory the frozen weights take (`[W_gate; W_up]` once: its projections are
+    /// views of it).
     pub fn memory_bytes(&self) -> u64 {
         let layer = |l: &GpuLayer| {
             let extras = [

@@ -16,7 +16,7 @@ use hesper_kernels::attention::{
 use hesper_kernels::elementwise::{execute_add, execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{
     execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
-    execute_swiglu_forward,
+    execute_swiglu_forward, execute_swiglu_packed_backward, execute_swiglu_packed_forward,
 };
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
@@ -37,11 +37,19 @@ use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_gra
 use hesper_kernels::rope::{Positions, execute_rope_backward, execute_rope_forward};
 
 use super::activations::{
-    LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
+    GateUp, LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
     projection_input,
 };
 use super::config::{ModelError, Projection};
-use super::gpu::{GpuAdapter, GpuAdapters, GpuModel};
+use super::gpu::{GpuAdapter, GpuAdapters, GpuLayer, GpuModel};
+
+/// `[W_gate; W_up]` of a layer the step packs the gate and up of.
+fn merged_gate_up(layer: &GpuLayer) -> Weights<'_> {
+    let merged = layer.gate_up();
+    merged
+        .expect("StepBuffers::new packs the gate and up only where the model merges them")
+        .weights()
+}
 
 /// Whether `gemm` over `weights` runs on the tensor cores at a tile that adds LoRA's
 /// up-projection of `rank` (`s·h·Bᵀ`, `s·dh·A`) as more depth of its own product
@@ -302,30 +310,43 @@ impl Ctx<'_> {
         )?;
 
         execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n2, &mut a.rstd2, eps)?;
-        self.project(
-            rec,
-            adapters,
-            at(Projection::Gate),
-            &a.n2,
-            &mut a.gate,
-            &mut a.lora_h,
-            None,
-        )?;
-        self.project(
-            rec,
-            adapters,
-            at(Projection::Up),
-            &a.n2,
-            &mut a.up,
-            &mut a.lora_h,
-            None,
-        )?;
-        match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
-            (Some(h_sub), Some(rstd_h), Some(gamma)) => {
-                execute_relu_sqr_mul_forward(rec, &a.gate, &a.up, &mut a.h)?;
-                execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
+        match &mut a.gate_up {
+            GateUp::Packed(gate_up) => {
+                // Both projections in one GEMM over `[W_gate; W_up]`, rows of gate then up.
+                let gemm = self
+                    .model
+                    .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
+                execute_gemm(rec, &gemm, &a.n2, merged_gate_up(w), &mut *gate_up)?;
+                execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
             }
-            _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
+            GateUp::Apart { gate, up } => {
+                let n2 = &a.n2;
+                self.project(
+                    rec,
+                    adapters,
+                    at(Projection::Gate),
+                    n2,
+                    gate,
+                    &mut a.lora_h,
+                    None,
+                )?;
+                self.project(
+                    rec,
+                    adapters,
+                    at(Projection::Up),
+                    n2,
+                    up,
+                    &mut a.lora_h,
+                    None,
+                )?;
+                match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
+                    (Some(h_sub), Some(rstd_h), Some(gamma)) => {
+                        execute_relu_sqr_mul_forward(rec, gate, up, &mut a.h)?;
+                        execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
+                    }
+                    _ => execute_swiglu_forward(rec, gate, up, &mut a.h)?,
+                }
+            }
         }
         let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
         self.project(
@@ -357,8 +378,7 @@ impl Ctx<'_> {
             dn,
             d_h,
             d_h_sub,
-            d_gate,
-            d_up,
+            d_gate_up,
             d_o,
             d_o_attn,
             stats,
@@ -383,24 +403,39 @@ impl Ctx<'_> {
             lora,
             false,
         )?;
-        match (&a.h_sub, &a.rstd_h, &w.ffn_sub_norm, d_h_sub) {
-            (Some(_), Some(rstd_h), Some(gamma), Some(d_h_sub)) => {
-                execute_rms_norm_backward(rec, &a.h, gamma, rstd_h, d_h_sub, d_h, false)?;
-                execute_relu_sqr_mul_backward(rec, &a.gate, &a.up, d_h, d_gate, d_up)?;
+        match (&a.gate_up, d_gate_up) {
+            (GateUp::Packed(gate_up), GateUp::Packed(d_gate_up)) => {
+                // `dn = d_gate·W_gate + d_up·W_up` as one GEMM of depth 2I.
+                execute_swiglu_packed_backward(rec, gate_up, c.ffn_dim, d_h, d_gate_up)?;
+                let gemm = self
+                    .model
+                    .gemm(Product::Nn, (self.tokens, 2 * c.ffn_dim, c.dim), false)
+                    .with_input_exponent(self.grad_exponent);
+                execute_gemm(rec, &gemm, d_gate_up, merged_gate_up(w), &mut *dn)?;
             }
-            _ => execute_swiglu_backward(rec, &a.gate, &a.up, d_h, d_gate, d_up)?,
+            (
+                GateUp::Apart { gate, up },
+                GateUp::Apart {
+                    gate: d_gate,
+                    up: d_up,
+                },
+            ) => {
+                match (&a.h_sub, &a.rstd_h, &w.ffn_sub_norm, d_h_sub) {
+                    (Some(_), Some(rstd_h), Some(gamma), Some(d_h_sub)) => {
+                        execute_rms_norm_backward(rec, &a.h, gamma, rstd_h, d_h_sub, d_h, false)?;
+                        execute_relu_sqr_mul_backward(rec, gate, up, d_h, d_gate, d_up)?;
+                    }
+                    _ => execute_swiglu_backward(rec, gate, up, d_h, d_gate, d_up)?,
+                }
+                let gate = at(Projection::Gate);
+                self.project_backward(rec, adapters, gate, a, d_gate, dn, lora, false)?;
+                let up = at(Projection::Up);
+                self.project_backward(rec, adapters, up, a, d_up, dn, lora, true)?;
+            }
+            _ => {
+                unreachable!("StepBuffers::new lays the gate and up and their gradients out alike")
+            }
         }
-        self.project_backward(
-            rec,
-            adapters,
-            at(Projection::Gate),
-            a,
-            d_gate,
-            dn,
-            lora,
-            false,
-        )?;
-        self.project_backward(rec, adapters, at(Projection::Up), a, d_up, dn, lora, true)?;
         execute_rms_norm_backward(rec, &a.x1, &w.ffn_norm, &a.rstd2, dn, dx, true)?;
 
         // x1 = x + o·W_oᵀ: the same for the attention's path.
