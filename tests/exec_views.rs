@@ -266,3 +266,39 @@ fn reused_bind_groups_tell_views_of_one_start_apart() {
     let expect: Vec<u32> = x_host.iter().map(|v| v * 2 + 1).collect();
     assert_eq!(ys.read(g).unwrap(), expect);
 }
+
+/// `Gpu::zeros_parts`: arrays at aligned starts in one zeroed allocation; each view is its
+/// array, a fill of a ragged one stops before the next, and the whole sees them all.
+#[test]
+fn parts_of_one_allocation_are_arrays_of_their_own() {
+    let g = gpu();
+    let mut rng = Rng::new(74);
+    let align = (4 * aligned(g)).max(16);
+    let lens = [3usize, 0, 70, 1, 64];
+    let (whole, parts) = g.zeros_parts::<u32>(&lens).unwrap();
+    assert_eq!(parts.len(), lens.len());
+    let mut start = 0;
+    for (part, &len) in parts.iter().zip(&lens) {
+        assert_eq!((part.len(), part.offset()), (len, start as u64));
+        assert!(part.read(g).unwrap().iter().all(|&v| v == 0));
+        start += (4 * len).max(1).next_multiple_of(align);
+    }
+    assert_eq!(whole.len() * 4, start);
+    let values: Vec<Vec<u32>> = lens.iter().map(|&n| values(&mut rng, n)).collect();
+    for (part, v) in parts.iter().zip(&values) {
+        part.write(g, v).unwrap();
+    }
+    // A fill of the ragged first part (3 elements, a vec4 with padding) leaves the rest.
+    g.fill(&parts[0], 7u32).unwrap();
+    let got = whole.read(g).unwrap();
+    let mut expect = vec![0u32; whole.len()];
+    for (i, (part, v)) in parts.iter().zip(&values).enumerate() {
+        let at = part.offset() as usize / 4;
+        expect[at..at + v.len()].copy_from_slice(v);
+        if i == 0 {
+            expect[at..at + 4].fill(7);
+        }
+    }
+    assert_eq!(got, expect);
+    assert_eq!(parts[2].read(g).unwrap(), values[2]);
+}

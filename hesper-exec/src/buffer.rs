@@ -439,6 +439,49 @@ impl Gpu {
         self.create_storage(len, "hesper buffer")
     }
 
+    /// One new zeroed allocation holding arrays of `lens` elements, each starting at a
+    /// multiple of the device's storage-binding alignment (and of 16 bytes): the whole, and a
+    /// view of each array ([`GpuBuffer::view`]). Work over many small arrays then takes one
+    /// launch over the whole where it took one an array (an optimizer step over every
+    /// adapter's tensors).
+    ///
+    /// The whole holds the bytes between the arrays too, zero unless a kernel writes them: each
+    /// view is padded to 16 bytes, as a buffer is, so a kernel binding it as vec4s may write
+    /// the tail of its last vec4; nothing bound to a view reaches further.
+    pub fn zeros_parts<T: Element>(
+        &self,
+        lens: &[usize],
+    ) -> Result<(GpuBuffer<T>, Vec<GpuBuffer<T>>), ExecError> {
+        let elem = size_of::<T>() as u64;
+        let align = u64::from(self.wgpu_limits().min_storage_buffer_offset_alignment).max(16);
+        let mut starts = Vec::with_capacity(lens.len());
+        let mut end = 0u64;
+        for &len in lens {
+            starts.push(end);
+            let bytes = (len as u64)
+                .checked_mul(elem)
+                .ok_or_else(|| ExecError::Buffer {
+                    buffer: "hesper parts".into(),
+                    message: format!("{len} elements of {elem} bytes do not fit in memory"),
+                })?;
+            end += bytes.max(1).next_multiple_of(align);
+        }
+        let whole = self.create_storage::<T>((end / elem) as usize, "hesper parts")?;
+        let parts = lens
+            .iter()
+            .zip(&starts)
+            .map(|(&len, &start)| GpuBuffer {
+                raw: whole.raw.clone(),
+                offset: start,
+                size: (len as u64 * elem).next_multiple_of(16).max(16),
+                len,
+                tracking: Arc::clone(&whole.tracking),
+                _t: PhantomData,
+            })
+            .collect();
+        Ok((whole, parts))
+    }
+
     /// A new buffer of `len` copies of `value`, filled on the GPU (use a poison such as NaN for
     /// outputs, so that elements a kernel fails to write show up).
     pub fn filled<T: Element>(&self, len: usize, value: T) -> Result<GpuBuffer<T>, ExecError> {
