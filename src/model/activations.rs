@@ -370,10 +370,8 @@ impl StepBuffers {
             tokens_micro: gpu.zeros(t)?,
             lens,
         };
-        let grads = adapters
-            .adapters
-            .iter()
-            .flat_map(|a| [a.da.len(), a.db.len()]);
+        // The norm reads every gradient in one arena.
+        let grads = [adapters.arenas.grads.whole.len()];
         let inputs_kept = if shape.recompute { c.layers } else { 0 };
         let layer_inputs = (0..inputs_kept)
             .map(|_| buf(t * d))

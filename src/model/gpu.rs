@@ -356,13 +356,59 @@ pub(crate) struct GpuAdapter {
     pub(crate) moments: [GpuBuffer<f32>; 4],
 }
 
+/// Every adapter's tensors of one role (values, gradients, one micro-batch's gradients, `m`,
+/// `v`) in one allocation ([`Gpu::zeros_parts`]), every `A` then every `B`, each adapter's
+/// tensors views of it: the optimizer updates every `A` in one launch and every `B` in another,
+/// and the gradient norm reads all in one, where a buffer a tensor took a launch each (241 a
+/// step for SmolLM2 with LoRA on q and v). The zeros between tensors stay zero: the gradient
+/// kernels write only their elements, or sums of zeros into the tail of a vec4.
+pub(crate) struct Arena {
+    /// Every `A`, then every `B`, with the zeros between them.
+    pub(crate) whole: GpuBuffer<f32>,
+    /// The views of every `A` and of every `B` (the zeros after each included).
+    pub(crate) a: GpuBuffer<f32>,
+    pub(crate) b: GpuBuffer<f32>,
+}
+
+impl Arena {
+    /// The arena of `lens` (every `A`'s, then every `B`'s: `adapters` of each), zeroed, and each
+    /// tensor's view.
+    fn new(
+        gpu: &Gpu,
+        lens: &[usize],
+        adapters: usize,
+    ) -> Result<(Arena, Vec<GpuBuffer<f32>>), ModelError> {
+        let (whole, parts) = gpu.zeros_parts::<f32>(lens)?;
+        let a_end = match parts.get(adapters) {
+            Some(first_b) => (first_b.offset() - whole.offset()) as usize / 4,
+            None => whole.len(),
+        };
+        let arena = Arena {
+            a: whole.view(gpu, 0..a_end)?,
+            b: whole.view(gpu, a_end..whole.len())?,
+            whole,
+        };
+        Ok((arena, parts))
+    }
+}
+
+/// The adapters' arenas, one a role.
+pub(crate) struct Arenas {
+    pub(crate) values: Arena,
+    pub(crate) grads: Arena,
+    pub(crate) micro_grads: Arena,
+    pub(crate) m: Arena,
+    pub(crate) v: Arena,
+}
+
 /// The LoRA adapters of every targeted projection of every layer on the GPU, with their
 /// gradients and optimizer state (what a step writes).
 pub struct GpuAdapters {
     config: ModelConfig,
     lora: LoraConfig,
-    /// `[layer][target]`, flattened, as [`Adapters`] holds them.
+    /// `[layer][target]`, flattened, as [`Adapters`] holds them: views of `arenas`.
     pub(crate) adapters: Vec<GpuAdapter>,
+    pub(crate) arenas: Arenas,
 }
 
 impl GpuAdapters {
@@ -377,30 +423,67 @@ impl GpuAdapters {
         config.check()?;
         lora.check()?;
         adapters.check(config, lora)?;
-        let adapters = adapters
+        let host: Vec<&Adapter> = adapters.iter().map(|(_, _, adapter)| adapter).collect();
+        let n = host.len();
+        let lens: Vec<usize> = host
             .iter()
-            .map(|(_, _, Adapter { a, b })| {
-                let zeros = |n: usize| gpu.zeros::<f32>(n);
-                Ok(GpuAdapter {
-                    a: upload(gpu, a)?,
-                    b: upload(gpu, b)?,
-                    da: zeros(a.len())?,
-                    db: zeros(b.len())?,
-                    micro_da: zeros(a.len())?,
-                    micro_db: zeros(b.len())?,
-                    moments: [
-                        zeros(a.len())?,
-                        zeros(a.len())?,
-                        zeros(b.len())?,
-                        zeros(b.len())?,
-                    ],
-                })
-            })
-            .collect::<Result<_, ModelError>>()?;
+            .map(|h| h.a.len())
+            .chain(host.iter().map(|h| h.b.len()))
+            .collect();
+        let arena = || Arena::new(gpu, &lens, n);
+        let (values, value_views) = arena()?;
+        let (grads, grad_views) = arena()?;
+        let (micro_grads, micro_views) = arena()?;
+        let (m, m_views) = arena()?;
+        let (v, v_views) = arena()?;
+        for (view, h) in value_views
+            .iter()
+            .zip(host.iter().map(|h| &h.a).chain(host.iter().map(|h| &h.b)))
+        {
+            view.write(gpu, &f32s(h))?;
+        }
+        // Each list is every `A`'s view, then every `B`'s: split into pairs by adapter.
+        let pairs = |mut views: Vec<GpuBuffer<f32>>| {
+            let bs = views.split_off(n);
+            views.into_iter().zip(bs).collect::<Vec<_>>()
+        };
+        let (value_pairs, grad_pairs, micro_pairs, m_pairs, v_pairs) = (
+            pairs(value_views),
+            pairs(grad_views),
+            pairs(micro_views),
+            pairs(m_views),
+            pairs(v_views),
+        );
+        let adapters = value_pairs
+            .into_iter()
+            .zip(grad_pairs)
+            .zip(micro_pairs)
+            .zip(m_pairs.into_iter().zip(v_pairs))
+            .map(
+                |((((a, b), (da, db)), (micro_da, micro_db)), ((m_a, m_b), (v_a, v_b)))| {
+                    GpuAdapter {
+                        a,
+                        b,
+                        da,
+                        db,
+                        micro_da,
+                        micro_db,
+                        moments: [m_a, v_a, m_b, v_b],
+                    }
+                },
+            )
+            .collect();
         Ok(GpuAdapters {
             config: config.clone(),
             lora: lora.clone(),
             adapters,
+            arenas: Arenas {
+                values,
+                grads,
+                micro_grads,
+                m,
+                v,
+            },
         })
     }
 
@@ -553,17 +636,13 @@ impl GpuAdapters {
         Ok(out)
     }
 
-    /// Bytes of GPU memory the adapters, their gradients and their optimizer state take.
+    /// Bytes of GPU memory the adapters, their gradients and their optimizer state take (their
+    /// arenas, the zeros between tensors included).
     pub fn memory_bytes(&self) -> u64 {
-        self.adapters
+        let a = &self.arenas;
+        [&a.values, &a.grads, &a.micro_grads, &a.m, &a.v]
             .iter()
-            .map(|a| {
-                [&a.a, &a.b, &a.da, &a.db, &a.micro_da, &a.micro_db]
-                    .into_iter()
-                    .chain(&a.moments)
-                    .map(GpuBuffer::bytes)
-                    .sum::<u64>()
-            })
+            .map(|arena| arena.whole.bytes())
             .sum()
     }
 }

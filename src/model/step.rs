@@ -869,14 +869,10 @@ pub fn record_optimizer_step(
 ) -> Result<(), ModelError> {
     optimizer.check((lr, step))?;
     let ratio = optimizer.lora_plus_ratio;
-    let grads: Vec<&GpuBuffer<f32>> = adapters
-        .adapters
-        .iter()
-        .flat_map(|a| [&a.da, &a.db])
-        .collect();
+    let arenas = &mut adapters.arenas;
     execute_global_grad_norm(
         rec,
-        &grads,
+        &[&arenas.grads.whole],
         &mut buffers.norm_partials,
         &mut buffers.grad_norm,
     )?;
@@ -897,17 +893,31 @@ pub fn record_optimizer_step(
         t: step,
         clip,
     };
-    for adapter in &mut adapters.adapters {
-        let GpuAdapter {
-            a,
-            b,
-            da,
-            db,
-            moments: [m_a, v_a, m_b, v_b],
-            ..
-        } = adapter;
-        execute_adamw(rec, &optimizer.adamw, &step_a, a, da, m_a, v_a)?;
-        execute_adamw(rec, &optimizer.adamw, &step_b, b, db, m_b, v_b)?;
-    }
+    // Every `A` in one launch, every `B` in another (at LoRA+'s rate), over their arenas.
+    let (values, grads, m, v) = (
+        &mut arenas.values,
+        &arenas.grads,
+        &mut arenas.m,
+        &mut arenas.v,
+    );
+    let adamw = &optimizer.adamw;
+    execute_adamw(
+        rec,
+        adamw,
+        &step_a,
+        &mut values.a,
+        &grads.a,
+        &mut m.a,
+        &mut v.a,
+    )?;
+    execute_adamw(
+        rec,
+        adamw,
+        &step_b,
+        &mut values.b,
+        &grads.b,
+        &mut m.b,
+        &mut v.b,
+    )?;
     Ok(())
 }
