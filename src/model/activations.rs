@@ -141,7 +141,7 @@ pub(crate) struct LayerActivations {
 }
 
 /// The FFN's gate and up projections' outputs (or their gradients): two `[T, I]` arrays, or one
-/// `[T, 2I]` of rows of gate then up where the step computes both in one GEMM
+/// `[T, 2I]` of rows of gate then up where the step (and decoding) computes both in one GEMM
 /// ([`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up)).
 pub(crate) enum GateUp {
     Apart {
@@ -153,7 +153,7 @@ pub(crate) enum GateUp {
 
 impl GateUp {
     /// `[T, I]` twice, or packed as one `[T, 2I]`, zeroed.
-    fn new(
+    pub(crate) fn new(
         gpu: &Gpu,
         (tokens, ffn_dim): (usize, usize),
         packed: bool,
@@ -168,7 +168,7 @@ impl GateUp {
         })
     }
 
-    fn bytes(&self) -> u64 {
+    pub(crate) fn bytes(&self) -> u64 {
         match self {
             GateUp::Apart { gate, up } => gate.bytes() + up.bytes(),
             GateUp::Packed(gate_up) => gate_up.bytes(),

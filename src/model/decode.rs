@@ -25,14 +25,16 @@ use hesper_exec::{Gpu, GpuBuffer, LaunchCache, Recorder};
 use hesper_kernels::argmax::execute_argmax;
 use hesper_kernels::attention::{DecodeShape, execute_decode_attention, execute_kv_cache_append};
 use hesper_kernels::elementwise::{execute_add_bias, execute_embedding};
-use hesper_kernels::ffn::{execute_relu_sqr_mul_forward, execute_swiglu_forward};
+use hesper_kernels::ffn::{
+    execute_relu_sqr_mul_forward, execute_swiglu_forward, execute_swiglu_packed_forward,
+};
 use hesper_kernels::linear::gemv::{self, Adapter, execute_gemv_lora};
 use hesper_kernels::linear::{Gemm, Product, execute_gemm};
 use hesper_kernels::lora::execute_lora_forward;
 use hesper_kernels::norm::execute_rms_norm_forward;
 use hesper_kernels::rope::{Positions, execute_rope_forward};
 
-use super::activations::LogitsBuffers;
+use super::activations::{GateUp, LogitsBuffers};
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
 use super::gpu::{Frozen, GpuAdapter, GpuAdapters, GpuModel};
 
@@ -60,9 +62,9 @@ struct TokenBuffers {
     attn: GpuBuffer<f32>,
     /// BitNet: the attention output's sub-norm.
     o_sub: Option<GpuBuffer<f32>>,
-    /// The FFN's `gate`, `up`, `h [I]`; BitNet's sub-norm of `h`.
-    gate: GpuBuffer<f32>,
-    up: GpuBuffer<f32>,
+    /// The FFN's `gate`, `up` (one GEMM's `[2I]` where the model packs them), `h [I]`;
+    /// BitNet's sub-norm of `h`.
+    gate_up: GateUp,
     h: GpuBuffer<f32>,
     h_sub: Option<GpuBuffer<f32>>,
     /// `x·Aᵀ` `[r]` of the projection being adapted (scratch: nothing reads it later).
@@ -134,8 +136,7 @@ impl KvCache {
             o: buf(hq)?,
             attn: buf(c.heads * capacity)?,
             o_sub: opt(bitnet, hq)?,
-            gate: buf(i)?,
-            up: buf(i)?,
+            gate_up: GateUp::new(gpu, (1, i), model.packs_gate_up(adapters.lora()))?,
             h: buf(i)?,
             h_sub: opt(bitnet, i)?,
             lora_h: buf(adapters.lora().rank.max(1))?,
@@ -481,21 +482,26 @@ impl KvCache {
             project(rec, Projection::O, o_in, &mut a.x, &mut a.lora_h, true)?;
 
             execute_rms_norm_forward(rec, &a.x, &w.ffn_norm, &mut a.n, &mut a.rstd, eps)?;
-            project(
-                rec,
-                Projection::Gate,
-                &a.n,
-                &mut a.gate,
-                &mut a.lora_h,
-                false,
-            )?;
-            project(rec, Projection::Up, &a.n, &mut a.up, &mut a.lora_h, false)?;
-            match (&mut a.h_sub, &w.ffn_sub_norm) {
-                (Some(h_sub), Some(gamma)) => {
-                    execute_relu_sqr_mul_forward(rec, &a.gate, &a.up, &mut a.h)?;
-                    execute_rms_norm_forward(rec, &a.h, gamma, h_sub, &mut a.rstd, eps)?;
+            match &mut a.gate_up {
+                GateUp::Packed(gate_up) => {
+                    let merged = w
+                        .gate_up()
+                        .expect("packed only where the model merges them");
+                    let gemm = Gemm::new(Product::Nt, (1, 2 * c.ffn_dim, c.dim), false);
+                    execute_gemm(rec, &gemm, &a.n, merged.weights(), &mut *gate_up)?;
+                    execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
                 }
-                _ => execute_swiglu_forward(rec, &a.gate, &a.up, &mut a.h)?,
+                GateUp::Apart { gate, up } => {
+                    project(rec, Projection::Gate, &a.n, gate, &mut a.lora_h, false)?;
+                    project(rec, Projection::Up, &a.n, up, &mut a.lora_h, false)?;
+                    match (&mut a.h_sub, &w.ffn_sub_norm) {
+                        (Some(h_sub), Some(gamma)) => {
+                            execute_relu_sqr_mul_forward(rec, gate, up, &mut a.h)?;
+                            execute_rms_norm_forward(rec, &a.h, gamma, h_sub, &mut a.rstd, eps)?;
+                        }
+                        _ => execute_swiglu_forward(rec, gate, up, &mut a.h)?,
+                    }
+                }
             }
             let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
             project(rec, Projection::Down, h_in, &mut a.x, &mut a.lora_h, true)?;
@@ -507,7 +513,7 @@ impl KvCache {
     pub fn memory_bytes(&self) -> u64 {
         let w = &self.work;
         let fixed = [
-            &w.x, &w.n, &w.rstd, &w.q, &w.k, &w.v, &w.o, &w.attn, &w.gate, &w.up, &w.h, &w.lora_h,
+            &w.x, &w.n, &w.rstd, &w.q, &w.k, &w.v, &w.o, &w.attn, &w.h, &w.lora_h,
         ];
         let extra = [&w.q_pre, &w.k_pre, &w.rstd_q, &w.rstd_k, &w.o_sub, &w.h_sub];
         let caches = self.k_cache.iter().chain(&self.v_cache);
@@ -518,6 +524,7 @@ impl KvCache {
                 .map(GpuBuffer::bytes)
                 .sum::<u64>()
             + caches.map(GpuBuffer::bytes).sum::<u64>()
+            + w.gate_up.bytes()
             + self.ids_gpu.bytes()
             + w.token.bytes()
             + self.logits.n.bytes()
