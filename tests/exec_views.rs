@@ -22,6 +22,12 @@ fn double_plus_one(k: &mut KernelBuilder) {
     k.if_(i.lt(&n), |k| k.store(&y, &i, x.at(&i) * 2u32 + 1u32));
 }
 
+/// `double_plus_one`, compiled on `g`.
+fn double_plus_one_kernel(g: &hesper::exec::Gpu) -> std::sync::Arc<hesper::exec::CompiledKernel> {
+    let key = KernelKey::new("double_plus_one").workgroup_size(64);
+    g.kernel(&key, double_plus_one).unwrap()
+}
+
 /// Elements a view may start at on this device: its storage-binding alignment, in u32s.
 fn aligned(g: &hesper::exec::Gpu) -> usize {
     g.wgpu_limits().min_storage_buffer_offset_alignment as usize / 4
@@ -74,12 +80,7 @@ fn kernels_bind_views_as_buffers_of_their_own() {
     let g = gpu();
     let mut rng = Rng::new(72);
     let a = aligned(g);
-    let kernel = g
-        .kernel(
-            &KernelKey::new("double_plus_one").workgroup_size(64),
-            double_plus_one,
-        )
-        .unwrap();
+    let kernel = double_plus_one_kernel(g);
     let x_host = values(&mut rng, 3 * a);
     let xs = g.upload(&x_host).unwrap();
     let ys = g.filled(3 * a, 0x7FFF_FFFFu32).unwrap();
@@ -243,12 +244,7 @@ fn reused_bind_groups_tell_views_of_one_start_apart() {
     let g = gpu();
     let mut rng = Rng::new(73);
     let a = aligned(g);
-    let kernel = g
-        .kernel(
-            &KernelKey::new("double_plus_one").workgroup_size(64),
-            double_plus_one,
-        )
-        .unwrap();
+    let kernel = double_plus_one_kernel(g);
     let x_host = values(&mut rng, 2 * a);
     let xs = g.upload(&x_host).unwrap();
     let ys = g.filled(2 * a, 0u32).unwrap();

@@ -130,47 +130,24 @@ pub(crate) mod build {
     use super::*;
     use crate::catalog::Failure;
 
-    pub(crate) fn relu_sqr_mul_forward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (
-            super::relu_sqr_mul_forward::key(),
-            super::relu_sqr_mul_forward::body,
-        );
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
+    /// `name(limits)`: the kernel `name` at its one key, within `limits`.
+    macro_rules! builds {
+        ($($name:ident),* $(,)?) => {$(
+            pub(crate) fn $name(limits: &Limits) -> Result<Kernel, Failure> {
+                let (key, body) = (super::$name::key(), super::$name::body);
+                Ok(Kernel::build_with_limits(&key, limits, body)?)
+            }
+        )*};
     }
 
-    pub(crate) fn relu_sqr_mul_backward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (
-            super::relu_sqr_mul_backward::key(),
-            super::relu_sqr_mul_backward::body,
-        );
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
-    }
-
-    pub(crate) fn swiglu_forward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (super::swiglu_forward::key(), super::swiglu_forward::body);
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
-    }
-
-    pub(crate) fn swiglu_backward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (super::swiglu_backward::key(), super::swiglu_backward::body);
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
-    }
-
-    pub(crate) fn swiglu_packed_forward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (
-            super::swiglu_packed_forward::key(),
-            super::swiglu_packed_forward::body,
-        );
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
-    }
-
-    pub(crate) fn swiglu_packed_backward(limits: &Limits) -> Result<Kernel, Failure> {
-        let (key, body) = (
-            super::swiglu_packed_backward::key(),
-            super::swiglu_packed_backward::body,
-        );
-        Ok(Kernel::build_with_limits(&key, limits, body)?)
-    }
+    builds!(
+        relu_sqr_mul_forward,
+        relu_sqr_mul_backward,
+        swiglu_forward,
+        swiglu_backward,
+        swiglu_packed_forward,
+        swiglu_packed_backward,
+    );
 }
 
 /// Elements as vec4s, checked against u32.
