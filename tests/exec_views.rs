@@ -212,7 +212,8 @@ fn ranges_a_device_cannot_bind_are_refused() {
         (
             a..n + 1,
             format!(
-                " ({n} × u32)`: a view of elements {a}..{}: expected a range within 0..{n}",
+                " ({n} × u32)`: a view of elements {a}..{}: expected a non-empty range within \
+                 0..{n}",
                 n + 1
             ),
         ),
@@ -227,7 +228,8 @@ fn ranges_a_device_cannot_bind_are_refused() {
     }
     #[allow(clippy::reversed_empty_ranges)]
     let backwards = a..0;
-    assert!(err(&buf, backwards).contains(&format!("expected a range within 0..{n}")));
+    assert!(err(&buf, backwards).contains(&format!("expected a non-empty range within 0..{n}")));
+    assert!(err(&buf, a..a).contains("non-empty"));
     // A view's own errors say where in the allocation it starts.
     let view = buf.view(g, a..n).unwrap();
     let message = err(&view, 1..2);

@@ -163,11 +163,12 @@ impl<T: Element> GpuBuffer<T> {
         (self.size / 16) as usize
     }
 
-    /// Elements `range` of this buffer as a buffer of their own, in the same allocation: bound
-    /// to a kernel, read, written, filled or copied, it is those elements and nothing around
-    /// them. Views of one buffer share its tracking: while an unsubmitted recorder uses one,
-    /// host access to any is refused; one kernel may bind several where no two overlap and
-    /// either all are written or none is (wgpu tracks a buffer's use as a whole).
+    /// Elements `range` (not empty) of this buffer as a buffer of their own, in the same
+    /// allocation: bound to a kernel, read, written, filled or copied, it is those elements and
+    /// nothing around them. Views of one buffer share its tracking: while an unsubmitted
+    /// recorder uses one, host access to any is refused; one kernel may bind several where no
+    /// two overlap and either all are written or none is (wgpu tracks a buffer's use as a
+    /// whole).
     ///
     /// The range must start at a byte offset that is a multiple of the device's
     /// `min_storage_buffer_offset_alignment` (256 bytes on most devices and in WebGPU), and end
@@ -184,8 +185,11 @@ impl<T: Element> GpuBuffer<T> {
             buffer: self.label(),
             message: format!("a view of elements {range:?}: {message}"),
         };
-        if range.start > range.end || range.end > self.len {
-            return Err(err(format!("expected a range within 0..{}", self.len)));
+        if range.start >= range.end || range.end > self.len {
+            return Err(err(format!(
+                "expected a non-empty range within 0..{}",
+                self.len
+            )));
         }
         let elem = size_of::<T>() as u64;
         let start = self.offset + range.start as u64 * elem;

@@ -4,7 +4,8 @@
 //! Sizes, with `T = B·S` tokens of one micro-batch, `M` micro-batches, `Hq = H·hd`,
 //! `Hkv = KV·hd`, `C` the loss chunk's tokens (per layer, saved for the backward, in `f32`s):
 //! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]`, `gate, up, h: [T, I]`, `lse: [T, H]`,
-//! two `rstd: [T]`, one `h_lora: [T, r]` per adapted projection; Qwen3 adds the un-normed
+//! two `rstd: [T]`, one `h_lora: [T, r]` per adapted projection (gate and up as one `[T, 2I]`
+//! of rows of gate then up where the model packs them); Qwen3 adds the un-normed
 //! `q, k` and their `rstd`s, BitNet the sub-norms' outputs `[T, Hq]`, `[T, I]` and `rstd`s. The
 //! workspace (one for all layers) holds the gradients of one layer's activations, the loss's
 //! chunk `[C, V]` logits and their gradient, and the batch's inputs.

@@ -125,7 +125,8 @@ impl GpuLayer {
             Precision::F32 => 4,
             Precision::F16 => 2,
         };
-        let align = gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize;
+        // `W_up`'s start must be one a view can start at, and `W_gate`'s end one it can end at.
+        let align = (gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize).max(16);
         let gate_up = if (gate.len() * elem).is_multiple_of(align) && gate.len() == up.len() {
             check_range(&what(Projection::Gate), gate, precision)?;
             check_range(&what(Projection::Up), up, precision)?;
