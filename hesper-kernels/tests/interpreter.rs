@@ -268,6 +268,8 @@ fn every_kernel_matches_lavapipe_on_the_interpreter() {
             "attention_backward_q",
             "swiglu_forward",
             "swiglu_backward",
+            "swiglu_packed_forward",
+            "swiglu_packed_backward",
             "cross_entropy",
             "cross_entropy_forward",
             "rms_norm_backward",
