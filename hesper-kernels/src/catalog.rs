@@ -727,13 +727,14 @@ const COOP_SEQ_PARAMS: &[Param] = &[
     u32_param(
         "row_tiles",
         "2",
-        "tiles of 16 rows a workgroup owns, one a subgroup (the executor: 4, or 2 where memory \
-         is short)",
+        "tiles of 16 rows a workgroup owns, one a subgroup (the executor: 4 for the forward and \
+         dQ, 2 for dK/dV; fewer where memory is short)",
     ),
     u32_param(
         "step",
         "32",
-        "rows of the other side a step (a multiple of 16; the executor: 64, 32 or 16)",
+        "rows of the other side a step (a multiple of 16; the executor: 16 for the forward, 32 \
+         for the gradients, 16 where memory is short)",
     ),
     COOP_SUBGROUP,
 ];

@@ -127,22 +127,39 @@ impl CoopSeqTile {
         }
     }
 
-    /// The first of the standard tiles (4 subgroups stepping 64 or 32 rows, then 2 stepping 32
-    /// or 16) that a device with `limits` runs with subgroups of `subgroup`.
+    /// The first of `which`'s standard tiles ([`CoopSeqTile::standard`]) that a device with
+    /// `limits` runs with subgroups of `subgroup`.
     pub(crate) fn for_device(
         limits: &Limits,
         which: Which,
         head_dim: u32,
         subgroup: u32,
     ) -> Option<CoopSeqTile> {
-        [(4, 64), (4, 32), (2, 32), (2, 16)]
-            .into_iter()
-            .map(|(subgroups, step)| CoopSeqTile { subgroups, step })
+        CoopSeqTile::standard(which)
+            .iter()
+            .map(|&(subgroups, step)| CoopSeqTile { subgroups, step })
             .find(|t| {
                 t.workgroup_bytes(which, head_dim, subgroup) <= limits.max_workgroup_storage_bytes
                     && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
                     && t.step.is_multiple_of(subgroup / 16)
             })
+    }
+
+    /// `which`'s tiles as `(subgroups, step)`, fastest first where the workgroup memory allows,
+    /// as measured on the H200 at SmolLM2's heads (hd 64) and at hd 128 (BENCHMARKS.md,
+    /// "Attention tiles"): short steps keep the workgroup memory small, so more workgroups
+    /// share a multiprocessor, and the scalar softmax of a step is short.
+    /// - forward: 4 subgroups stepping 16 keys (hd 64: 84 µs against 126 stepping 64);
+    /// - key gradients: 2 subgroups stepping 32 queries (hd 64: 171 µs against 188 with 4;
+    ///   2 stepping 16 measured 2.7–5× slower);
+    /// - query gradients: 4 subgroups stepping 32 keys, else 16 (hd 128: 278 µs against 611
+    ///   with 2 subgroups stepping 32).
+    fn standard(which: Which) -> &'static [(u32, u32)] {
+        match which {
+            Which::Forward => &[(4, 16), (2, 16), (1, 16)],
+            Which::KeyGrads => &[(2, 32), (1, 16)],
+            Which::QueryGrads => &[(4, 32), (4, 16), (2, 16), (1, 16)],
+        }
     }
 }
 
