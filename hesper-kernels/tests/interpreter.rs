@@ -450,11 +450,15 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
 /// way in, as the step does. Errors against f64 come from the f16 rounding of `Q`, `K`, `V`,
 /// `dO`, `P`, `dS` (2⁻¹¹ relative each). Subgroups of 32 (NVIDIA's: two invocations a score
 /// row), 16 (one) and 64 (four), each with a tile the executor may choose; the first three
-/// read each step's rows a step ahead (the query gradients' keys in two buffers), the last
-/// (16 invocations holding 32 rows) stages them as it reads them.
+/// read each step's rows a step ahead (the query gradients' keys in two buffers), the fourth
+/// (16 invocations holding 32 rows) stages them as it reads them. The last three are the tiles
+/// the H200 takes (`CoopSeqTile::standard`): the forward's 4 × 16, the key gradients' 2 × 32,
+/// the query gradients' 4 × 32.
 #[test]
 fn the_tensor_core_attention_is_right_on_the_interpreter() {
-    for (subgroup, row_tiles, step) in [(32, 2, 16), (16, 2, 16), (64, 1, 32), (16, 1, 32)] {
+    let tiles = [(32, 2, 16), (16, 2, 16), (64, 1, 32), (16, 1, 32)];
+    let standard = [(32, 4, 16), (32, 2, 32), (32, 4, 32)];
+    for (subgroup, row_tiles, step) in tiles.into_iter().chain(standard) {
         tensor_core_attention_on_the_interpreter(subgroup, row_tiles, step);
     }
 }
@@ -479,7 +483,15 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
         .iter()
         .map(|(k, v)| (k.to_string(), v.clone()))
         .collect();
-    let build = |name: &str| catalog::find(name).unwrap().build(&params).unwrap();
+    // The H200's 48 KiB of workgroup memory (the executor's tiles take up to 47 KiB).
+    let limits = hesper_dsl::Limits {
+        max_workgroup_storage_bytes: 48 * 1024,
+        ..hesper_dsl::Limits::default()
+    };
+    let build = |name: &str| {
+        let entry = catalog::find(name).unwrap();
+        entry.build_with_limits(&params, &limits).unwrap()
+    };
     let mut rng = Rng::new(77);
     let q: Vec<f32> = (0..shape.q_len()).map(|_| rng.next_f32()).collect();
     let k: Vec<f32> = (0..shape.kv_len()).map(|_| rng.next_f32()).collect();
