@@ -9,7 +9,7 @@
 //! scripts/with-gpu cargo run --release --bin bench_matmul              # every shape and tile
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_matmul   # small shapes
 //! HESPER_BENCH_TUNED=1 scripts/with-gpu cargo run --release --bin bench_matmul   # tuned tiles only
-//! HESPER_BENCH_SHAPES=lm-head scripts/with-gpu cargo run --release --bin bench_matmul  # shapes whose label has it
+//! HESPER_BENCH_SHAPES='lm-head|down' scripts/with-gpu cargo run --release --bin bench_matmul  # shapes whose label has one
 //! ```
 
 use std::time::Duration;
@@ -99,7 +99,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let only = std::env::var("HESPER_BENCH_SHAPES").unwrap_or_default();
     let shapes: Vec<_> = shapes
         .into_iter()
-        .filter(|(label, _)| label.contains(only.as_str()))
+        .filter(|(label, _)| only.split('|').any(|part| label.contains(part)))
         .collect();
     let tuned_only = std::env::var("HESPER_BENCH_TUNED").is_ok_and(|v| v == "1");
     let mut tiles: Vec<Option<CoopTile>> = vec![None];
