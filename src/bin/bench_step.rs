@@ -1,8 +1,9 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
 //! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32 or (`HESPER_BENCH_PRECISION=f16`)
-//! mixed precision on tensor cores with tuned tiles: ms per step (wall clock, record +
-//! submit, each step's loss read while the next runs; the mean of 10 steps), tokens/s, launches and submissions per
-//! step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
+//! mixed precision on tensor cores with tuned tiles: ms per step (wall clock between two steps'
+//! losses arriving, each step's loss read while the next is recorded and runs; the mean of 10
+//! steps), tokens/s, one step alone (submitted to an idle GPU, until done), the CPU's time to
+//! record a step, launches and submissions per step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
 //! (timestamp queries, one step), with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
 //! by one at several tiles, and with `HESPER_BENCH_FUSION=1` the step's fused GEMMs against
 //! their plain ones at the step's precision, with `HESPER_BENCH_KERNELS=1` the GPU time per
@@ -153,9 +154,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("model uploaded in {:.1} s", started.elapsed().as_secs_f64());
     println!();
     println!(
-        "| B × S | recompute | ms/step | tokens/s | launches | submits | GPU memory (weights + adapters + step) | step's per token |"
+        "| B × S | recompute | ms/step | tokens/s | one step alone, ms | recording, CPU ms | launches | submits | GPU memory (weights + adapters + step) | step's per token |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut breakdowns = vec![];
     for (batch, recompute) in batches {
         let mut gpu_adapters = GpuAdapters::upload(&gpu, &config, &lora, &adapters)?;
@@ -166,38 +167,62 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let mut buffers = StepBuffers::new(&gpu, &model, &gpu_adapters, shape)?;
         buffers.load(&gpu, &config, &[random_batch(&config, batch, seq_len, 3)])?;
         // As a trainer runs: each step's loss is read while the next step is recorded and
-        // runs. The first two steps compile the pipelines and warm the caches.
+        // runs. The first two steps compile the pipelines and warm the caches. A step's time is
+        // the interval between two steps' losses arriving (steady state: the next step is
+        // already queued), the mean over `steps` intervals (steps 2 to 2 + `steps`). (Until 2026-12-04 the clock started
+        // while step 2 ran and stopped after step 12, 11 steps divided by 10: every ms/step
+        // here before that date is about 10% too high.)
         let mut launches = 0;
         let mut pending = None;
-        let mut timed_from = None;
-        for step in 1..=steps + 3 {
-            if step == 3 {
-                timed_from = Some(Instant::now());
+        let mut arrivals = vec![];
+        let mut recording = vec![];
+        for step in 1..=steps + 2 {
+            let started = Instant::now();
+            let mut rec = gpu.recorder();
+            record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
+            let at = (1e-4, step);
+            record_optimizer_step(&mut rec, &optimizer, at, &mut gpu_adapters, &mut buffers)?;
+            launches = rec.len();
+            if step > 2 {
+                recording.push(started.elapsed().as_secs_f64() * 1e3);
             }
-            if step <= steps + 2 {
-                let mut rec = gpu.recorder();
-                record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
-                let at = (1e-4, step);
-                record_optimizer_step(&mut rec, &optimizer, at, &mut gpu_adapters, &mut buffers)?;
-                launches = rec.len();
-                rec.submit()?;
-            }
+            rec.submit()?;
             if let Some(previous) = pending.take() {
                 let loss: Vec<f32> = PendingRead::wait(previous, &gpu)?;
+                if step > 2 {
+                    arrivals.push(Instant::now());
+                }
                 if !loss[0].is_finite() {
                     return Err(format!("step {}: loss {}", step - 1, loss[0]).into());
                 }
             }
-            if step <= steps + 2 {
-                pending = Some(buffers.loss().read_start(&gpu)?);
-            }
+            pending = Some(buffers.loss().read_start(&gpu)?);
         }
-        let elapsed = timed_from.expect("more than 2 steps").elapsed();
-        let ms = elapsed.as_secs_f64() * 1e3 / steps as f64;
+        if let Some(last) = pending {
+            PendingRead::wait(last, &gpu)?;
+            arrivals.push(Instant::now());
+        }
+        let (first, last) = (arrivals[0], arrivals[arrivals.len() - 1]);
+        let ms = (last - first).as_secs_f64() * 1e3 / (arrivals.len() - 1) as f64;
+        let record_ms = recording.iter().sum::<f64>() / recording.len() as f64;
+        // The latency of one step: recorded, then submitted to an idle GPU and waited for.
+        let mut rec = gpu.recorder();
+        record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
+        record_optimizer_step(
+            &mut rec,
+            &optimizer,
+            (1e-4, steps + 3),
+            &mut gpu_adapters,
+            &mut buffers,
+        )?;
+        let started = Instant::now();
+        rec.submit()?;
+        gpu.wait()?;
+        let alone_ms = started.elapsed().as_secs_f64() * 1e3;
         let tokens = (batch * seq_len) as f64;
         let memory = model.memory_bytes() + gpu_adapters.memory_bytes() + buffers.memory_bytes();
         println!(
-            "| {batch} × {seq_len} | {recompute} | {ms:.1} | {:.0} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
+            "| {batch} × {seq_len} | {recompute} | {ms:.1} | {:.0} | {alone_ms:.1} | {record_ms:.1} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
             tokens / ms * 1e3,
             memory as f64 / 1e9,
             model.memory_bytes() as f64 / 1e9,
