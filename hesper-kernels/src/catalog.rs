@@ -803,7 +803,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 49] = [
+static ENTRIES: [Entry; 50] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1516,5 +1516,24 @@ static ENTRIES: [Entry; 49] = [
             ),
         ],
         build: |s| rope::build::rope(s.u32("half"), s.bool("backward"), s.limits()),
+    },
+    Entry {
+        name: "rope_vec4",
+        module: "rope",
+        summary: "RoPE as `rope`, four pairs an invocation (vec4s of each half of a head); \
+                  what execute_rope runs when hd / 2 is a multiple of 4",
+        params: &[
+            u32_param(
+                "half",
+                "32",
+                "half the head dimension, hd / 2: a multiple of 4",
+            ),
+            bool_param(
+                "backward",
+                "false",
+                "the backward: the rotation with sin → −sin",
+            ),
+        ],
+        build: |s| rope::build::rope_vec4(s.u32("half"), s.bool("backward"), s.limits()),
     },
 ];

@@ -49,6 +49,46 @@ fn rope(
     }
 }
 
+/// [`rope`] four pairs an invocation (`half` a multiple of 4): one vec4 of each half of the
+/// head, and the four angles' `cos`, `sin` as two vec4s. A quarter of the invocations and of
+/// their runtime divisions (which, not the bytes, held the scalar kernel back on the H200:
+/// BENCHMARKS.md, "RoPE four pairs an invocation").
+#[kernel(workgroup_size = 256)]
+fn rope_vec4(
+    x: &mut [Vec4<f32>],
+    cos_sin: &[Vec4<f32>],
+    #[shape] half: u32,
+    #[shape] backward: bool,
+    #[runtime] quads: u32,
+    #[runtime] quads_per_token: u32,
+    #[runtime] seq_len: u32,
+    #[runtime] offset: u32,
+) {
+    let p = global_index();
+    if p < quads {
+        let token = p / quads_per_token;
+        let in_token = p % quads_per_token;
+        let i = in_token % (half / 4);
+        // In vec4s: the head's first half starts at `(in_token - i)·2`, its second `half / 4`
+        // later.
+        let first = token * quads_per_token * 2 + (in_token - i) * 2 + i;
+        let pos = offset + token % seq_len;
+        // `cos θ_j, sin θ_j` interleaved: pairs 4i … 4i+3 of position `pos` are two vec4s.
+        let at = (pos * (half / 4) + i) * 2;
+        let cs01 = cos_sin[at];
+        let cs23 = cos_sin[at + 1];
+        let c = vec4(cs01.x, cs01.z, cs23.x, cs23.z);
+        let mut s = vec4(cs01.y, cs01.w, cs23.y, cs23.w);
+        if backward {
+            s = -s;
+        }
+        let a = x[first];
+        let b = x[first + half / 4];
+        x[first] = a * c - b * s;
+        x[first + half / 4] = a * s + b * c;
+    }
+}
+
 /// `base^(−2i/hd)` for `i < hd/2`, in f64.
 pub fn inverse_frequencies(head_dim: usize, base: f64) -> Vec<f64> {
     (0..head_dim / 2)
@@ -156,7 +196,12 @@ pub struct Positions {
 
 /// The WGSL of this module's kernels (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
-    Ok(vec![rope::build(64, false)?, rope::build(64, true)?])
+    Ok(vec![
+        rope::build(64, false)?,
+        rope::build(64, true)?,
+        rope_vec4::build(32, false)?,
+        rope_vec4::build(32, true)?,
+    ])
 }
 
 /// The kernel of this module at any shape, within `limits`, for [`crate::catalog`].
@@ -167,6 +212,21 @@ pub(crate) mod build {
     pub(crate) fn rope(half: u32, backward: bool, limits: &Limits) -> Result<Kernel, Failure> {
         let key = super::rope::key(half, backward);
         Ok(Kernel::build_with_limits(&key, limits, super::rope::body)?)
+    }
+
+    pub(crate) fn rope_vec4(half: u32, backward: bool, limits: &Limits) -> Result<Kernel, Failure> {
+        if half == 0 || !half.is_multiple_of(4) {
+            return Err(Failure::rule(
+                format!("half = {half}"),
+                "a positive multiple of 4 (four pairs an invocation)".into(),
+            ));
+        }
+        let key = super::rope_vec4::key(half, backward);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::rope_vec4::body,
+        )?)
     }
 }
 
@@ -200,17 +260,31 @@ pub fn execute_rope(
     if pairs == 0 {
         return Ok(());
     }
-    let kernel = rec
-        .gpu()
-        .kernel(&rope::key(half as u32, backward), rope::body)?;
-    let args = Args::new()
-        .buffer("x", x)
-        .buffer("cos_sin", &table.buffer)
-        .param("pairs", pairs)
-        .param("pairs_per_token", (width / 2) as u32)
+    let (half, pairs_per_token) = (half as u32, (width / 2) as u32);
+    let (kernel, args, invocations) = if half.is_multiple_of(4) {
+        // Four pairs an invocation: every head's halves are whole vec4s.
+        let kernel = rec
+            .gpu()
+            .kernel(&rope_vec4::key(half, backward), rope_vec4::body)?;
+        let args = Args::new()
+            .buffer_vec4("x", x)
+            .buffer_vec4("cos_sin", &table.buffer)
+            .param("quads", pairs / 4)
+            .param("quads_per_token", pairs_per_token / 4);
+        (kernel, args, pairs / 4)
+    } else {
+        let kernel = rec.gpu().kernel(&rope::key(half, backward), rope::body)?;
+        let args = Args::new()
+            .buffer("x", x)
+            .buffer("cos_sin", &table.buffer)
+            .param("pairs", pairs)
+            .param("pairs_per_token", pairs_per_token);
+        (kernel, args, pairs)
+    };
+    let args = args
         .param("seq_len", positions.seq_len)
         .param("offset", positions.offset);
-    rec.launch(&kernel, &args, Grid::Threads(pairs as u64))
+    rec.launch(&kernel, &args, Grid::Threads(u64::from(invocations)))
 }
 
 /// RoPE forward, in place.

@@ -25,6 +25,9 @@ fn param(kernel: &str, name: &str, ty: Scalar) -> ScalarValue {
         // One head of the catalog's 128 a token (64 pairs), three tokens.
         ("rope", "pairs_per_token") => 64,
         ("rope", "pairs") => 192,
+        // Two heads of the catalog's 64 a token (8 vec4s of pairs each), three tokens.
+        ("rope_vec4", "quads_per_token") => 16,
+        ("rope_vec4", "quads") => 48,
         _ => match name {
             "rows" | "heads" | "tokens" | "count" => 3,
             "kv_heads" | "pos" | "offset" | "first" | "base" => 1,

@@ -132,7 +132,12 @@ fn bad_shapes_name_kernel_and_buffer() {
 /// Each kernel's WGSL at a small key (its first line), the snapshot named by the key.
 #[test]
 fn wgsl_snapshots() {
-    let names = ["rope_half64_forward", "rope_half64_backward"];
+    let names = [
+        "rope_half64_forward",
+        "rope_half64_backward",
+        "rope_vec4_half32_forward",
+        "rope_vec4_half32_backward",
+    ];
     let kernels = rope::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {
         insta::assert_snapshot!(name, k.wgsl());

@@ -1,8 +1,8 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
 //! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32 or (`HESPER_BENCH_PRECISION=f16`)
 //! mixed precision on tensor cores with tuned tiles: ms per step (wall clock between two steps'
-//! losses arriving, each step's loss read while the next is recorded and runs; the mean of 10
-//! steps), tokens/s, one step alone (submitted to an idle GPU, until done), the CPU's time to
+//! losses arriving, each step's loss read while the next is recorded and runs; the median of
+//! 10 intervals), tokens/s, one step alone (submitted to an idle GPU, until done), the CPU's time to
 //! record a step, launches and submissions per step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
 //! (timestamp queries, one step), with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
 //! by one at several tiles, and with `HESPER_BENCH_FUSION=1` the step's fused GEMMs against
@@ -154,7 +154,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     println!("model uploaded in {:.1} s", started.elapsed().as_secs_f64());
     println!();
     println!(
-        "| B × S | recompute | ms/step | tokens/s | one step alone, ms | recording, CPU ms | launches | submits | GPU memory (weights + adapters + step) | step's per token |"
+        "| B × S | recompute | ms/step (min–max) | tokens/s | one step alone, ms | recording, CPU ms | launches | submits | GPU memory (weights + adapters + step) | step's per token |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let mut breakdowns = vec![];
@@ -169,9 +169,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // As a trainer runs: each step's loss is read while the next step is recorded and
         // runs. The first two steps compile the pipelines and warm the caches. A step's time is
         // the interval between two steps' losses arriving (steady state: the next step is
-        // already queued), the mean over `steps` intervals (steps 2 to 2 + `steps`). (Until 2026-12-04 the clock started
-        // while step 2 ran and stopped after step 12, 11 steps divided by 10: every ms/step
-        // here before that date is about 10% too high.)
+        // already queued), the median of `steps` intervals (steps 2 to 2 + `steps`). Until
+        // 2026-12-04 the clock started while step 2 ran and stopped after step 12, 11 steps
+        // divided by 10: every ms/step in BENCHMARKS.md before that date is ~10% too high.
         let mut launches = 0;
         let mut pending = None;
         let mut arrivals = vec![];
@@ -202,8 +202,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             PendingRead::wait(last, &gpu)?;
             arrivals.push(Instant::now());
         }
-        let (first, last) = (arrivals[0], arrivals[arrivals.len() - 1]);
-        let ms = (last - first).as_secs_f64() * 1e3 / (arrivals.len() - 1) as f64;
+        let mut intervals: Vec<f64> = arrivals
+            .windows(2)
+            .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
+            .collect();
+        intervals.sort_by(f64::total_cmp);
+        let ms = intervals[intervals.len() / 2];
         let record_ms = recording.iter().sum::<f64>() / recording.len() as f64;
         // The latency of one step: recorded, then submitted to an idle GPU and waited for.
         let mut rec = gpu.recorder();
@@ -222,7 +226,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let tokens = (batch * seq_len) as f64;
         let memory = model.memory_bytes() + gpu_adapters.memory_bytes() + buffers.memory_bytes();
         println!(
-            "| {batch} × {seq_len} | {recompute} | {ms:.1} | {:.0} | {alone_ms:.1} | {record_ms:.1} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
+            "| {batch} × {seq_len} | {recompute} | {ms:.1} ({:.1}–{:.1}) | {:.0} | {alone_ms:.1} | {record_ms:.1} | {launches} | 1 | {:.2} GB ({:.2} + {:.3} + {:.2}) | {:.0} KB |",
+            intervals[0],
+            intervals[intervals.len() - 1],
             tokens / ms * 1e3,
             memory as f64 / 1e9,
             model.memory_bytes() as f64 / 1e9,
