@@ -13,6 +13,7 @@
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_step   # 2 layers, B = 1, S = 64
 //! HESPER_BENCH_PRECISION=f16 scripts/with-gpu cargo run --release --bin bench_step
+//! HESPER_BENCH_BATCHES=8,64 HESPER_BENCH_LOSS_CHUNK=4096 …   # other batches, lm-head chunk
 //! ```
 
 use std::collections::BTreeMap;
@@ -136,13 +137,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     let (layers, seq_len, batches, steps) = if quick {
         (2, 64, vec![(1, false), (1, true)], 3)
     } else {
-        (
-            30,
-            512,
-            vec![(8, false), (32, false), (8, true), (32, true)],
-            10,
-        )
+        let batches = match std::env::var("HESPER_BENCH_BATCHES") {
+            // `8,64`: those batch sizes, without recomputing.
+            Ok(list) => list
+                .split(',')
+                .map(|b| b.trim().parse().map(|b| (b, false)))
+                .collect::<Result<Vec<_>, _>>()
+                .map_err(|e| format!("HESPER_BENCH_BATCHES: {list:?}: {e}"))?,
+            Err(_) => vec![(8, false), (32, false), (8, true), (32, true)],
+        };
+        (30, 512, batches, 10)
     };
+    let loss_chunk = match std::env::var("HESPER_BENCH_LOSS_CHUNK") {
+        Ok(v) => v
+            .parse()
+            .map_err(|e| format!("HESPER_BENCH_LOSS_CHUNK: {v:?}: {e}"))?,
+        Err(_) => StepShape::new(1, 1).loss_chunk,
+    };
+    println!("loss chunk: {loss_chunk} tokens");
     let config = smollm2(layers, seq_len);
     let lora = LoraConfig::default();
     let started = Instant::now();
@@ -162,6 +174,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let mut gpu_adapters = GpuAdapters::upload(&gpu, &config, &lora, &adapters)?;
         let shape = StepShape {
             recompute,
+            loss_chunk,
             ..StepShape::new(batch, seq_len)
         };
         let mut buffers = StepBuffers::new(&gpu, &model, &gpu_adapters, shape)?;
