@@ -1,13 +1,16 @@
 //! The LoRA training step at the SmolLM2-135M shape (30 layers, D = 576, I = 1536, 9/3 heads of
 //! 64, vocab 49 152, tied), LoRA q, v at r = 8, S = 512, f32 or (`HESPER_BENCH_PRECISION=f16`)
-//! mixed precision on tensor cores with tuned tiles: ms per step (wall clock between two steps'
-//! losses arriving, each step's loss read while the next is recorded and runs; the median of
-//! 10 intervals), tokens/s, one step alone (submitted to an idle GPU, until done), the CPU's time to
-//! record a step, launches and submissions per step, GPU memory, with and without gradient checkpointing, the GPU time per kernel family
-//! (timestamp queries, one step), with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one
-//! by one at several tiles, and with `HESPER_BENCH_FUSION=1` the step's fused GEMMs against
-//! their plain ones at the step's precision, with `HESPER_BENCH_KERNELS=1` the GPU time per
-//! kernel (by name, every launch of it in the step). Prints markdown for BENCHMARKS.md.
+//! mixed precision on tensor cores with tuned tiles. It prints markdown for BENCHMARKS.md:
+//! - ms per step: the wall clock between two steps' losses arriving, each step's loss read
+//!   while the next is recorded and runs (the median of 10 intervals and their range);
+//!   tokens/s; one step alone (submitted to an idle GPU, until done); the CPU's time to record
+//!   a step; launches and submissions per step; GPU memory; with and without gradient
+//!   checkpointing;
+//! - the GPU time per kernel family (timestamp queries, one step), and with
+//!   `HESPER_BENCH_KERNELS=1` per kernel (by name, every launch of it in the step);
+//! - with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one by one at several tiles, and with
+//!   `HESPER_BENCH_FUSION=1` the step's fused GEMMs against their plain ones at the step's
+//!   precision.
 //!
 //! ```sh
 //! scripts/with-gpu cargo run --release --bin bench_step                        # B = 8 and 32 (H200)
@@ -260,7 +263,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         record_optimizer_step(
             &mut rec,
             &optimizer,
-            (1e-4, steps + 3),
+            (1e-4, steps + 4),
             &mut gpu_adapters,
             &mut buffers,
         )?;
