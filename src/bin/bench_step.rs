@@ -215,14 +215,18 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             pending = Some(buffers.loss().read_start(&gpu)?);
         }
         if let Some(last) = pending {
-            PendingRead::wait(last, &gpu)?;
+            let loss: Vec<f32> = PendingRead::wait(last, &gpu)?;
             arrivals.push(Instant::now());
+            if !loss[0].is_finite() {
+                return Err(format!("step {}: loss {}", steps + 2, loss[0]).into());
+            }
         }
         let mut intervals: Vec<f64> = arrivals
             .windows(2)
             .map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)
             .collect();
         intervals.sort_by(f64::total_cmp);
+        // The upper median of an even count.
         let ms = intervals[intervals.len() / 2];
         let record_ms = recording.iter().sum::<f64>() / recording.len() as f64;
         // The latency of one step: recorded, then submitted to an idle GPU and waited for.
