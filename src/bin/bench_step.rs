@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use hesper::exec::profile::{BenchConfig, bench};
-use hesper::exec::{Gpu, GpuBuffer, GpuOptions, PendingRead};
+use hesper::exec::{Gpu, GpuBuffer, GpuOptions, PendingRead, Recorder};
 use hesper::kernels::ffn::SwigluInput;
 use hesper::kernels::linear::fusion::Residual;
 use hesper::kernels::linear::{
@@ -105,6 +105,22 @@ fn family(kernel: &str) -> &'static str {
         .iter()
         .find(|(prefix, _)| kernel.starts_with(prefix))
         .map_or("other", |(_, f)| f)
+}
+
+/// One training step (forward, backward, AdamW at learning rate 1e-4 as step `step`) into `rec`.
+fn record_step(
+    rec: &mut Recorder<'_>,
+    (model, optimizer, adapters, buffers): (
+        &GpuModel,
+        &Optimizer,
+        &mut GpuAdapters,
+        &mut StepBuffers,
+    ),
+    step: u32,
+) -> Result<(), Box<dyn std::error::Error>> {
+    record_forward_backward(rec, model, adapters, buffers)?;
+    record_optimizer_step(rec, optimizer, (1e-4, step), adapters, buffers)?;
+    Ok(())
 }
 
 /// A table of `times` (name → ms, launches), the largest first.
@@ -195,9 +211,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         for step in 1..=steps + 2 {
             let started = Instant::now();
             let mut rec = gpu.recorder();
-            record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
-            let at = (1e-4, step);
-            record_optimizer_step(&mut rec, &optimizer, at, &mut gpu_adapters, &mut buffers)?;
+            let on = (&model, &optimizer, &mut gpu_adapters, &mut buffers);
+            record_step(&mut rec, on, step)?;
             launches = rec.len();
             if step > 2 {
                 recording.push(started.elapsed().as_secs_f64() * 1e3);
@@ -231,14 +246,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let record_ms = recording.iter().sum::<f64>() / recording.len() as f64;
         // The latency of one step: recorded, then submitted to an idle GPU and waited for.
         let mut rec = gpu.recorder();
-        record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
-        record_optimizer_step(
-            &mut rec,
-            &optimizer,
-            (1e-4, steps + 3),
-            &mut gpu_adapters,
-            &mut buffers,
-        )?;
+        let on = (&model, &optimizer, &mut gpu_adapters, &mut buffers);
+        record_step(&mut rec, on, steps + 3)?;
         let started = Instant::now();
         rec.submit()?;
         gpu.wait()?;
@@ -263,14 +272,8 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
             continue;
         }
         let mut rec = gpu.timed_recorder(launches as u32)?;
-        record_forward_backward(&mut rec, &model, &mut gpu_adapters, &mut buffers)?;
-        record_optimizer_step(
-            &mut rec,
-            &optimizer,
-            (1e-4, steps + 4),
-            &mut gpu_adapters,
-            &mut buffers,
-        )?;
+        let on = (&model, &optimizer, &mut gpu_adapters, &mut buffers);
+        record_step(&mut rec, on, steps + 4)?;
         let timings = rec.submit_timed()?;
         let mut by_family: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         let mut by_kernel: BTreeMap<String, (f64, usize)> = BTreeMap::new();
