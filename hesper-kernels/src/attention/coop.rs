@@ -528,6 +528,22 @@ fn scratch_at(
     k.let_("s", scratch.at(at))
 }
 
+/// Every value of `scratch` this invocation handles ([`my_columns`]), each read into a `let`
+/// before anything is computed from it or stored. Read, computed and stored column by column,
+/// the H200's compiler kept each column's reads waiting on the stores before them: the key
+/// gradients took 171 µs at SmolLM2's shape where reads first take 111 (BENCHMARKS.md,
+/// "Attention's softmax: reads first").
+fn scratch_reads(
+    k: &mut KernelBuilder,
+    p: &Place,
+    scratch: &WorkgroupArray<f32>,
+    cols: &[Expr<u32>],
+) -> Vec<Expr<f32>> {
+    cols.iter()
+        .map(|col| scratch_at(k, p, scratch, col))
+        .collect()
+}
+
 /// `tile[row][col] = value` (f16) of this invocation's subgroup.
 fn tile_store(
     k: &mut KernelBuilder,
@@ -737,11 +753,16 @@ fn forward_body(k: &mut KernelBuilder) {
         };
         scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
-        for col in my_columns(&p) {
-            let s = scratch_at(k, &p, &scratch, &col) * &tau;
-            let ok = valid(k, &(&c0 + &col));
-            let prob = select(ok, (s - m.get()).exp(), lit(0.0f32));
-            tile_store(k, &p, &probs, &col, prob);
+        let cols: Vec<Expr<u32>> = my_columns(&p).collect();
+        let scores = scratch_reads(k, &p, &scratch, &cols);
+        let probs_of: Vec<Expr<f32>> = (cols.iter().zip(scores))
+            .map(|(col, s)| {
+                let ok = valid(k, &(&c0 + col));
+                k.let_("p", select(ok, (s * &tau - m.get()).exp(), lit(0.0f32)))
+            })
+            .collect();
+        for (col, prob) in cols.iter().zip(probs_of) {
+            tile_store(k, &p, &probs, col, prob);
         }
         k.workgroup_barrier();
         accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
@@ -846,22 +867,34 @@ fn key_grads_body(k: &mut KernelBuilder) {
             scores_into(k, &p, &own_k, &stage, (0, None), &s_scratch);
             scores_into(k, &p, &own_v, &stage, (p.step, None), &dp_scratch);
             k.workgroup_barrier();
-            for col in my_columns(&p) {
-                let query = k.let_("query", &q0 + &col);
-                let ok = my_key
-                    .le(&query)
-                    .and(query.lt(&p.len))
-                    .and(my_key.lt(&p.len));
-                let lse = q_stats.at(&col * 2u32);
-                let d = q_stats.at(&col * 2u32 + 1u32) * &up;
-                let s = scratch_at(k, &p, &s_scratch, &col);
-                let dp = scratch_at(k, &p, &dp_scratch, &col);
-                let ok = k.let_("ok", ok);
-                let prob = k.let_("p", select(ok.clone(), (s * &tau - lse).exp(), lit(0.0f32)));
-                tile_store(k, &p, &probs, &col, prob.clone());
-                // Masked entries are 0 even where `dP` is not finite (0·∞ would be NaN).
-                let ds = select(ok, prob * (dp - d) * &tau, lit(0.0f32));
-                tile_store(k, &p, &grads, &col, ds);
+            let cols: Vec<Expr<u32>> = my_columns(&p).collect();
+            let scores = scratch_reads(k, &p, &s_scratch, &cols);
+            let dps = scratch_reads(k, &p, &dp_scratch, &cols);
+            let stats: Vec<(Expr<f32>, Expr<f32>)> = (cols.iter())
+                .map(|col| {
+                    let lse = k.let_("lse", q_stats.at(col * 2u32));
+                    (lse, k.let_("d", q_stats.at(col * 2u32 + 1u32) * &up))
+                })
+                .collect();
+            let values: Vec<(Expr<f32>, Expr<f32>)> = (cols.iter().zip(scores))
+                .zip(dps.into_iter().zip(stats))
+                .map(|((col, s), (dp, (lse, d)))| {
+                    let query = &q0 + col;
+                    let ok = my_key
+                        .le(&query)
+                        .and(query.lt(&p.len))
+                        .and(my_key.lt(&p.len));
+                    let ok = k.let_("ok", ok);
+                    let prob = select(ok.clone(), (s * &tau - lse).exp(), lit(0.0f32));
+                    let prob = k.let_("p", prob);
+                    // Masked entries are 0 even where `dP` is not finite (0·∞ would be NaN).
+                    let ds = select(ok, prob.clone() * (dp - d) * &tau, lit(0.0f32));
+                    (prob, k.let_("ds", ds))
+                })
+                .collect();
+            for (col, (prob, ds)) in cols.iter().zip(values) {
+                tile_store(k, &p, &probs, col, prob);
+                tile_store(k, &p, &grads, col, ds);
             }
             k.workgroup_barrier();
             accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
@@ -928,14 +961,20 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let dq = accumulators(k, &p, "dq_acc");
     let steps = key_steps(k, &p);
     let grads_of = |k: &mut KernelBuilder, c0: &Expr<u32>| {
-        for col in my_columns(&p) {
-            let key = k.let_("key", c0 + &col);
-            let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
-            let s = scratch_at(k, &p, &s_scratch, &col);
-            let dp = scratch_at(k, &p, &dp_scratch, &col);
-            let ok = k.let_("ok", ok);
-            let ds = (s * &tau - &lse).exp() * (dp - &d) * &tau;
-            tile_store(k, &p, &grads, &col, select(ok, ds, lit(0.0f32)));
+        let cols: Vec<Expr<u32>> = my_columns(&p).collect();
+        let scores = scratch_reads(k, &p, &s_scratch, &cols);
+        let dps = scratch_reads(k, &p, &dp_scratch, &cols);
+        let values: Vec<Expr<f32>> = (cols.iter().zip(scores).zip(dps))
+            .map(|((col, s), dp)| {
+                let key = c0 + col;
+                let ok = key.le(&my_row).and(key.lt(&p.len)).and(my_row.lt(&p.len));
+                let ok = k.let_("ok", ok);
+                let ds = (s * &tau - &lse).exp() * (dp - &d) * &tau;
+                k.let_("ds", select(ok, ds, lit(0.0f32)))
+            })
+            .collect();
+        for (col, ds) in cols.iter().zip(values) {
+            tile_store(k, &p, &grads, col, ds);
         }
     };
     if reads_ahead(&p, 2) {
