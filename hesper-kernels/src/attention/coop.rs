@@ -10,7 +10,8 @@
 //! (`Q`; `K` and `V`; `Q` and `dO`) in registers as `head_dim/16` f16 fragments. A loop steps
 //! through the other side `step` rows at a time, staged in workgroup memory as f16: the score
 //! tiles (`Q·Kᵀ`, `dO·Vᵀ`, or their transposes) go through the subgroup's f32 scratch, where
-//! its invocations (`subgroup/16` a row) apply the mask and the softmax and write `P` or `dS`
+//! its invocations (`subgroup/16` a row, each a run of whole vec4s of it, every read before
+//! anything is computed or stored) apply the mask and the softmax and write `P` or `dS`
 //! as f16 for the accumulating products (`P·V`, `Pᵀ·dO`, `dSᵀ·Q`, `dS·K`).
 //!
 //! ## Reading ahead
@@ -36,7 +37,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{Kernel, Limits, ReadBuffer, RwBuffer, Var, WorkgroupArray};
 
 use super::sequence::{SeqPlace, SeqShape, seq_place};
-use crate::linear::offset;
+use crate::linear::{lane, offset, vec4_of};
 
 type TileA = CoopMat<F16, CoopA>;
 type TileB = CoopMat<F16, CoopB>;
@@ -141,7 +142,8 @@ impl CoopSeqTile {
             .find(|t| {
                 t.workgroup_bytes(which, head_dim, subgroup) <= limits.max_workgroup_storage_bytes
                     && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
-                    && t.step.is_multiple_of(subgroup / 16)
+                    // Each invocation of a scratch row handles whole vec4s of it.
+                    && t.step.is_multiple_of(4 * (subgroup / 16))
             })
     }
 
@@ -470,9 +472,9 @@ fn scores_into(
     own: &[Expr<TileA>],
     stage: &WorkgroupArray<Vec4<F16>>,
     (at, shift): (u32, Option<&Expr<u32>>),
-    scratch: &WorkgroupArray<f32>,
+    scratch: &WorkgroupArray<Vec4<f32>>,
 ) {
-    let base = k.let_("scratch_at", &p.sg * p.scratch_len());
+    let base = k.let_("scratch_at", &p.sg * (p.scratch_len() / 4));
     for j in 0..p.step / 16 {
         let mut acc = Expr::<Acc>::zero();
         for (d, a) in own.iter().enumerate() {
@@ -482,8 +484,8 @@ fn scores_into(
         }
         k.coop_store(
             scratch,
-            offset(&base, j * 16),
-            p.scratch_row(),
+            offset(&base, j * 4),
+            p.scratch_row() / 4,
             Major::Row,
             acc,
         );
@@ -496,14 +498,15 @@ fn scores_into(
 fn accumulate(
     k: &mut KernelBuilder,
     p: &Place,
-    tile: &WorkgroupArray<F16>,
+    tile: &WorkgroupArray<Vec4<F16>>,
     stage: &WorkgroupArray<Vec4<F16>>,
     (at, shift): (u32, Option<&Expr<u32>>),
     acc: &[Var<Acc>],
 ) {
-    let base = k.let_("tile_at", &p.sg * p.probs_len());
+    let base = k.let_("tile_at", &p.sg * (p.probs_len() / 4));
     for kk in 0..p.step / 16 {
-        let a = k.coop_load::<TileA, _>(tile, offset(&base, kk * 16), p.probs_row(), Major::Row);
+        let row4 = p.probs_row() / 4;
+        let a = k.coop_load::<TileA, _>(tile, offset(&base, kk * 4), row4, Major::Row);
         for (j, c) in acc.iter().enumerate() {
             let idx = shifted((at + kk * 16) * p.row_vec4s() + j as u32 * 4, shift);
             let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Row);
@@ -512,48 +515,59 @@ fn accumulate(
     }
 }
 
-/// The scratch columns this invocation handles: `part + per_row·jj`.
-fn my_columns(p: &Place) -> impl Iterator<Item = Expr<u32>> + '_ {
-    (0..p.step / p.per_row).map(move |jj| offset(&p.part, jj * p.per_row))
+/// The scratch columns this invocation handles, in order: `step/per_row` of them from
+/// `part·step/per_row`, whole vec4s of its row (their first column, and the step's `step/4`
+/// vec4s a row, are multiples of 4: [`CoopSeqTile::for_device`]).
+fn my_columns(p: &Place) -> Vec<Expr<u32>> {
+    let run = p.step / p.per_row;
+    (0..run).map(|c| &p.part * run + c).collect()
 }
 
-/// `scratch[row][col]` of this invocation's subgroup.
-fn scratch_at(
-    k: &mut KernelBuilder,
-    p: &Place,
-    scratch: &WorkgroupArray<f32>,
-    col: &Expr<u32>,
-) -> Expr<f32> {
-    let at = &p.sg * p.scratch_len() + &p.row * p.scratch_row() + col;
-    k.let_("s", scratch.at(at))
+/// The first vec4 of this invocation's run of columns in its subgroup's `16 × row4`-vec4
+/// tile of `len4` vec4s.
+fn my_vec4(p: &Place, (len4, row4): (u32, u32)) -> Expr<u32> {
+    &p.sg * len4 + &p.row * row4 + &p.part * (p.step / p.per_row / 4)
 }
 
-/// Every value of `scratch` this invocation handles ([`my_columns`]), each read into a `let`
-/// before anything is computed from it or stored. Read, computed and stored column by column,
-/// the H200's compiler kept each column's reads waiting on the stores before them: the key
-/// gradients took 171 µs at SmolLM2's shape where reads first take 111 (BENCHMARKS.md,
-/// "Attention's softmax: reads first").
+/// Every value of `scratch` this invocation handles ([`my_columns`]), in their order, read
+/// as vec4s into `let`s before anything is computed from them or stored. Read, computed and
+/// stored column by column, the H200's compiler kept each column's read waiting on the
+/// stores before it: the key gradients took 171 µs at SmolLM2's shape where reads first
+/// take 111 (BENCHMARKS.md, "Attention's softmax: reads first").
 fn scratch_reads(
     k: &mut KernelBuilder,
     p: &Place,
-    scratch: &WorkgroupArray<f32>,
-    cols: &[Expr<u32>],
+    scratch: &WorkgroupArray<Vec4<f32>>,
 ) -> Vec<Expr<f32>> {
-    cols.iter()
-        .map(|col| scratch_at(k, p, scratch, col))
+    let first = k.let_(
+        "scratch_at",
+        my_vec4(p, (p.scratch_len() / 4, p.scratch_row() / 4)),
+    );
+    let quads: Vec<Expr<Vec4<f32>>> = (0..p.step / p.per_row / 4)
+        .map(|i| k.let_("s", scratch.at(offset(&first, i))))
+        .collect();
+    quads
+        .iter()
+        .flat_map(|v| (0..4).map(move |q| lane(v, q)))
         .collect()
 }
 
-/// `tile[row][col] = value` (f16) of this invocation's subgroup.
-fn tile_store(
+/// `tile[row][col] = values[i]` (f16) for this invocation's columns ([`my_columns`]), four a
+/// store.
+fn tile_stores(
     k: &mut KernelBuilder,
     p: &Place,
-    tile: &WorkgroupArray<F16>,
-    col: &Expr<u32>,
-    value: Expr<f32>,
+    tile: &WorkgroupArray<Vec4<F16>>,
+    values: Vec<Expr<f32>>,
 ) {
-    let at = &p.sg * p.probs_len() + &p.row * p.probs_row() + col;
-    k.store(tile, at, value.cast::<F16>());
+    let first = k.let_(
+        "tile_at",
+        my_vec4(p, (p.probs_len() / 4, p.probs_row() / 4)),
+    );
+    for (i, quad) in values.chunks(4).enumerate() {
+        let v = vec4_of(quad.iter().map(|v| v.clone().cast::<F16>()).collect());
+        k.store(tile, offset(&first, i as u32), v);
+    }
 }
 
 /// Store the accumulators (`16 × hd`, the subgroup's own rows) into `out` `[T, heads·hd]` at
@@ -564,28 +578,41 @@ fn store_own(
     k: &mut KernelBuilder,
     p: &Place,
     acc: &[Var<Acc>],
-    scratch: &WorkgroupArray<f32>,
+    scratch: &WorkgroupArray<Vec4<f32>>,
     out: &RwBuffer<f32>,
     (heads, head): (u32, &Expr<u32>),
     mult: &dyn Fn(&Expr<u32>) -> Expr<f32>,
     subgroup: u32,
 ) {
-    let base = k.let_("scratch_at", &p.sg * p.scratch_len());
-    let lane = k.subgroup_invocation_id();
+    let base = k.let_("scratch_at", &p.sg * (p.scratch_len() / 4));
+    let invocation = k.subgroup_invocation_id();
     let head_col = k.let_("head_col", head * p.hd);
     for (j, c) in acc.iter().enumerate() {
         k.workgroup_barrier();
-        k.coop_store(scratch, &base, p.scratch_row(), Major::Row, c.get());
+        k.coop_store(scratch, &base, p.scratch_row() / 4, Major::Row, c.get());
         k.workgroup_barrier();
-        for i in 0..256 / subgroup {
-            let e = k.let_("e", offset(&lane, i * subgroup));
-            let r = k.let_("r", &e / 16u32);
-            let col = k.let_("c", &e % 16u32);
+        // The fragment's 64 vec4s (16 rows of 4), `subgroup` at a time.
+        for i in 0..64u32.div_ceil(subgroup) {
+            let e = k.let_("e", offset(&invocation, i * subgroup));
+            let r = k.let_("r", &e / 4u32);
+            let c4 = k.let_("c4", &e % 4u32);
             let row = k.let_("at_row", &p.own0 + &r);
-            k.if_(row.lt(&p.seq_len), |k| {
-                let v = scratch.at(&base + &r * p.scratch_row() + &col) * mult(&r);
-                let at = (&p.token0 + &row) * (heads * p.hd) + &head_col + &col + j as u32 * 16;
-                k.store(out, at, select(row.lt(&p.len), v, lit(0.0f32)));
+            let inside = row.lt(&p.seq_len);
+            let inside = match subgroup > 64 {
+                true => inside.and(e.lt(64u32)),
+                false => inside,
+            };
+            k.if_(inside, |k| {
+                let v = k.let_("v", scratch.at(&base + &r * (p.scratch_row() / 4) + &c4));
+                let (valid, m) = (k.let_("valid", row.lt(&p.len)), k.let_("m", mult(&r)));
+                let at = k.let_(
+                    "at",
+                    (&p.token0 + &row) * (heads * p.hd) + &head_col + &c4 * 4u32 + j as u32 * 16,
+                );
+                for q in 0..4 {
+                    let value = select(valid.clone(), lane(&v, q) * &m, lit(0.0f32));
+                    k.store(out, offset(&at, q), value);
+                }
             });
         }
     }
@@ -622,8 +649,8 @@ fn forward_body(k: &mut KernelBuilder) {
     let p = place(k, true);
     let block = 16 * p.subgroups;
     let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
-    let scratch = k.workgroup_array::<f32>("scratch", p.subgroups * p.scratch_len());
-    let probs = k.workgroup_array::<F16>("probs", p.subgroups * p.probs_len());
+    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
+    let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
     // Each owned row's 1/l.
     let row_scale = k.workgroup_array::<f32>("row_scale", block);
     let kv = k.let_("kv", &p.head / p.group);
@@ -671,12 +698,13 @@ fn forward_body(k: &mut KernelBuilder) {
         };
         scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
-        let mut scores = vec![];
-        for col in my_columns(&p) {
-            let s = scratch_at(k, &p, &scratch, &col) * &tau;
-            let ok = valid(k, &(&c0 + &col));
-            scores.push(k.let_("ts", select(ok, s, lit(NEG_BIG))));
-        }
+        let read = scratch_reads(k, &p, &scratch);
+        let scores: Vec<Expr<f32>> = (my_columns(&p).iter().zip(read))
+            .map(|(col, s)| {
+                let ok = valid(k, &(&c0 + col));
+                k.let_("ts", select(ok, s * &tau, lit(NEG_BIG)))
+            })
+            .collect();
         let top = scores.iter().fold(lit(NEG_BIG), |a, s| a.max(s.clone()));
         let m_new = k.let_("m_new", m.get().max(top));
         let sum = scores
@@ -753,17 +781,14 @@ fn forward_body(k: &mut KernelBuilder) {
         };
         scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
-        let cols: Vec<Expr<u32>> = my_columns(&p).collect();
-        let scores = scratch_reads(k, &p, &scratch, &cols);
-        let probs_of: Vec<Expr<f32>> = (cols.iter().zip(scores))
+        let scores = scratch_reads(k, &p, &scratch);
+        let probs_of: Vec<Expr<f32>> = (my_columns(&p).iter().zip(scores))
             .map(|(col, s)| {
                 let ok = valid(k, &(&c0 + col));
                 k.let_("p", select(ok, (s * &tau - m.get()).exp(), lit(0.0f32)))
             })
             .collect();
-        for (col, prob) in cols.iter().zip(probs_of) {
-            tile_store(k, &p, &probs, col, prob);
-        }
+        tile_stores(k, &p, &probs, probs_of);
         k.workgroup_barrier();
         accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
         if let (Some(next), Some(more)) = (&kv_next, &more) {
@@ -823,10 +848,11 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let block = 16 * p.subgroups;
     let rows = block.max(p.step);
     let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * rows * p.row_vec4s());
-    let s_scratch = k.workgroup_array::<f32>("s_scratch", p.subgroups * p.scratch_len());
-    let dp_scratch = k.workgroup_array::<f32>("dp_scratch", p.subgroups * p.scratch_len());
-    let probs = k.workgroup_array::<F16>("probs", p.subgroups * p.probs_len());
-    let grads = k.workgroup_array::<F16>("grads", p.subgroups * p.probs_len());
+    let scratch_vec4s = p.subgroups * p.scratch_len() / 4;
+    let s_scratch = k.workgroup_array::<Vec4<f32>>("s_scratch", scratch_vec4s);
+    let dp_scratch = k.workgroup_array::<Vec4<f32>>("dp_scratch", scratch_vec4s);
+    let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
+    let grads = k.workgroup_array::<Vec4<F16>>("grads", p.subgroups * p.probs_len() / 4);
     let q_stats = k.workgroup_array::<f32>("q_stats", 2 * p.step);
     let kv = p.head.clone();
     let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
@@ -867,9 +893,9 @@ fn key_grads_body(k: &mut KernelBuilder) {
             scores_into(k, &p, &own_k, &stage, (0, None), &s_scratch);
             scores_into(k, &p, &own_v, &stage, (p.step, None), &dp_scratch);
             k.workgroup_barrier();
-            let cols: Vec<Expr<u32>> = my_columns(&p).collect();
-            let scores = scratch_reads(k, &p, &s_scratch, &cols);
-            let dps = scratch_reads(k, &p, &dp_scratch, &cols);
+            let cols = my_columns(&p);
+            let scores = scratch_reads(k, &p, &s_scratch);
+            let dps = scratch_reads(k, &p, &dp_scratch);
             let stats: Vec<(Expr<f32>, Expr<f32>)> = (cols.iter())
                 .map(|col| {
                     let lse = k.let_("lse", q_stats.at(col * 2u32));
@@ -892,10 +918,9 @@ fn key_grads_body(k: &mut KernelBuilder) {
                     (prob, k.let_("ds", ds))
                 })
                 .collect();
-            for (col, (prob, ds)) in cols.iter().zip(values) {
-                tile_store(k, &p, &probs, col, prob);
-                tile_store(k, &p, &grads, col, ds);
-            }
+            let (prob, ds) = values.into_iter().unzip();
+            tile_stores(k, &p, &probs, prob);
+            tile_stores(k, &p, &grads, ds);
             k.workgroup_barrier();
             accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
             accumulate(k, &p, &grads, &stage, (0, None), &dk);
@@ -936,9 +961,10 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let rows = block.max(p.step);
     let staged = query_grads_staged(rows, p.step, reads_ahead(&p, 2));
     let stage = k.workgroup_array::<Vec4<F16>>("stage", staged * p.row_vec4s());
-    let s_scratch = k.workgroup_array::<f32>("s_scratch", p.subgroups * p.scratch_len());
-    let dp_scratch = k.workgroup_array::<f32>("dp_scratch", p.subgroups * p.scratch_len());
-    let grads = k.workgroup_array::<F16>("grads", p.subgroups * p.probs_len());
+    let scratch_vec4s = p.subgroups * p.scratch_len() / 4;
+    let s_scratch = k.workgroup_array::<Vec4<f32>>("s_scratch", scratch_vec4s);
+    let dp_scratch = k.workgroup_array::<Vec4<f32>>("dp_scratch", scratch_vec4s);
+    let grads = k.workgroup_array::<Vec4<F16>>("grads", p.subgroups * p.probs_len() / 4);
     let kv = k.let_("kv", &p.head / p.group);
     let q_rows = rows_of(k, &r.q, &p, p.heads, &p.head);
     let do_rows = rows_of(k, &r.d_out, &p, p.heads, &p.head);
@@ -961,9 +987,9 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let dq = accumulators(k, &p, "dq_acc");
     let steps = key_steps(k, &p);
     let grads_of = |k: &mut KernelBuilder, c0: &Expr<u32>| {
-        let cols: Vec<Expr<u32>> = my_columns(&p).collect();
-        let scores = scratch_reads(k, &p, &s_scratch, &cols);
-        let dps = scratch_reads(k, &p, &dp_scratch, &cols);
+        let cols = my_columns(&p);
+        let scores = scratch_reads(k, &p, &s_scratch);
+        let dps = scratch_reads(k, &p, &dp_scratch);
         let values: Vec<Expr<f32>> = (cols.iter().zip(scores).zip(dps))
             .map(|((col, s), dp)| {
                 let key = c0 + col;
@@ -973,9 +999,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
                 k.let_("ds", select(ok, ds, lit(0.0f32)))
             })
             .collect();
-        for (col, ds) in cols.iter().zip(values) {
-            tile_store(k, &p, &grads, col, ds);
-        }
+        tile_stores(k, &p, &grads, values);
     };
     if reads_ahead(&p, 2) {
         k.comment("Keys and values read a step ahead; keys staged in two buffers (rows 0 and");
@@ -1088,8 +1112,10 @@ pub(crate) mod build {
         if tile.subgroups == 0 || tile.step == 0 || !tile.step.is_multiple_of(16) {
             return rule("at least one subgroup, and a step that is a positive multiple of 16");
         }
-        if !tile.step.is_multiple_of(subgroup / 16) {
-            return rule("the step must share out evenly among a row's subgroup/16 invocations");
+        if !tile.step.is_multiple_of(4 * (subgroup / 16)) {
+            return rule(
+                "the step must share out in whole vec4s among a row's subgroup/16 invocations",
+            );
         }
         let key = key(which, &shape, tile, subgroup, padded);
         Ok(Kernel::build_with_limits(&key, limits, which.body())?)
