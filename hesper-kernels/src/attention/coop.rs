@@ -533,7 +533,7 @@ fn my_vec4(p: &Place, (len4, row4): (u32, u32)) -> Expr<u32> {
 /// as vec4s into `let`s before anything is computed from them or stored. Read, computed and
 /// stored column by column, the H200's compiler kept each column's read waiting on the
 /// stores before it: the key gradients took 171 µs at SmolLM2's shape where reads first
-/// take 111 (BENCHMARKS.md, "Attention's softmax: reads first").
+/// take 112 (BENCHMARKS.md, "Attention's softmax: reads first").
 fn scratch_reads(
     k: &mut KernelBuilder,
     p: &Place,
