@@ -6,10 +6,13 @@
 //! scripts/with-gpu cargo run --release --bin bench_kernels                          # full sizes (H200)
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_kernels     # small, lavapipe
 //! HESPER_BENCH_ONLY=lora,norm scripts/with-gpu cargo run --release --bin bench_kernels  # some groups
+//! HESPER_BENCH_ONLY=attention HESPER_BENCH_ATTENTION='8,512,9,3,64;24,512,9,3,64' \
+//!     scripts/with-gpu cargo run --release --bin bench_kernels   # attention at other shapes
 //! ```
 //!
 //! Groups (for `HESPER_BENCH_ONLY`, comma-separated): elementwise, norm, softmax, lora,
-//! cross_entropy, adamw, gemm, attention, ffn.
+//! cross_entropy, adamw, gemm, attention, ffn. `HESPER_BENCH_ATTENTION` replaces the
+//! attention's shapes by its own, `batch,seq_len,heads,kv_heads,head_dim` each, `;` between.
 
 use std::time::Duration;
 
@@ -60,6 +63,23 @@ fn bandwidth(kernel: &str, shape: String, m: Measurement, bytes: f64, target: &'
         m,
         target,
     }
+}
+
+/// The shapes of `HESPER_BENCH_ATTENTION` (`batch,seq_len,heads,kv_heads,head_dim;…`).
+fn attention_shapes(list: &str) -> Result<Vec<[usize; 5]>, String> {
+    list.split(';')
+        .map(|shape| {
+            let dims: Result<Vec<usize>, _> = shape.split(',').map(|d| d.trim().parse()).collect();
+            dims.ok()
+                .and_then(|dims| dims.try_into().ok())
+                .ok_or_else(|| {
+                    format!(
+                        "HESPER_BENCH_ATTENTION: expected batch,seq_len,heads,kv_heads,head_dim \
+                         (five whole numbers), found `{shape}`"
+                    )
+                })
+        })
+        .collect()
 }
 
 fn run() -> Result<(), Box<dyn std::error::Error>> {
@@ -349,8 +369,14 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         // Each shape with SDPA's TFLOP/s and our targets, forward and backward: f32, and f16
         // (against SDPA bf16) where the device has tensor cores.
         type Figures = ([f64; 2], [&'static str; 2]);
-        let shapes: Vec<(SeqShape, Figures, Figures)> = if quick {
-            let none = ([0.0; 2], ["–"; 2]);
+        let none = ([0.0; 2], ["–"; 2]);
+        let chosen = std::env::var("HESPER_BENCH_ATTENTION").ok();
+        let shapes: Vec<(SeqShape, Figures, Figures)> = if let Some(list) = chosen {
+            let shapes = attention_shapes(&list)?.into_iter();
+            shapes
+                .map(|[b, s, h, kv, hd]| (SeqShape::new(b, s, h, kv, hd), none, none))
+                .collect()
+        } else if quick {
             vec![(SeqShape::new(1, 64, 4, 2, 64), none, none)]
         } else {
             vec![
