@@ -803,7 +803,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 50] = [
+static ENTRIES: [Entry; 51] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1516,6 +1516,25 @@ static ENTRIES: [Entry; 50] = [
             ),
         ],
         build: |s| rope::build::rope(s.u32("half"), s.bool("backward"), s.limits()),
+    },
+    Entry {
+        name: "rope_qk_vec4",
+        module: "rope",
+        summary: "RoPE of a layer's queries and keys in one launch, each as `rope_vec4`; what \
+                  execute_rope_qk runs when hd / 2 is a multiple of 4",
+        params: &[
+            u32_param(
+                "half",
+                "32",
+                "half the head dimension, hd / 2: a multiple of 4",
+            ),
+            bool_param(
+                "backward",
+                "false",
+                "the backward: the rotation with sin → −sin",
+            ),
+        ],
+        build: |s| rope::build::rope_qk_vec4(s.u32("half"), s.bool("backward"), s.limits()),
     },
     Entry {
         name: "rope_vec4",

@@ -89,6 +89,55 @@ fn rope_vec4(
     }
 }
 
+/// [`rope_vec4`] over a layer's queries and keys in one launch (the step's forward and
+/// backward rotate both; two launches of a few µs each cost the step 30 of them a pass):
+/// invocations below `q_quads` take `q`'s quads, the rest `k`'s.
+#[kernel(workgroup_size = 256)]
+fn rope_qk_vec4(
+    q: &mut [Vec4<f32>],
+    k: &mut [Vec4<f32>],
+    cos_sin: &[Vec4<f32>],
+    #[shape] half: u32,
+    #[shape] backward: bool,
+    #[runtime] q_quads: u32,
+    #[runtime] q_quads_per_token: u32,
+    #[runtime] k_quads: u32,
+    #[runtime] k_quads_per_token: u32,
+    #[runtime] seq_len: u32,
+    #[runtime] offset: u32,
+) {
+    let p = global_index();
+    if p < q_quads + k_quads {
+        let in_k = p >= q_quads;
+        let quad = select(in_k, p - q_quads, p);
+        let quads_per_token = select(in_k, k_quads_per_token, q_quads_per_token);
+        let token = quad / quads_per_token;
+        let in_token = quad % quads_per_token;
+        let i = in_token % (half / 4);
+        let first = token * quads_per_token * 2 + (in_token - i) * 2 + i;
+        let pos = offset + token % seq_len;
+        let at = (pos * (half / 4) + i) * 2;
+        let cs01 = cos_sin[at];
+        let cs23 = cos_sin[at + 1];
+        let c = vec4(cs01.x, cs01.z, cs23.x, cs23.z);
+        let mut s = vec4(cs01.y, cs01.w, cs23.y, cs23.w);
+        if backward {
+            s = -s;
+        }
+        if in_k {
+            let a = k[first];
+            let b = k[first + half / 4];
+            k[first] = a * c - b * s;
+            k[first + half / 4] = a * s + b * c;
+        } else {
+            let a = q[first];
+            let b = q[first + half / 4];
+            q[first] = a * c - b * s;
+            q[first + half / 4] = a * s + b * c;
+        }
+    }
+}
+
 /// `base^(−2i/hd)` for `i < hd/2`, in f64.
 pub fn inverse_frequencies(head_dim: usize, base: f64) -> Vec<f64> {
     (0..head_dim / 2)
@@ -201,6 +250,8 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         rope::build(64, true)?,
         rope_vec4::build(32, false)?,
         rope_vec4::build(32, true)?,
+        rope_qk_vec4::build(32, false)?,
+        rope_qk_vec4::build(32, true)?,
     ])
 }
 
@@ -228,6 +279,25 @@ pub(crate) mod build {
             super::rope_vec4::body,
         )?)
     }
+
+    pub(crate) fn rope_qk_vec4(
+        half: u32,
+        backward: bool,
+        limits: &Limits,
+    ) -> Result<Kernel, Failure> {
+        if half == 0 || !half.is_multiple_of(4) {
+            return Err(Failure::rule(
+                format!("half = {half}"),
+                "a positive multiple of 4 (four pairs an invocation)".into(),
+            ));
+        }
+        let key = super::rope_qk_vec4::key(half, backward);
+        Ok(Kernel::build_with_limits(
+            &key,
+            limits,
+            super::rope_qk_vec4::body,
+        )?)
+    }
 }
 
 /// Rotate `x` (rows of `heads × head_dim`, `head_dim` the table's) in place: the forward, or
@@ -242,20 +312,7 @@ pub fn execute_rope(
 ) -> Result<(), ExecError> {
     let name = rope::NAME;
     let half = table.head_dim / 2;
-    let width = heads
-        .checked_mul(table.head_dim)
-        .filter(|w| *w > 0)
-        .ok_or_else(|| ExecError::Dispatch {
-            kernel: name.into(),
-            what: format!("heads = {heads}"),
-            why: format!(
-                "heads × head_dim ({}) must be positive and fit",
-                table.head_dim
-            ),
-        })?;
-    let row = format!("heads × head_dim = {heads} × {}", table.head_dim);
-    let rows = expect_rows(name, "x", x, width, &row)?;
-    table.check(name, rows, positions)?;
+    let width = check_rows(name, ("x", x), table, heads, positions)?;
     let pairs = expect_u32(name, "pairs", x.len() / 2)?;
     if pairs == 0 {
         return Ok(());
@@ -285,6 +342,85 @@ pub fn execute_rope(
         .param("seq_len", positions.seq_len)
         .param("offset", positions.offset);
     rec.launch(&kernel, &args, Grid::Threads(u64::from(invocations)))
+}
+
+/// The row width (`heads × head_dim`) of `x` (`binding` of `kernel`), once it is checked to
+/// hold whole rows whose positions the table has.
+fn check_rows(
+    kernel: &str,
+    (binding, x): (&str, &GpuBuffer<f32>),
+    table: &RopeTable,
+    heads: usize,
+    positions: Positions,
+) -> Result<usize, ExecError> {
+    let width = heads
+        .checked_mul(table.head_dim)
+        .filter(|w| *w > 0)
+        .ok_or_else(|| ExecError::Dispatch {
+            kernel: kernel.into(),
+            what: format!("{binding}: heads = {heads}"),
+            why: format!(
+                "heads × head_dim ({}) must be positive and fit",
+                table.head_dim
+            ),
+        })?;
+    let row = format!("heads × head_dim = {heads} × {}", table.head_dim);
+    let rows = expect_rows(kernel, binding, x, width, &row)?;
+    table.check(kernel, rows, positions)?;
+    Ok(width)
+}
+
+/// Rotate a layer's queries `q` (rows of `heads × head_dim`) and keys `k` (rows of
+/// `kv_heads × head_dim`, the same tokens) in place, as [`execute_rope`] does each: one launch
+/// where half the head dimension is a multiple of 4, else one each.
+pub fn execute_rope_qk(
+    rec: &mut Recorder<'_>,
+    (q, k): (&mut GpuBuffer<f32>, &mut GpuBuffer<f32>),
+    table: &RopeTable,
+    (heads, kv_heads): (usize, usize),
+    positions: Positions,
+    backward: bool,
+) -> Result<(), ExecError> {
+    let name = rope_qk_vec4::NAME;
+    let q_width = check_rows(name, ("q", q), table, heads, positions)?;
+    let k_width = check_rows(name, ("k", k), table, kv_heads, positions)?;
+    if q.len() / q_width != k.len() / k_width {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!(
+                "q of {} rows and k of {} rows",
+                q.len() / q_width,
+                k.len() / k_width
+            ),
+            why: "the queries and keys of the same tokens: as many rows each".into(),
+        });
+    }
+    let half = table.head_dim / 2;
+    if !half.is_multiple_of(4) {
+        execute_rope(rec, q, table, heads, positions, backward)?;
+        return execute_rope(rec, k, table, kv_heads, positions, backward);
+    }
+    let q_quads = expect_u32(name, "q_quads", q.len() / 8)?;
+    let k_quads = expect_u32(name, "k_quads", k.len() / 8)?;
+    let total = expect_u32(name, "q_quads + k_quads", q.len() / 8 + k.len() / 8)?;
+    if total == 0 {
+        return Ok(());
+    }
+    let kernel = rec.gpu().kernel(
+        &rope_qk_vec4::key(half as u32, backward),
+        rope_qk_vec4::body,
+    )?;
+    let args = Args::new()
+        .buffer_vec4("q", q)
+        .buffer_vec4("k", k)
+        .buffer_vec4("cos_sin", &table.buffer)
+        .param("q_quads", q_quads)
+        .param("q_quads_per_token", (q_width / 8) as u32)
+        .param("k_quads", k_quads)
+        .param("k_quads_per_token", (k_width / 8) as u32)
+        .param("seq_len", positions.seq_len)
+        .param("offset", positions.offset);
+    rec.launch(&kernel, &args, Grid::Threads(u64::from(total)))
 }
 
 /// RoPE forward, in place.

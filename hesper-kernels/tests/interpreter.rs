@@ -28,6 +28,11 @@ fn param(kernel: &str, name: &str, ty: Scalar) -> ScalarValue {
         // Two heads of the catalog's 64 a token (8 vec4s of pairs each), three tokens.
         ("rope_vec4", "quads_per_token") => 16,
         ("rope_vec4", "quads") => 48,
+        // Two query heads and one key head of 64 a token, three tokens.
+        ("rope_qk_vec4", "q_quads_per_token") => 16,
+        ("rope_qk_vec4", "q_quads") => 48,
+        ("rope_qk_vec4", "k_quads_per_token") => 8,
+        ("rope_qk_vec4", "k_quads") => 24,
         _ => match name {
             "rows" | "heads" | "tokens" | "count" => 3,
             "kv_heads" | "pos" | "offset" | "first" | "base" => 1,

@@ -44,6 +44,95 @@ fn forward_and_backward_match_reference() {
     }
 }
 
+/// Queries and keys rotated together (one launch where hd/2 is a multiple of 4, two where
+/// not) against the reference for each: GQA's fewer key heads, a decoded token, both ways.
+#[test]
+fn queries_and_keys_together_match_reference() {
+    let g = gpu();
+    // (tokens, heads, kv_heads, head_dim, seq_len, offset)
+    let cases = [
+        (6, 3, 1, 64, 3, 0),
+        (5, 2, 2, 8, 5, 2),
+        (1, 4, 2, 128, 1, 300),
+        (7, 3, 1, 12, 7, 0),
+        (2100, 2, 1, 16, 700, 0),
+    ];
+    for (seed, (t, heads, kv_heads, hd, seq_len, offset)) in cases.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 40);
+        let (q, k) = (
+            rng.vec(t * heads * hd, 1.0),
+            rng.vec(t * kv_heads * hd, 1.0),
+        );
+        let table = RopeTable::new(g, hd, 10_000.0, offset + seq_len).unwrap();
+        let pos = Positions {
+            seq_len: seq_len as u32,
+            offset: offset as u32,
+        };
+        for backward in [false, true] {
+            let (mut qb, mut kb) = (g.upload(&q).unwrap(), g.upload(&k).unwrap());
+            let mut rec = g.recorder();
+            let heads_of = (heads, kv_heads);
+            rope::execute_rope_qk(
+                &mut rec,
+                (&mut qb, &mut kb),
+                &table,
+                heads_of,
+                pos,
+                backward,
+            )
+            .unwrap();
+            let launches = rec.len();
+            rec.submit().unwrap();
+            let want_launches = if (hd / 2) % 4 == 0 { 1 } else { 2 };
+            assert_eq!(launches, want_launches, "hd {hd}");
+            let rope_of = (hd, 10_000.0);
+            for (what, got, x, n) in [("q", &qb, &q, heads), ("k", &kb, &k, kv_heads)] {
+                let want = reference::rope(&f64s(x), rope_of, n, seq_len, offset, backward);
+                assert_close(
+                    &format!(
+                        "rope_qk {what} T={t} heads={heads}/{kv_heads} hd={hd} backward={backward}"
+                    ),
+                    &got.read(g).unwrap(),
+                    &want,
+                    1e-6,
+                    1e-6,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn queries_and_keys_of_different_tokens_are_an_error() {
+    let g = gpu();
+    let table = RopeTable::new(g, 8, 10_000.0, 4).unwrap();
+    let (mut q, mut k) = (
+        g.zeros::<f32>(3 * 16).unwrap(),
+        g.zeros::<f32>(2 * 8).unwrap(),
+    );
+    let mut rec = g.recorder();
+    let at = Positions {
+        seq_len: 4,
+        offset: 0,
+    };
+    let err = rope::execute_rope_qk(&mut rec, (&mut q, &mut k), &table, (2, 1), at, false)
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        err,
+        "kernel `rope_qk_vec4`: cannot dispatch q of 3 rows and k of 2 rows: the queries and keys \
+         of the same tokens: as many rows each"
+    );
+    let err = rope::execute_rope_qk(&mut rec, (&mut q, &mut k), &table, (2, 3), at, false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("binding `k`") && err.contains("3 × 8"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded on an error");
+}
+
 /// The backward is the transpose of the forward: `<R·x, y> = <x, Rᵀ·y>` for every x, y.
 #[test]
 fn backward_reference_is_the_transpose_of_the_forward() {
@@ -137,6 +226,8 @@ fn wgsl_snapshots() {
         "rope_half64_backward",
         "rope_vec4_half32_forward",
         "rope_vec4_half32_backward",
+        "rope_qk_vec4_half32_forward",
+        "rope_qk_vec4_half32_backward",
     ];
     let kernels = rope::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

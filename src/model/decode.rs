@@ -32,7 +32,7 @@ use hesper_kernels::linear::gemv::{self, Adapter, execute_gemv_lora};
 use hesper_kernels::linear::{Gemm, Product, execute_gemm};
 use hesper_kernels::lora::execute_lora_forward;
 use hesper_kernels::norm::execute_rms_norm_forward;
-use hesper_kernels::rope::{Positions, execute_rope_forward};
+use hesper_kernels::rope::{Positions, execute_rope_qk};
 
 use super::activations::{GateUp, LogitsBuffers};
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
@@ -470,8 +470,8 @@ impl KvCache {
                 execute_rms_norm_forward(rec, q_pre, q_norm, &mut a.q, rstd_q, eps)?;
                 execute_rms_norm_forward(rec, k_pre, k_norm, &mut a.k, rstd_k, eps)?;
             }
-            execute_rope_forward(rec, &mut a.q, &model.rope, c.heads, positions)?;
-            execute_rope_forward(rec, &mut a.k, &model.rope, c.kv_heads, positions)?;
+            let (qk, heads) = ((&mut a.q, &mut a.k), (c.heads, c.kv_heads));
+            execute_rope_qk(rec, qk, &model.rope, heads, positions, false)?;
             let (k_cache, v_cache) = (&mut self.k_cache[layer], &mut self.v_cache[layer]);
             execute_kv_cache_append(rec, shape, (&a.k, &a.v), k_cache, v_cache)?;
             execute_decode_attention(rec, shape, &a.q, (k_cache, v_cache), &mut a.attn, &mut a.o)?;

@@ -34,7 +34,7 @@ use hesper_kernels::loss::{
 };
 use hesper_kernels::norm::{execute_rms_norm_backward, execute_rms_norm_forward};
 use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_grad_norm};
-use hesper_kernels::rope::{Positions, execute_rope_backward, execute_rope_forward};
+use hesper_kernels::rope::{Positions, execute_rope_qk};
 
 use super::activations::{
     GateUp, LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
@@ -284,8 +284,9 @@ impl Ctx<'_> {
             execute_rms_norm_forward(rec, q_pre, q_norm, &mut a.q, rstd_q, eps)?;
             execute_rms_norm_forward(rec, k_pre, k_norm, &mut a.k, rstd_k, eps)?;
         }
-        execute_rope_forward(rec, &mut a.q, &self.model.rope, c.heads, self.positions)?;
-        execute_rope_forward(rec, &mut a.k, &self.model.rope, c.kv_heads, self.positions)?;
+        let heads = (c.heads, c.kv_heads);
+        let qk = (&mut a.q, &mut a.k);
+        execute_rope_qk(rec, qk, &self.model.rope, heads, self.positions, false)?;
         let inputs = SeqInputs {
             q: &a.q,
             k: &a.k,
@@ -464,8 +465,9 @@ impl Ctx<'_> {
             d_v,
         };
         execute_attention_backward(rec, self.attention, saved, d_attn, grads)?;
-        execute_rope_backward(rec, d_q, &self.model.rope, c.heads, self.positions)?;
-        execute_rope_backward(rec, d_k, &self.model.rope, c.kv_heads, self.positions)?;
+        let heads = (c.heads, c.kv_heads);
+        let qk = (&mut *d_q, &mut *d_k);
+        execute_rope_qk(rec, qk, &self.model.rope, heads, self.positions, true)?;
         let (mut dq_in, mut dk_in): (&GpuBuffer<f32>, &GpuBuffer<f32>) = (d_q, d_k);
         if let (
             Some(q_pre),
