@@ -1287,6 +1287,12 @@ static ENTRIES: [Entry; 51] = [
         summary: "the weight gradients' first pass: Σ over each block of tokens of u[t, j]·v[t, k]",
         params: &[
             LORA_N,
+            u32_param(
+                "second",
+                "48",
+                "the width of a second gradient's u (u2, v2) whose workgroups follow the \
+                 first's in the same launch (dA after dB); 0 for none",
+            ),
             u32_param("rank", "2", "the rank r"),
             u32_param("cols", "32", "invocations along the columns"),
             u32_param("lanes", "4", "invocations along the tokens"),
@@ -1299,7 +1305,7 @@ static ENTRIES: [Entry; 51] = [
             ),
         ],
         build: |s| {
-            let dims = (s.u32("n"), s.u32("rank"));
+            let dims = (s.u32("n"), s.u32("second"), s.u32("rank"));
             let tile = ["cols", "lanes", "lane_tokens", "unroll", "round_sums"].map(|p| s.u32(p));
             lora::build::lora_weight_grad_partials(dims, tile, s.limits())
         },

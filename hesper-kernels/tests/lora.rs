@@ -313,7 +313,8 @@ fn wgsl_snapshots() {
         "lora_down_n64_r1_rank_minor",
         "lora_down_subgroups_n64_r2_rank_minor_lanes32",
         "lora_up_n64_r4_rank_major",
-        "lora_weight_grad_partials_n64_r2",
+        "lora_weight_grad_partials_n64_second48_r2",
+        "lora_weight_grad_partials_n6_r2",
         "lora_weight_grad_sum_n64_r2_rank_minor_second48",
     ];
     let kernels = lora::kernels().unwrap();

@@ -3,13 +3,12 @@
 //! summed over tokens in two passes with no float atomics: `lora_weight_grad_partials` sums
 //! each block of tokens, `lora_weight_grad_sum` adds the blocks.
 
-use hesper_dsl::LocalArray;
 use hesper_dsl::prelude::*;
+use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
 use super::{
-    Layout, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
-    row_elements,
+    Layout, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, row_elements,
 };
 use crate::catalog::Failure;
 use crate::linear::offset;
@@ -152,10 +151,13 @@ pub(super) fn expect_loops(
     crate::expect_loops(gpu, kernel, || format!("{tokens} tokens"), iterations)
 }
 
-fn partials_key(n: u32, r: u32, tile: PartialsTile) -> KernelKey {
+/// The first pass's key: one gradient `n` wide and, when `second` is not 0, a second one
+/// `second` wide whose workgroups follow the first's (both of the fused backward: one launch).
+fn partials_key(n: u32, second: u32, r: u32, tile: PartialsTile) -> KernelKey {
     KernelKey::new("lora_weight_grad_partials")
         .workgroup_size(tile.invocations())
         .shape("n", n)
+        .shape("second", second)
         .shape("rank", r)
         .shape("cols", tile.cols)
         .shape("lanes", tile.lanes)
@@ -165,17 +167,116 @@ fn partials_key(n: u32, r: u32, tile: PartialsTile) -> KernelKey {
         .assume_in_bounds()
 }
 
+/// One gradient of a first pass: its operands `u: [T, n]` (vec4s where `n` allows) and
+/// `v: [T, r]`.
+struct PartialsOf<U> {
+    u: ReadBuffer<U>,
+    v: RankRows,
+    n: u32,
+}
+
+/// What both gradients of a first pass share: the tile, the rank, the partials, the tokens
+/// and the workgroup memory where lanes add their sums.
+struct PartialsPass {
+    tile: PartialsTile,
+    r: u32,
+    partials: RwBuffer<f32>,
+    tokens: Expr<u32>,
+    sums: WorkgroupArray<f32>,
+}
+
 /// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`. Invocation
 /// `(lane, c)` keeps its columns' `r` sums in registers over its `lane_tokens` tokens of the
 /// block (`u` read wide, `unroll` rows in flight); the lanes' sums are added in workgroup
-/// memory.
+/// memory. With a second gradient, the workgroups past `first_workgroups` take it.
 fn partials_body(k: &mut KernelBuilder) {
-    by_width(k, partials_with::<Vec4<f32>>, partials_with::<f32>)
+    let (n, second, r) = (
+        k.shape::<u32>("n"),
+        k.shape::<u32>("second"),
+        k.shape("rank"),
+    );
+    let tile = PartialsTile::from_key(k);
+    let first = Operands::declare(k, ("u", "v"), n, r);
+    let second = (second > 0).then(|| Operands::declare(k, ("u2", "v2"), second, r));
+    let pass = PartialsPass {
+        tile,
+        r,
+        partials: k.storage_rw::<f32>("partials"),
+        tokens: k.param::<u32>("tokens"),
+        sums: k.workgroup_array::<f32>("sums", tile.lanes * tile.cols * tile.round_sums),
+    };
+    // Where each gradient's partials start in `partials` (the fused backward keeps two).
+    let base = k.param::<u32>("base");
+    let wg = k.let_("wg", k.workgroup_index());
+    match second {
+        None => first.partials(k, &pass, base, wg),
+        Some(second) => {
+            let base2 = k.param::<u32>("base2");
+            let first_workgroups = k.param::<u32>("first_workgroups");
+            let in_first = wg.lt(&first_workgroups);
+            k.if_else(
+                in_first,
+                |k| first.partials(k, &pass, base, wg.clone()),
+                |k| second.partials(k, &pass, base2, &wg - &first_workgroups),
+            );
+        }
+    }
 }
 
-fn partials_with<C: Columns>(k: &mut KernelBuilder) {
-    let (n, r) = (k.shape::<u32>("n"), k.shape::<u32>("rank"));
-    let tile = PartialsTile::from_key(k);
+/// A gradient's operands, `u` read as vec4s or floats by its width.
+enum Operands {
+    Wide(PartialsOf<Vec4<f32>>),
+    Narrow(PartialsOf<f32>),
+}
+
+impl Operands {
+    fn declare(k: &mut KernelBuilder, (u, v): (&str, &str), n: u32, r: u32) -> Operands {
+        match super::wide(n) {
+            true => Operands::Wide(PartialsOf {
+                u: k.storage(u),
+                v: RankRows::declare(k, v, r),
+                n,
+            }),
+            false => Operands::Narrow(PartialsOf {
+                u: k.storage(u),
+                v: RankRows::declare(k, v, r),
+                n,
+            }),
+        }
+    }
+
+    /// This gradient's first pass ([`partials_with`]).
+    fn partials(
+        self,
+        k: &mut KernelBuilder,
+        pass: &PartialsPass,
+        first_partial: Expr<u32>,
+        wg: Expr<u32>,
+    ) {
+        match self {
+            Operands::Wide(of) => partials_with(k, pass, of, (first_partial, wg)),
+            Operands::Narrow(of) => partials_with(k, pass, of, (first_partial, wg)),
+        }
+    }
+}
+
+/// The first pass over one gradient's operands, its partials from `first_partial`, by
+/// workgroup `wg` of its own.
+fn partials_with<C: Columns>(
+    k: &mut KernelBuilder,
+    pass: &PartialsPass,
+    of: PartialsOf<C>,
+    (first_partial, wg): (Expr<u32>, Expr<u32>),
+) {
+    let PartialsPass {
+        tile,
+        r,
+        partials,
+        tokens,
+        sums,
+    } = pass;
+    let (tile, r) = (*tile, *r);
+    let PartialsOf { u, v, n } = of;
     let PartialsTile {
         cols,
         lanes,
@@ -184,17 +285,9 @@ fn partials_with<C: Columns>(k: &mut KernelBuilder) {
         round_sums,
     } = tile;
     let groups = n / C::N;
-    let u = k.storage::<C>("u");
-    let v = RankRows::declare(k, "v", r);
-    let partials = k.storage_rw::<f32>("partials");
-    let tokens = k.param::<u32>("tokens");
-    // Where this gradient's partials start in `partials` (the fused backward keeps two).
-    let first_partial = k.param::<u32>("base");
-    let sums = k.workgroup_array::<f32>("sums", lanes * cols * round_sums);
     let lid = k.let_("lid", k.local_index());
     let lane = k.let_("lane", &lid / cols);
     let c = k.let_("c", &lid % cols);
-    let wg = k.let_("wg", k.workgroup_index());
     let col_groups = groups.div_ceil(cols);
     let block = k.let_("block", &wg / col_groups);
     let g0 = k.let_("g0", (&wg % col_groups) * cols);
@@ -206,7 +299,7 @@ fn partials_with<C: Columns>(k: &mut KernelBuilder) {
         k.store(&acc, o, 0.0f32);
     }
     let first = k.let_("first", (&block * lanes + &lane) * lane_tokens);
-    let end = k.let_("end", (&first + lane_tokens).min(&tokens).max(&first));
+    let end = k.let_("end", (&first + lane_tokens).min(tokens).max(&first));
     let full = k.let_("full", &first + (&end - &first) / unroll * unroll);
     let rows_at = |k: &mut KernelBuilder, t: &Expr<u32>, count: u32| {
         let us: Vec<Expr<C>> = (0..count)
@@ -231,11 +324,7 @@ fn partials_with<C: Columns>(k: &mut KernelBuilder) {
         let base = pass * round_sums;
         let len = round_sums.min(total_outputs - base);
         for o in 0..len {
-            k.store(
-                &sums,
-                (&lane * cols + &c) * round_sums + o,
-                acc.at(base + o),
-            );
+            k.store(sums, (&lane * cols + &c) * round_sums + o, acc.at(base + o));
         }
         k.workgroup_barrier();
         let threads = tile.invocations();
@@ -250,15 +339,13 @@ fn partials_with<C: Columns>(k: &mut KernelBuilder) {
                 }
                 let eg = k.let_("eg", &g0 + &ec);
                 // A block past the tokens (a workgroup the 2-D grid rounds up to) stores nothing.
-                let live = eg
-                    .lt(groups)
-                    .and((&block * tile.block_tokens()).lt(&tokens));
+                let live = eg.lt(groups).and((&block * tile.block_tokens()).lt(tokens));
                 k.if_(live, |k| {
                     // Output `base + eo` is column `cc` of the invocation's, rank `kk`.
                     let o = k.let_("o", &eo + base);
                     let col = k.let_("col", &eg * C::N + &o / r);
                     let at = &first_partial + (&block * n + &col) * r + &o % r;
-                    k.store(&partials, at, total.get());
+                    k.store(partials, at, total.get());
                 });
             });
         }
@@ -350,11 +437,7 @@ pub(super) fn launch(
     let tile = PartialsTile::for_tokens(tokens as usize);
     tile.check("lora_weight_grad_partials")?;
     let blocks = tokens.div_ceil(tile.block_tokens());
-    launch_partials(rec, first, (tokens, r, tile), scratch, 0)?;
-    if let Some(second) = second {
-        let base = blocks * first.n * r;
-        launch_partials(rec, second, (tokens, r, tile), scratch, base)?;
-    }
+    launch_partials(rec, (first, second), (tokens, r, tile), scratch)?;
     let second_n = second.map_or(0, |s| s.n);
     let sum_tile = SumTile::DEFAULT;
     sum_tile.check("lora_weight_grad_sum")?;
@@ -372,33 +455,55 @@ pub(super) fn launch(
     rec.launch(&kernel, &args, Grid::Threads(outputs))
 }
 
-/// The first pass for one gradient, into `scratch` from `base`.
+/// The first pass for `first` and, when given, `second` (its partials after `first`'s) in one
+/// launch, into `scratch`.
 fn launch_partials(
     rec: &mut Recorder<'_>,
-    gradient: &Gradient<'_>,
+    (first, second): (&Gradient<'_>, Option<&Gradient<'_>>),
     (tokens, r, tile): (u32, u32, PartialsTile),
     scratch: &GpuBuffer<f32>,
-    base: u32,
 ) -> Result<(), ExecError> {
     let blocks = tokens.div_ceil(tile.block_tokens());
     if blocks == 0 {
         return Ok(());
     }
-    let n = gradient.n;
-    let kernel = rec.gpu().kernel(&partials_key(n, r, tile), partials_body)?;
-    let args = bind_columns(Args::new(), "u", gradient.u, n);
-    let args = bind_rank_rows(args, "v", gradient.v, r)
+    let workgroups = |n: u32| blocks as u64 * row_elements(n).div_ceil(tile.cols) as u64;
+    let second_n = second.map_or(0, |s| s.n);
+    let key = partials_key(first.n, second_n, r, tile);
+    let kernel = rec.gpu().kernel(&key, partials_body)?;
+    let args = bind_columns(Args::new(), "u", first.u, first.n);
+    let mut args = bind_rank_rows(args, "v", first.v, r);
+    if let Some(second) = second {
+        args = bind_columns(args, "u2", second.u, second.n);
+        args = bind_rank_rows(args, "v2", second.v, r);
+    }
+    let mut args = args
         .buffer("partials", scratch)
         .param("tokens", tokens)
-        .param("base", base);
-    let workgroups = blocks as u64 * row_elements(n).div_ceil(tile.cols) as u64;
-    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(workgroups))
+        .param("base", 0u32);
+    let mut total = workgroups(first.n);
+    if second.is_some() {
+        let first_workgroups = u32::try_from(total).map_err(|_| ExecError::Dispatch {
+            kernel: "lora_weight_grad_partials".into(),
+            what: format!("{total} workgroups for the first gradient"),
+            why: "they are counted in u32".into(),
+        })?;
+        args = args
+            .param("base2", blocks * first.n * r)
+            .param("first_workgroups", first_workgroups);
+        total += workgroups(second_n);
+    }
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(total))
 }
 
 /// The kernels at a small shape, for snapshots and review.
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
-        Kernel::build(&partials_key(64, 2, PartialsTile::DEFAULT), partials_body)?,
+        Kernel::build(
+            &partials_key(64, 48, 2, PartialsTile::DEFAULT),
+            partials_body,
+        )?,
+        Kernel::build(&partials_key(6, 0, 2, PartialsTile::DEFAULT), partials_body)?,
         Kernel::build(
             &sum_key(64, 2, Layout::RankMinor, 48, SumTile::DEFAULT),
             sum_body,
@@ -409,7 +514,7 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
 /// `lora_weight_grad_partials` at any shape and tile (`[cols, lanes, lane_tokens, unroll,
 /// round_sums]`), within `limits`, for [`crate::catalog`]: the tile checked first.
 pub(crate) fn partials_at(
-    (n, r): (u32, u32),
+    (n, second, r): (u32, u32, u32),
     [cols, lanes, lane_tokens, unroll, round_sums]: [u32; 5],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
@@ -421,8 +526,11 @@ pub(crate) fn partials_at(
         round_sums,
     };
     super::check_width(n)?;
+    if second > 0 {
+        super::check_width(second)?;
+    }
     tile.check("lora_weight_grad_partials")?;
-    let key = partials_key(n, r, tile);
+    let key = partials_key(n, second, r, tile);
     Ok(Kernel::build_with_limits(&key, limits, partials_body)?)
 }
 
