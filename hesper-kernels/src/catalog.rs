@@ -1246,6 +1246,12 @@ static ENTRIES: [Entry; 51] = [
             LORA_N,
             u32_param("rank", "2", "the rank r (1 to 32)"),
             RANK_MINOR,
+            bool_param(
+                "pair",
+                "false",
+                "two weights (w, w2) of one layout into two outputs (out, out2) over the same \
+                 rows: 2·rank at most 32",
+            ),
             u32_param(
                 "lanes",
                 "32",
@@ -1257,7 +1263,7 @@ static ENTRIES: [Entry; 51] = [
         ],
         build: |s| {
             let tile = ["invocations", "group_tokens", "unroll"].map(|p| s.u32(p));
-            let lanes = s.u32("lanes");
+            let lanes = (s.bool("pair"), s.u32("lanes"));
             lora::build::lora_down_subgroups(adapter(s), lanes, tile, s.limits())
         },
     },

@@ -42,6 +42,72 @@ fn forward_and_backward_match_reference_without_subgroups() {
     forward_and_backward_match_reference_on(gpu_without_subgroups());
 }
 
+/// Two adapters' products into `r` over one input (`execute_lora_down_pair`) against the
+/// reference for each, on the pair kernel and on the paths without it (no subgroups, or
+/// `2r` past 32), at the shapes of `SHAPES`.
+#[test]
+fn down_pair_matches_reference() {
+    for g in [gpu(), gpu_without_subgroups()] {
+        for (seed, (t, input, _, r)) in SHAPES.into_iter().enumerate() {
+            let mut rng = Rng::new(seed as u64 + 70);
+            let x = rng.vec(t * input, 1.0);
+            let (a1, a2) = (rng.vec(r * input, 0.5), rng.vec(r * input, 0.5));
+            let xb = g.upload(&x).unwrap();
+            let (a1b, a2b) = (g.upload(&a1).unwrap(), g.upload(&a2).unwrap());
+            let mut h1 = g.filled(t * r, f32::NAN).unwrap();
+            let mut h2 = g.filled(t * r, f32::NAN).unwrap();
+            let mut rec = g.recorder();
+            lora::execute_lora_down_pair(&mut rec, &xb, (&a1b, &a2b), r, (&mut h1, &mut h2))
+                .unwrap();
+            let launches = rec.len();
+            rec.submit().unwrap();
+            let paired = g.subgroup_size().is_some_and(|s| (8..=256).contains(&s)) && 2 * r <= 32;
+            assert_eq!(
+                launches,
+                if paired { 1 } else { 2 },
+                "T={t} in={input} r={r}"
+            );
+            for (what, h, a) in [("h1", &h1, &a1), ("h2", &h2, &a2)] {
+                let zeros = vec![0.0; 0];
+                let (want, _) =
+                    reference::lora_forward(&f64s(&x), &f64s(a), &zeros, &zeros, r, 0.0);
+                let got = h.read(g).unwrap();
+                let label = format!("down pair {what} T={t} in={input} r={r} paired={paired}");
+                assert_close(&label, &got, &want, 1e-4, 1e-4);
+            }
+        }
+    }
+}
+
+#[test]
+fn down_pair_of_different_inputs_is_an_error() {
+    let g = gpu();
+    let x = g.zeros::<f32>(3 * 8).unwrap();
+    let (a1, a2) = (
+        g.zeros::<f32>(2 * 8).unwrap(),
+        g.zeros::<f32>(2 * 4).unwrap(),
+    );
+    let (mut h1, mut h2) = (g.zeros::<f32>(6).unwrap(), g.zeros::<f32>(6).unwrap());
+    let mut rec = g.recorder();
+    let err = lora::execute_lora_down_pair(&mut rec, &x, (&a1, &a2), 2, (&mut h1, &mut h2))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("lora_down_pair") && err.contains("a1 of 8 inputs and a2 of 4"),
+        "{err}"
+    );
+    let a2 = g.zeros::<f32>(2 * 8).unwrap();
+    let mut h2 = g.zeros::<f32>(5).unwrap();
+    let err = lora::execute_lora_down_pair(&mut rec, &x, (&a1, &a2), 2, (&mut h1, &mut h2))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("`h2`") && err.contains("[tokens, rank]"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded on an error");
+}
+
 fn forward_and_backward_match_reference_on(g: &Gpu) {
     for (seed, (t, input, output, r)) in SHAPES.into_iter().enumerate() {
         let mut rng = Rng::new(seed as u64 + 11);
@@ -312,6 +378,7 @@ fn wgsl_snapshots() {
     let names = [
         "lora_down_n64_r1_rank_minor",
         "lora_down_subgroups_n64_r2_rank_minor_lanes32",
+        "lora_down_subgroups_n64_r2_rank_major_pair_lanes32",
         "lora_up_n64_r4_rank_major",
         "lora_weight_grad_partials_n64_second48_r2",
         "lora_weight_grad_partials_n6_r2",

@@ -25,8 +25,8 @@ use hesper_kernels::linear::{
     execute_gemm_fused, gemm_path,
 };
 use hesper_kernels::lora::{
-    LoraBackward, LoraUp, UpWeight, execute_lora_backward, execute_lora_down, execute_lora_forward,
-    execute_lora_weight_backward,
+    LoraBackward, LoraUp, UpWeight, execute_lora_backward, execute_lora_down,
+    execute_lora_down_pair, execute_lora_forward, execute_lora_up, execute_lora_weight_backward,
 };
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
@@ -97,6 +97,7 @@ impl Ctx<'_> {
     /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first; so is
     /// LoRA's up-projection on the tensor cores ([`lora_fuses`]). The bias is not fused:
     /// on the H200 the fused GEMM costs more than its own kernel (BENCHMARKS.md, "Fusion").
+    /// With `h_ready`, `lora_h` holds `x·Aᵀ` already ([`Ctx::lora_down_pair`]).
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
@@ -105,7 +106,7 @@ impl Ctx<'_> {
         (layer, projection): (usize, Projection),
         x: &GpuBuffer<f32>,
         y: &mut GpuBuffer<f32>,
-        lora_h: &mut [GpuBuffer<f32>],
+        (lora_h, h_ready): (&mut [GpuBuffer<f32>], bool),
         residual: Option<&GpuBuffer<f32>>,
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
@@ -125,7 +126,9 @@ impl Ctx<'_> {
         let fuse_lora = adapter.is_some() && lora_fuses(rec, &chosen_as, &frozen, self.rank);
         let (adapter, up) = match adapter {
             Some((adapter, h)) if fuse_lora => {
-                execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
+                if !h_ready {
+                    execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
+                }
                 let up = LoraUp {
                     h,
                     weight: UpWeight::B(&adapter.b),
@@ -150,10 +153,49 @@ impl Ctx<'_> {
         if let Some(bias) = weights.bias(projection) {
             execute_add_bias(rec, y, bias)?;
         }
-        if let Some((adapter, h)) = adapter {
-            execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?;
+        match adapter {
+            Some((adapter, h)) if h_ready => {
+                execute_lora_up(rec, h, &adapter.b, self.rank, self.scale, y)?
+            }
+            Some((adapter, h)) => {
+                execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?
+            }
+            None => {}
         }
         Ok(())
+    }
+
+    /// Where LoRA adapts both the query and the value projections of `layer`: their products
+    /// into `r`, `x·A_qᵀ` and `x·A_vᵀ`, into their `lora_h` in one pass over `x` (the attention's
+    /// normed input), and `true`; else nothing, and `false`.
+    fn lora_down_pair(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        layer: usize,
+        x: &GpuBuffer<f32>,
+        lora_h: &mut [GpuBuffer<f32>],
+    ) -> Result<bool, ModelError> {
+        let (Some(q), Some(v)) = (
+            adapters.index(layer, Projection::Q),
+            adapters.index(layer, Projection::V),
+        ) else {
+            return Ok(false);
+        };
+        let targets = adapters.lora().targets.len();
+        let (hq, hv) = match (q % targets, v % targets) {
+            (tq, tv) if tq < tv => {
+                let (low, high) = lora_h.split_at_mut(tv);
+                (&mut low[tq], &mut high[0])
+            }
+            (tq, tv) => {
+                let (low, high) = lora_h.split_at_mut(tq);
+                (&mut high[0], &mut low[tv])
+            }
+        };
+        let a = (&adapters.adapters[q].a, &adapters.adapters[v].a);
+        execute_lora_down_pair(rec, x, a, self.rank, (hq, hv))?;
+        Ok(true)
     }
 
     /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer` (one GEMM on the tensor
@@ -244,6 +286,7 @@ impl Ctx<'_> {
         let a = saved;
         execute_rms_norm_forward(rec, &a.x, &w.attn_norm, &mut a.n1, &mut a.rstd1, eps)?;
         let at = |p| (layer, p);
+        let paired = self.lora_down_pair(rec, adapters, layer, &a.n1, &mut a.lora_h)?;
         let q_out = a.q_pre.as_mut().unwrap_or(&mut a.q);
         self.project(
             rec,
@@ -251,7 +294,7 @@ impl Ctx<'_> {
             at(Projection::Q),
             &a.n1,
             q_out,
-            &mut a.lora_h,
+            (&mut a.lora_h, paired),
             None,
         )?;
         let k_out = a.k_pre.as_mut().unwrap_or(&mut a.k);
@@ -261,7 +304,7 @@ impl Ctx<'_> {
             at(Projection::K),
             &a.n1,
             k_out,
-            &mut a.lora_h,
+            (&mut a.lora_h, false),
             None,
         )?;
         self.project(
@@ -270,7 +313,7 @@ impl Ctx<'_> {
             at(Projection::V),
             &a.n1,
             &mut a.v,
-            &mut a.lora_h,
+            (&mut a.lora_h, paired),
             None,
         )?;
         if let (Some(q_pre), Some(k_pre), Some(rstd_q), Some(rstd_k), Some(q_norm), Some(k_norm)) = (
@@ -306,7 +349,7 @@ impl Ctx<'_> {
             at(Projection::O),
             o_in,
             &mut a.x1,
-            &mut a.lora_h,
+            (&mut a.lora_h, false),
             Some(&a.x),
         )?;
 
@@ -328,7 +371,7 @@ impl Ctx<'_> {
                     at(Projection::Gate),
                     n2,
                     gate,
-                    &mut a.lora_h,
+                    (&mut a.lora_h, false),
                     None,
                 )?;
                 self.project(
@@ -337,7 +380,7 @@ impl Ctx<'_> {
                     at(Projection::Up),
                     n2,
                     up,
-                    &mut a.lora_h,
+                    (&mut a.lora_h, false),
                     None,
                 )?;
                 match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
@@ -356,7 +399,7 @@ impl Ctx<'_> {
             at(Projection::Down),
             h_in,
             out,
-            &mut a.lora_h,
+            (&mut a.lora_h, false),
             Some(&a.x1),
         )
     }

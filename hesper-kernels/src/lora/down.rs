@@ -363,7 +363,7 @@ pub(super) fn project(
     let (kernel, tokens_per_group) = match subgroups {
         Some(size) => {
             sg_tile.check("lora_down_subgroups")?;
-            let key = subgroups::key(n, r, layout, size, sg_tile);
+            let key = subgroups::key((n, r, false), layout, size, sg_tile);
             let kernel = rec.gpu().kernel(&key, subgroups::body)?;
             (kernel, sg_tile.tokens())
         }
@@ -377,6 +377,46 @@ pub(super) fn project(
     let groups = t.div_ceil(tokens_per_group);
     rec.launch(&kernel, &args, Grid::WorkgroupPerItem(groups as u64))
 }
+
+/// `out1 = a·W1` and `out2 = a·W2` (each `[t, r]`, the weights `A`s or `B`s of the same `n`):
+/// one launch of `lora_down_subgroups` over pairs of weights where the device has subgroups it
+/// runs and both ranks fit its sums (`2r ≤ MAX_RANK`), else one launch each.
+pub(super) fn project_pair(
+    rec: &mut Recorder<'_>,
+    (a, (w1, w2), (out1, out2)): (&GpuBuffer<f32>, WeightPair<'_>, OutPair<'_>),
+    (t, n, r): (u32, u32, u32),
+    layout: Layout,
+) -> Result<(), ExecError> {
+    let sg_tile = SubgroupTile::for_tokens(t);
+    let size = rec
+        .gpu()
+        .subgroup_size()
+        .filter(|&size| sg_tile.runs_on(size) && 2 * r <= MAX_RANK);
+    let Some(size) = size else {
+        project(rec, (a, w1, out1), (t, n, r), layout)?;
+        return project(rec, (a, w2, out2), (t, n, r), layout);
+    };
+    sg_tile.check("lora_down_subgroups")?;
+    let bind_weight = |args, name, w| match layout {
+        Layout::RankMinor => bind_rank_rows(args, name, w, r),
+        Layout::RankMajor => bind_columns(args, name, w, n),
+    };
+    let args = bind_columns(Args::new(), "a", a, n);
+    let args = bind_weight(args, "w", w1);
+    let args = bind_weight(args, "w2", w2)
+        .buffer("out", out1)
+        .buffer("out2", out2)
+        .param("tokens", t);
+    let key = subgroups::key((n, r, true), layout, size, sg_tile);
+    let kernel = rec.gpu().kernel(&key, subgroups::body)?;
+    let groups = t.div_ceil(sg_tile.tokens());
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(groups as u64))
+}
+
+/// Two weights of one layout.
+pub(super) type WeightPair<'a> = (&'a GpuBuffer<f32>, &'a GpuBuffer<f32>);
+/// Two outputs `[t, r]`.
+pub(super) type OutPair<'a> = (&'a mut GpuBuffer<f32>, &'a mut GpuBuffer<f32>);
 
 /// The kernel at a small shape, for snapshots and review.
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {

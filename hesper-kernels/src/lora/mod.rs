@@ -249,6 +249,26 @@ pub fn execute_lora_forward(
     up::project_up(rec, (h, b, y), (t, output, r), Layout::RankMinor, scale)
 }
 
+/// `y += s·h·Bᵀ` alone (`h: [T, r]`, `B: [out, r]`, `y: [T, out]`): the LoRA forward's product
+/// out of `r`, for an `h` computed before ([`execute_lora_down_pair`]).
+pub fn execute_lora_up(
+    rec: &mut Recorder<'_>,
+    h: &GpuBuffer<f32>,
+    b: &GpuBuffer<f32>,
+    rank: usize,
+    scale: f32,
+    y: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "lora_up";
+    let (r, output) = adapter(name, "b", b, rank)?;
+    let t = rows(name, "h", h, r as usize, "rank")?;
+    expect_len(name, "y", y, t as usize * output as usize, "[tokens, out]")?;
+    if t == 0 {
+        return Ok(());
+    }
+    up::project_up(rec, (h, b, y), (t, output, r), Layout::RankMinor, scale)
+}
+
 /// `h = x·Aᵀ` (`[T, r]`) alone: the LoRA forward's product into `r`, for a frozen projection
 /// whose GEMM adds `s·h·Bᵀ` itself ([`LoraUp`]).
 pub fn execute_lora_down(
@@ -259,6 +279,37 @@ pub fn execute_lora_down(
     h: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
     into_rank(rec, &LORA_DOWN, (x, a, h), rank)
+}
+
+/// `h1 = x·A1ᵀ` and `h2 = x·A2ᵀ` (each `[T, r]`): the products into `r` of two adapters on
+/// the same input (a layer's query and value projections), read in one pass over `x` and one
+/// launch where the device's subgroups allow (`lora_down_subgroups` with `pair`, `2r ≤ 32`),
+/// else [`execute_lora_down`] for each.
+pub fn execute_lora_down_pair(
+    rec: &mut Recorder<'_>,
+    x: &GpuBuffer<f32>,
+    (a1, a2): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    rank: usize,
+    (h1, h2): (&mut GpuBuffer<f32>, &mut GpuBuffer<f32>),
+) -> Result<(), ExecError> {
+    let name = "lora_down_pair";
+    let (r, n) = adapter(name, "a1", a1, rank)?;
+    let (_, n2) = adapter(name, "a2", a2, rank)?;
+    if n2 != n {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("a1 of {n} inputs and a2 of {n2}"),
+            why: "both adapters read the same x: `[rank, in]` each, the same `in`".into(),
+        });
+    }
+    let t = rows(name, "x", x, n as usize, "in")?;
+    for (binding, h) in [("h1", &*h1), ("h2", &*h2)] {
+        expect_len(name, binding, h, t as usize * r as usize, "[tokens, rank]")?;
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    down::project_pair(rec, (x, (a1, a2), (h1, h2)), (t, n, r), Layout::RankMajor)
 }
 
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).

@@ -2,6 +2,7 @@
 //! Σ_i a[t, i]·W(i, k)` for `k < r`) on a device with subgroups of one known size, the
 //! reduction along each row done by a butterfly of subgroup shuffles.
 
+use hesper_dsl::ReadBuffer;
 use hesper_dsl::prelude::*;
 use hesper_exec::ExecError;
 
@@ -76,8 +77,7 @@ impl SubgroupTile {
 
 /// The key for subgroups of `subgroup_size` invocations.
 pub(super) fn key(
-    n: u32,
-    r: u32,
+    (n, r, pair): (u32, u32, bool),
     layout: Layout,
     subgroup_size: u32,
     tile: SubgroupTile,
@@ -86,6 +86,7 @@ pub(super) fn key(
     // exactly the size it reports (wgpu does not require full subgroups), and on the H200
     // dropping them gained nothing here.
     adapter_key("lora_down_subgroups", n, r, layout)
+        .shape("pair", pair)
         .workgroup_size(tile.invocations)
         .shape("lanes", subgroup_size)
         .shape("group_tokens", tile.group_tokens)
@@ -167,21 +168,65 @@ fn butterfly_ranks(lane: &Expr<u32>, size: u32, count: u32) -> (Expr<u32>, u32) 
     (first, copies)
 }
 
+/// A weight of `lora_down_subgroups`: `B` (`[n, r]`), a column's `r` weights a row; or `A`
+/// (`[r, n]`), one wide read per rank.
+enum DownWeight<C: Columns> {
+    Rows(RankRows),
+    Columns(ReadBuffer<C>),
+}
+
+impl<C: Columns> DownWeight<C> {
+    fn declare(k: &mut KernelBuilder, name: &str, layout: Layout, r: u32) -> Self {
+        match layout {
+            Layout::RankMinor => DownWeight::Rows(RankRows::declare(k, name, r)),
+            Layout::RankMajor => DownWeight::Columns(k.storage::<C>(name)),
+        }
+    }
+
+    /// `W(column c of wide element gc, kk)` for each of its `C::N` columns `c` and `kk < r`.
+    fn at(
+        &self,
+        k: &mut KernelBuilder,
+        gc: &Expr<u32>,
+        (r, groups): (u32, u32),
+    ) -> Vec<Vec<Expr<f32>>> {
+        let mut ws: Vec<Vec<Expr<f32>>> = vec![vec![]; C::N as usize];
+        match self {
+            DownWeight::Rows(rows) => {
+                for (c, wc) in ws.iter_mut().enumerate() {
+                    let col = k.let_("col", gc * C::N + c as u32);
+                    *wc = rows.row(k, &col, r);
+                }
+            }
+            DownWeight::Columns(cols) => {
+                for kk in 0..r {
+                    let wide_w = k.let_("w", cols.at(gc + kk * groups));
+                    for (c, lane_w) in C::lanes(&wide_w).into_iter().enumerate() {
+                        ws[c].push(lane_w);
+                    }
+                }
+            }
+        }
+        ws
+    }
+}
+
 fn body_with<C: Columns>(k: &mut KernelBuilder) {
     let (n, r, layout) = adapter_shapes(k);
+    let pair = k.shape::<bool>("pair");
     let size = k.shape::<u32>("lanes");
     let tile = SubgroupTile::from_key(k);
     let (wg, group_tokens, unroll) = (tile.invocations, tile.group_tokens, tile.unroll);
     let groups = n / C::N;
     let subgroups = wg / size;
-    let padded = r.next_power_of_two();
+    // A pair's sums are the first weight's `r` then the second's.
+    let sums_r = if pair { 2 * r } else { r };
+    let padded = sums_r.next_power_of_two();
     let a = k.storage::<C>("a");
-    // `B` (`[n, r]`): a column's `r` weights are a row; `A` (`[r, n]`): one wide read per rank.
-    let (b_rows, a_rows) = match layout {
-        Layout::RankMinor => (Some(RankRows::declare(k, "w", r)), None),
-        Layout::RankMajor => (None, Some(k.storage::<C>("w"))),
-    };
+    let w = DownWeight::<C>::declare(k, "w", layout, r);
+    let w2 = pair.then(|| DownWeight::<C>::declare(k, "w2", layout, r));
     let out = k.storage_rw::<f32>("out");
+    let out2 = pair.then(|| k.storage_rw::<f32>("out2"));
     let tokens = k.param::<u32>("tokens");
     // Each subgroup's sums for `unroll` tokens, and the workgroup's running totals.
     let batch = k.workgroup_array::<f32>("batch", subgroups * unroll * padded);
@@ -208,20 +253,12 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
         let g = k.let_("g", &chunk * wg + &sg * size + &lane);
         let live = k.let_("live", g.lt(groups));
         let gc = k.let_("gc", g.min(groups - 1));
-        // ws[c][kk] = W(column c of the invocation's, kk), zero past the row's end (so that the
-        // invocation adds nothing).
-        let mut ws: Vec<Vec<Expr<f32>>> = vec![vec![]; C::N as usize];
-        if let Some(rows) = &b_rows {
-            for (c, wc) in ws.iter_mut().enumerate() {
-                let col = k.let_("col", &gc * C::N + c as u32);
-                *wc = rows.row(k, &col, r);
-            }
-        } else if let Some(cols) = &a_rows {
-            for kk in 0..r {
-                let wide_w = k.let_("w", cols.at(&gc + kk * groups));
-                for (c, lane_w) in C::lanes(&wide_w).into_iter().enumerate() {
-                    ws[c].push(lane_w);
-                }
+        // ws[c][kk] = W(column c of the invocation's, kk) (a pair's second weight from
+        // kk = r on), zero past the row's end (so that the invocation adds nothing).
+        let mut ws = w.at(k, &gc, (r, groups));
+        if let Some(w2) = &w2 {
+            for (wc, w2c) in ws.iter_mut().zip(w2.at(k, &gc, (r, groups))) {
+                wc.extend(w2c);
             }
         }
         let ws: Vec<Vec<Expr<f32>>> = ws
@@ -244,7 +281,7 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
                 let x = C::lanes(x);
                 let sums: Vec<Expr<f32>> = (0..padded)
                     .map(|kk| {
-                        if kk < r {
+                        if kk < sums_r {
                             let dot = (0..C::N as usize)
                                 .map(|c| &x[c] * &ws[c][kk as usize])
                                 .reduce(|p, q| p + q)
@@ -278,17 +315,27 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
         let kk = k.let_("kk", &lid % padded);
         for b in 0..group_tokens / unroll {
             let token = k.let_("token", &t0 + b * unroll + &lid / padded);
+            let total = totals.at(offset(&lid, b * summers));
             k.if_(token.lt(&tokens).and(kk.lt(r)), |k| {
-                k.store(&out, &token * r + &kk, totals.at(offset(&lid, b * summers)));
+                k.store(&out, &token * r + &kk, total.clone());
             });
+            if let Some(out2) = &out2 {
+                let second = kk.ge(r).and(kk.lt(2 * r));
+                k.if_(token.lt(&tokens).and(second), |k| {
+                    k.store(out2, &token * r + &kk - r, total);
+                });
+            }
         }
     });
 }
 
 /// The kernel at a small shape, for snapshots and review.
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
-    let key = key(64, 2, Layout::RankMinor, 32, SubgroupTile::DEFAULT);
-    Ok(vec![Kernel::build(&key, body)?])
+    let key_of = |pair, layout| key((64, 2, pair), layout, 32, SubgroupTile::DEFAULT);
+    Ok(vec![
+        Kernel::build(&key_of(false, Layout::RankMinor), body)?,
+        Kernel::build(&key_of(true, Layout::RankMajor), body)?,
+    ])
 }
 
 /// `lora_down_subgroups` for subgroups of `lanes` at any shape and tile (`[invocations,
@@ -296,7 +343,7 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
 /// subgroup size checked first.
 pub(crate) fn build_at(
     (n, r, rank_minor): (u32, u32, bool),
-    lanes: u32,
+    (pair, lanes): (bool, u32),
     [invocations, group_tokens, unroll]: [u32; 3],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
@@ -308,6 +355,12 @@ pub(crate) fn build_at(
     };
     super::check_width(n)?;
     super::check_rank(r)?;
+    if pair && 2 * r > MAX_RANK {
+        return Err(Failure::rule(
+            format!("rank = {r} with pair"),
+            format!("a pair sums both weights' ranks: 2·rank at most {MAX_RANK}"),
+        ));
+    }
     tile.check(name)?;
     if !tile.runs_on(lanes) {
         return Err(Failure::rule(
@@ -315,7 +368,7 @@ pub(crate) fn build_at(
             format!("the subgroup size must be 8 to {invocations} and divide it"),
         ));
     }
-    let key = key(n, r, Layout::from_shape(rank_minor), lanes, tile);
+    let key = key((n, r, pair), Layout::from_shape(rank_minor), lanes, tile);
     Ok(Kernel::build_with_limits(&key, limits, body)?)
 }
 
@@ -331,9 +384,17 @@ mod tests {
             for r in [1, 3, 4, 6, 12, 16, 17, 32] {
                 for n in [7, 64, 2560] {
                     for layout in [Layout::RankMajor, Layout::RankMinor] {
-                        let key = key(n, r, layout, size, SubgroupTile::DEFAULT);
-                        if let Err(e) = Kernel::build(&key, body) {
-                            panic!("size {size}, rank {r}, width {n}, {layout:?}: {e}");
+                        // A pair sums both weights' ranks: up to MAX_RANK in all.
+                        for pair in [false, true]
+                            .into_iter()
+                            .filter(|&p| !p || 2 * r <= MAX_RANK)
+                        {
+                            let key = key((n, r, pair), layout, size, SubgroupTile::DEFAULT);
+                            if let Err(e) = Kernel::build(&key, body) {
+                                panic!(
+                                    "size {size}, rank {r}, width {n}, {layout:?}, pair {pair}: {e}"
+                                );
+                            }
                         }
                     }
                 }
