@@ -1299,6 +1299,16 @@ static ENTRIES: [Entry; 51] = [
                 "the width of a second gradient's u (u2, v2) whose workgroups follow the \
                  first's in the same launch (dA after dB); 0 for none",
             ),
+            u32_param(
+                "third",
+                "20",
+                "the width of a third gradient's u (u3, v3: a second adapter's dB); 0 for none",
+            ),
+            u32_param(
+                "fourth",
+                "64",
+                "the width of a fourth gradient's u (u4, v4: a second adapter's dA); 0 for none",
+            ),
             u32_param("rank", "2", "the rank r"),
             u32_param("cols", "32", "invocations along the columns"),
             u32_param("lanes", "4", "invocations along the tokens"),
@@ -1311,7 +1321,8 @@ static ENTRIES: [Entry; 51] = [
             ),
         ],
         build: |s| {
-            let dims = (s.u32("n"), s.u32("second"), s.u32("rank"));
+            let widths = ["n", "second", "third", "fourth"].map(|p| s.u32(p));
+            let dims = (widths, s.u32("rank"));
             let tile = ["cols", "lanes", "lane_tokens", "unroll", "round_sums"].map(|p| s.u32(p));
             lora::build::lora_weight_grad_partials(dims, tile, s.limits())
         },
@@ -1327,9 +1338,22 @@ static ENTRIES: [Entry; 51] = [
             u32_param(
                 "second",
                 "48",
-                "the width of a second, rank-major gradient summed in the same launch (dA after \
-                 dB); 0 for none",
+                "the width of a second gradient summed in the same launch (dA after dB); 0 for \
+                 none",
             ),
+            bool_param("second_rank_minor", "false", "the second gradient's layout"),
+            u32_param(
+                "third",
+                "20",
+                "the width of a third gradient (a second adapter's dB); 0 for none",
+            ),
+            bool_param("third_rank_minor", "true", "the third gradient's layout"),
+            u32_param(
+                "fourth",
+                "64",
+                "the width of a fourth gradient (a second adapter's dA); 0 for none",
+            ),
+            bool_param("fourth_rank_minor", "false", "the fourth gradient's layout"),
             u32_param(
                 "invocations",
                 "256",
@@ -1340,8 +1364,14 @@ static ENTRIES: [Entry; 51] = [
         build: |s| {
             let (n, r, rank_minor) = adapter(s);
             let tile = ["invocations", "loads"].map(|p| s.u32(p));
-            let dims = (n, r, rank_minor, s.u32("second"));
-            lora::build::lora_weight_grad_sum(dims, tile, s.limits())
+            let part = |name: &str| (s.u32(name), s.bool(&format!("{name}_rank_minor")));
+            let parts = [
+                (n, rank_minor),
+                part("second"),
+                part("third"),
+                part("fourth"),
+            ];
+            lora::build::lora_weight_grad_sum((parts, r), tile, s.limits())
         },
     },
     // loss

@@ -2,7 +2,7 @@
 //! finite differences.
 
 use hesper_exec::Gpu;
-use hesper_kernels::lora::{self, LoraBackward, reference};
+use hesper_kernels::lora::{self, LoraBackward, WeightBackward, reference};
 use hesper_kernels::testing::{
     Rng, assert_close, check_gradient, f64s, gpu, gpu_without_subgroups,
 };
@@ -208,6 +208,153 @@ fn forward_and_backward_match_reference_on(g: &Gpu) {
     }
 }
 
+/// Two adapters' weight backward in one call (`execute_lora_weight_backward_pair`: four
+/// launches) against the reference for each: outputs of different widths (a layer's query
+/// and value), widths that are not multiples of 4, several token counts and ranks.
+#[test]
+fn weight_backward_pair_matches_reference() {
+    let g = gpu();
+    // (tokens, in, out of the first, out of the second, rank)
+    for (seed, (t, input, out1, out2, r)) in [
+        (37, 64, 48, 20, 8),
+        (5000, 96, 96, 32, 8),
+        (130, 33, 21, 7, 3),
+        (531, 64, 130, 64, 16),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut rng = Rng::new(seed as u64 + 90);
+        let x = rng.vec(t * input, 1.0);
+        let adapters: Vec<_> = [out1, out2]
+            .into_iter()
+            .map(|out| {
+                let (a, b) = (rng.vec(r * input, 0.5), rng.vec(out * r, 0.5));
+                let dy = rng.vec(t * out, 1.0);
+                (out, a, b, dy)
+            })
+            .collect();
+        let xb = g.upload(&x).unwrap();
+        let uploads: Vec<_> = adapters
+            .iter()
+            .map(|(_, a, b, dy)| {
+                let (ab, bb) = (g.upload(a).unwrap(), g.upload(b).unwrap());
+                let mut h = g.filled(t * r, f32::NAN).unwrap();
+                let mut rec = g.recorder();
+                lora::execute_lora_down(&mut rec, &xb, &ab, r, &mut h).unwrap();
+                rec.submit().unwrap();
+                let dyb = g.upload(dy).unwrap();
+                (ab, bb, h, dyb)
+            })
+            .collect();
+        let inputs: Vec<LoraBackward> = uploads
+            .iter()
+            .map(|(a, b, h, dy)| LoraBackward {
+                x: &xb,
+                a,
+                b,
+                h,
+                dy,
+            })
+            .collect();
+        let nan = |n: usize| g.filled(n, f32::NAN).unwrap();
+        let (mut dh1, mut da1, mut db1) = (nan(t * r), nan(r * input), nan(out1 * r));
+        let (mut dh2, mut da2, mut db2) = (nan(t * r), nan(r * input), nan(out2 * r));
+        let widths = 2 * input + out1 + out2;
+        let mut scratch = g
+            .filled(lora::lora_scratch_len(t, widths, r), f32::NAN)
+            .unwrap();
+        let mut rec = g.recorder();
+        let pair = [
+            WeightBackward {
+                inputs: &inputs[0],
+                dh: &mut dh1,
+                da: &mut da1,
+                db: &mut db1,
+            },
+            WeightBackward {
+                inputs: &inputs[1],
+                dh: &mut dh2,
+                da: &mut da2,
+                db: &mut db2,
+            },
+        ];
+        lora::execute_lora_weight_backward_pair(&mut rec, pair, r, SCALE, &mut scratch).unwrap();
+        assert_eq!(rec.len(), 4, "two dh, the partials, the sums");
+        rec.submit().unwrap();
+        for ((out, a, b, dy), (da, db)) in adapters.iter().zip([(&da1, &db1), (&da2, &db2)]) {
+            let (want_da, want_db, _) =
+                reference::lora_backward(&f64s(&x), &f64s(a), &f64s(b), &f64s(dy), r, SCALE as f64);
+            let what = format!("pair T={t} in={input} out={out} r={r}");
+            assert_close(
+                &format!("dA {what}"),
+                &da.read(g).unwrap(),
+                &want_da,
+                1e-5,
+                1e-4,
+            );
+            assert_close(
+                &format!("dB {what}"),
+                &db.read(g).unwrap(),
+                &want_db,
+                1e-5,
+                1e-4,
+            );
+        }
+    }
+}
+
+#[test]
+fn weight_backward_pair_of_different_tokens_is_an_error() {
+    let g = gpu();
+    let (r, input, out) = (2, 8, 4);
+    let buf = |n: usize| g.zeros::<f32>(n).unwrap();
+    let (x1, x2) = (buf(3 * input), buf(5 * input));
+    let (a, b) = (buf(r * input), buf(out * r));
+    let (h1, dy1, h2, dy2) = (buf(3 * r), buf(3 * out), buf(5 * r), buf(5 * out));
+    let first = LoraBackward {
+        x: &x1,
+        a: &a,
+        b: &b,
+        h: &h1,
+        dy: &dy1,
+    };
+    let second = LoraBackward {
+        x: &x2,
+        a: &a,
+        b: &b,
+        h: &h2,
+        dy: &dy2,
+    };
+    let (mut dh1, mut dh2) = (buf(3 * r), buf(5 * r));
+    let (mut da1, mut db1, mut da2, mut db2) =
+        (buf(r * input), buf(out * r), buf(r * input), buf(out * r));
+    let mut scratch = buf(lora::lora_scratch_len(5, 2 * (input + out), r));
+    let mut rec = g.recorder();
+    let pair = [
+        WeightBackward {
+            inputs: &first,
+            dh: &mut dh1,
+            da: &mut da1,
+            db: &mut db1,
+        },
+        WeightBackward {
+            inputs: &second,
+            dh: &mut dh2,
+            da: &mut da2,
+            db: &mut db2,
+        },
+    ];
+    let err = lora::execute_lora_weight_backward_pair(&mut rec, pair, r, SCALE, &mut scratch)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("lora_backward_pair") && err.contains("adapters over 3 and 5 tokens"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded on an error");
+}
+
 /// The single pieces agree with the fused backward's pieces (Hesper's names).
 #[test]
 fn pieces_match_reference() {
@@ -380,9 +527,10 @@ fn wgsl_snapshots() {
         "lora_down_subgroups_n64_r2_rank_minor_lanes32",
         "lora_down_subgroups_n64_r2_rank_major_pair_lanes32",
         "lora_up_n64_r4_rank_major",
-        "lora_weight_grad_partials_n64_second48_r2",
+        "lora_weight_grad_partials_n64_second48_third20_fourth64_r2",
         "lora_weight_grad_partials_n6_r2",
-        "lora_weight_grad_sum_n64_r2_rank_minor_second48",
+        "lora_weight_grad_sum_n64_r2_rank_minor_four_parts",
+        "lora_weight_grad_sum_n6_r2_rank_major",
     ];
     let kernels = lora::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -200,9 +200,12 @@ pub(crate) struct Workspace {
     pub(crate) lora: LoraWork,
 }
 
-/// The LoRA backward's workspace: `dh [T, r]` and the weight gradients' partial sums.
+/// The LoRA backward's workspace: `dh [T, r]`, a second for the query and value adapters'
+/// pair where LoRA adapts both (`Ctx::lora_weight_backward_pair`), and the weight gradients'
+/// partial sums (a pair's both).
 pub(crate) struct LoraWork {
     pub(crate) dh: GpuBuffer<f32>,
+    pub(crate) dh_pair: Option<GpuBuffer<f32>>,
     pub(crate) scratch: GpuBuffer<f32>,
 }
 
@@ -316,16 +319,17 @@ impl StepBuffers {
                 })
             })
             .collect::<Result<_, ModelError>>()?;
-        let widest = adapters
-            .lora()
-            .targets
-            .iter()
-            .map(|p| {
-                let (out, input) = p.shape(c);
-                out + input
-            })
-            .max()
-            .unwrap_or(0);
+        let targets = &adapters.lora().targets;
+        let width = |p: &Projection| {
+            let (out, input) = p.shape(c);
+            out + input
+        };
+        let paired = targets.contains(&Projection::Q) && targets.contains(&Projection::V);
+        let widest = targets.iter().map(width).max().unwrap_or(0);
+        let widest = match paired {
+            true => widest.max(width(&Projection::Q) + width(&Projection::V)),
+            false => widest,
+        };
         let work = Workspace {
             dx: buf(t * d)?,
             dn: buf(t * d)?,
@@ -342,6 +346,7 @@ impl StepBuffers {
             d_k_pre: opt(qwen3, t * hkv)?,
             lora: LoraWork {
                 dh: buf(t * r)?,
+                dh_pair: paired.then(|| buf(t * r)).transpose()?,
                 scratch: buf(lora_scratch_len(t, widest, r))?,
             },
         };
@@ -510,7 +515,13 @@ impl StepBuffers {
             &w.lora.dh,
             &w.lora.scratch,
         ];
-        let work_extra = [&w.d_h_sub, &w.d_o_attn, &w.d_q_pre, &w.d_k_pre];
+        let work_extra = [
+            &w.d_h_sub,
+            &w.d_o_attn,
+            &w.d_q_pre,
+            &w.d_k_pre,
+            &w.lora.dh_pair,
+        ];
         let l = &self.loss;
         let loss = [
             &l.n,

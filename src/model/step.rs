@@ -25,8 +25,9 @@ use hesper_kernels::linear::{
     execute_gemm_fused, gemm_path,
 };
 use hesper_kernels::lora::{
-    LoraBackward, LoraUp, UpWeight, execute_lora_backward, execute_lora_down,
-    execute_lora_down_pair, execute_lora_forward, execute_lora_up, execute_lora_weight_backward,
+    LoraBackward, LoraUp, UpWeight, WeightBackward, execute_input_grad, execute_lora_backward,
+    execute_lora_down, execute_lora_down_pair, execute_lora_forward, execute_lora_up,
+    execute_lora_weight_backward, execute_lora_weight_backward_pair,
 };
 use hesper_kernels::loss::{
     IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
@@ -66,6 +67,28 @@ fn lora_fuses(rec: &Recorder<'_>, gemm: &Gemm, weights: &Weights<'_>, rank: usiz
         GemmPath::TensorCores { tile, .. } => low_rank_fits(rank, tile.bk),
         _ => false,
     }
+}
+
+/// Elements `i` and `j` (`i ≠ j`) of `items`, both mutable.
+fn two_mut<T>(items: &mut [T], (i, j): (usize, usize)) -> (&mut T, &mut T) {
+    assert_ne!(i, j, "two different elements");
+    if i < j {
+        let (low, high) = items.split_at_mut(j);
+        (&mut low[i], &mut high[0])
+    } else {
+        let (low, high) = items.split_at_mut(i);
+        (&mut high[0], &mut low[j])
+    }
+}
+
+/// Where the backward of a projection finds its adapter's weight gradients.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum LoraGrads {
+    /// Computed with the projection's input gradient, `dh = dy·B` in `LoraWork::dh`.
+    Here,
+    /// Computed already by [`Ctx::lora_weight_backward_pair`], `dh` of the pair's first in
+    /// `LoraWork::dh`, of its second in `LoraWork::dh_pair`.
+    Paired { second: bool },
 }
 
 /// What every launch of one micro-batch shares.
@@ -183,24 +206,101 @@ impl Ctx<'_> {
             return Ok(false);
         };
         let targets = adapters.lora().targets.len();
-        let (hq, hv) = match (q % targets, v % targets) {
-            (tq, tv) if tq < tv => {
-                let (low, high) = lora_h.split_at_mut(tv);
-                (&mut low[tq], &mut high[0])
-            }
-            (tq, tv) => {
-                let (low, high) = lora_h.split_at_mut(tq);
-                (&mut high[0], &mut low[tv])
-            }
-        };
+        let (hq, hv) = two_mut(lora_h, (q % targets, v % targets));
         let a = (&adapters.adapters[q].a, &adapters.adapters[v].a);
         execute_lora_down_pair(rec, x, a, self.rank, (hq, hv))?;
         Ok(true)
     }
 
+    /// The weight gradients of the query and value adapters of `layer` (as
+    /// [`Ctx::project_backward`] computes them, written by the first micro-batch, added to by
+    /// the others) in one `execute_lora_weight_backward_pair`: `dh` of each into
+    /// `work.dh` and `work.dh_pair`, for their projections' input gradients after.
+    fn lora_weight_backward_pair(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &mut GpuAdapters,
+        (layer, saved): (usize, &LayerActivations),
+        (dq, dv): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+        work: &mut LoraWork,
+    ) -> Result<(), ModelError> {
+        let at = |p| {
+            adapters
+                .index(layer, p)
+                .expect("the caller checked both are adapted")
+        };
+        let (q, v) = (at(Projection::Q), at(Projection::V));
+        let targets = adapters.lora().targets.len();
+        let (aq, av) = two_mut(&mut adapters.adapters, (q, v));
+        let LoraWork {
+            dh,
+            dh_pair,
+            scratch,
+        } = work;
+        let dh_pair = dh_pair
+            .as_mut()
+            .expect("StepBuffers::new gives a pair's dh where LoRA adapts Q and V");
+        let GpuAdapter {
+            a: a_q,
+            b: b_q,
+            da: da_q,
+            db: db_q,
+            micro_da: micro_da_q,
+            micro_db: micro_db_q,
+            ..
+        } = aq;
+        let GpuAdapter {
+            a: a_v,
+            b: b_v,
+            da: da_v,
+            db: db_v,
+            micro_da: micro_da_v,
+            micro_db: micro_db_v,
+            ..
+        } = av;
+        let q_in = LoraBackward {
+            x: projection_input(saved, Projection::Q),
+            a: a_q,
+            b: b_q,
+            h: &saved.lora_h[q % targets],
+            dy: dq,
+        };
+        let v_in = LoraBackward {
+            x: projection_input(saved, Projection::V),
+            a: a_v,
+            b: b_v,
+            h: &saved.lora_h[v % targets],
+            dy: dv,
+        };
+        // The first micro-batch writes the gradients, the others add theirs.
+        let first = self.micro == 0;
+        let pair = [
+            WeightBackward {
+                inputs: &q_in,
+                dh,
+                da: if first { &mut *da_q } else { &mut *micro_da_q },
+                db: if first { &mut *db_q } else { &mut *micro_db_q },
+            },
+            WeightBackward {
+                inputs: &v_in,
+                dh: dh_pair,
+                da: if first { &mut *da_v } else { &mut *micro_da_v },
+                db: if first { &mut *db_v } else { &mut *micro_db_v },
+            },
+        ];
+        execute_lora_weight_backward_pair(rec, pair, self.rank, self.scale, scratch)?;
+        if !first {
+            execute_add(rec, micro_da_q, da_q)?;
+            execute_add(rec, micro_db_q, db_q)?;
+            execute_add(rec, micro_da_v, da_v)?;
+            execute_add(rec, micro_db_v, db_v)?;
+        }
+        Ok(())
+    }
+
     /// `dx (+)= dy·W + s·(dy·B)·A` for `projection` of `layer` (one GEMM on the tensor
     /// cores), and its adapter's gradients (written by the first micro-batch, added to by the
-    /// others).
+    /// others) unless `grads` says they were computed already.
     #[allow(clippy::too_many_arguments)]
     fn project_backward(
         &self,
@@ -210,7 +310,7 @@ impl Ctx<'_> {
         saved: &LayerActivations,
         dy: &GpuBuffer<f32>,
         dx: &mut GpuBuffer<f32>,
-        work: &mut LoraWork,
+        (work, grads): (&mut LoraWork, LoraGrads),
         accumulate: bool,
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
@@ -241,15 +341,28 @@ impl Ctx<'_> {
             dy,
         };
         let (rank, scale) = (self.rank, self.scale);
-        let (dh, scratch) = (&mut work.dh, &mut work.scratch);
+        let LoraWork {
+            dh,
+            dh_pair,
+            scratch,
+        } = work;
+        let dh = match (grads, dh_pair) {
+            (LoraGrads::Paired { second: true }, Some(dh_pair)) => dh_pair,
+            _ => dh,
+        };
         // The first micro-batch writes the gradients, the others add theirs.
         let (grad_a, grad_b) = match self.micro {
             0 => (&mut *da, &mut *db),
             _ => (&mut *micro_da, &mut *micro_db),
         };
+        let here = grads == LoraGrads::Here;
         if lora_fuses(rec, &gemm, &frozen, rank) {
             // `dx = dy·W + s·dh·A` in one GEMM, `dh = dy·B` first.
-            execute_lora_weight_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b)?;
+            if here {
+                execute_lora_weight_backward(
+                    rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b,
+                )?;
+            }
             let up = LoraUp {
                 h: dh,
                 weight: UpWeight::A(a),
@@ -261,11 +374,14 @@ impl Ctx<'_> {
                 epilogues: &[&up],
             };
             execute_gemm_fused(rec, &gemm, &fusion, dy, frozen, &mut *dx)?;
-        } else {
+        } else if here {
             execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
             execute_lora_backward(rec, &inputs, rank, scale, dh, scratch, grad_a, grad_b, dx)?;
+        } else {
+            execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?;
+            execute_input_grad(rec, dh, a, rank, scale, dx)?;
         }
-        if self.micro > 0 {
+        if self.micro > 0 && here {
             execute_add(rec, micro_da, da)?;
             execute_add(rec, micro_db, db)?;
         }
@@ -444,7 +560,7 @@ impl Ctx<'_> {
             a,
             dx,
             d_down_in,
-            lora,
+            (lora, LoraGrads::Here),
             false,
         )?;
         match (&a.gate_up, d_gate_up) {
@@ -472,9 +588,11 @@ impl Ctx<'_> {
                     _ => execute_swiglu_backward(rec, gate, up, d_h, d_gate, d_up)?,
                 }
                 let gate = at(Projection::Gate);
-                self.project_backward(rec, adapters, gate, a, d_gate, dn, lora, false)?;
+                let here = (&mut *lora, LoraGrads::Here);
+                self.project_backward(rec, adapters, gate, a, d_gate, dn, here, false)?;
                 let up = at(Projection::Up);
-                self.project_backward(rec, adapters, up, a, d_up, dn, lora, true)?;
+                let here = (&mut *lora, LoraGrads::Here);
+                self.project_backward(rec, adapters, up, a, d_up, dn, here, true)?;
             }
             _ => {
                 unreachable!("StepBuffers::new lays the gate and up and their gradients out alike")
@@ -483,7 +601,8 @@ impl Ctx<'_> {
         execute_rms_norm_backward(rec, &a.x1, &w.ffn_norm, &a.rstd2, dn, dx, true)?;
 
         // x1 = x + o·W_oᵀ: the same for the attention's path.
-        self.project_backward(rec, adapters, at(Projection::O), a, dx, d_o, lora, false)?;
+        let here = (&mut *lora, LoraGrads::Here);
+        self.project_backward(rec, adapters, at(Projection::O), a, dx, d_o, here, false)?;
         let d_attn: &GpuBuffer<f32> = match (&a.rstd_o, &w.attn_sub_norm, d_o_attn.as_mut()) {
             (Some(rstd_o), Some(gamma), Some(d_o_attn)) => {
                 execute_rms_norm_backward(rec, &a.o, gamma, rstd_o, d_o, d_o_attn, false)?;
@@ -535,9 +654,25 @@ impl Ctx<'_> {
             execute_rms_norm_backward(rec, k_pre, k_norm, rstd_k, dk_in, d_k_pre, false)?;
             (dq_in, dk_in) = (d_q_pre, d_k_pre);
         }
-        self.project_backward(rec, adapters, at(Projection::Q), a, dq_in, dn, lora, false)?;
-        self.project_backward(rec, adapters, at(Projection::K), a, dk_in, dn, lora, true)?;
-        self.project_backward(rec, adapters, at(Projection::V), a, d_v, dn, lora, true)?;
+        // The query and value adapters' weight gradients in one pair where both are adapted.
+        let paired = lora.dh_pair.is_some()
+            && adapters.index(layer, Projection::Q).is_some()
+            && adapters.index(layer, Projection::V).is_some();
+        let (q_grads, v_grads) = match paired {
+            true => {
+                let dys = (dq_in, &*d_v);
+                self.lora_weight_backward_pair(rec, adapters, (layer, a), dys, lora)?;
+                let first = LoraGrads::Paired { second: false };
+                (first, LoraGrads::Paired { second: true })
+            }
+            false => (LoraGrads::Here, LoraGrads::Here),
+        };
+        let q = (&mut *lora, q_grads);
+        self.project_backward(rec, adapters, at(Projection::Q), a, dq_in, dn, q, false)?;
+        let k = (&mut *lora, LoraGrads::Here);
+        self.project_backward(rec, adapters, at(Projection::K), a, dk_in, dn, k, true)?;
+        let v = (&mut *lora, v_grads);
+        self.project_backward(rec, adapters, at(Projection::V), a, d_v, dn, v, true)?;
         execute_rms_norm_backward(rec, &a.x, &w.attn_norm, &a.rstd1, dn, dx, true)?;
         Ok(())
     }

@@ -457,7 +457,7 @@ fn execute_weight_grad(
         "lora_scratch_len",
     )?;
     let gradient = Gradient { u, v, grad, n };
-    weight_grad::launch(rec, (&gradient, names.layout), None, (t, r, scale), scratch)
+    weight_grad::launch(rec, &[(&gradient, names.layout)], (t, r, scale), scratch)
 }
 
 /// `dx += s·dh·A` (`[T, in]`; added, since `dx` also receives `dy·W` through the frozen weight).
@@ -534,24 +534,84 @@ pub fn execute_lora_weight_backward(
     da: &mut GpuBuffer<f32>,
     db: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    // Check every buffer before recording anything: an error must not leave half a backward
-    // in the caller's recorder.
-    let name = "lora_backward";
-    let (_, input) = adapter(name, "a", inputs.a, rank)?;
-    let (_, output) = adapter(name, "b", inputs.b, rank)?;
-    let t = rows(name, "x", inputs.x, input as usize, "in")? as usize;
-    let (input, output) = (input as usize, output as usize);
-    for (binding, buf, len, what) in [
-        ("dy", inputs.dy, t * output, "[tokens, out]"),
-        ("h", inputs.h, t * rank, "[tokens, rank]"),
-        ("dh", &*dh, t * rank, "[tokens, rank]"),
-        ("da", &*da, rank * input, "[rank, in]"),
-        ("db", &*db, output * rank, "[out, rank]"),
-    ] {
-        expect_len(name, binding, buf, len, what)?;
+    let mut adapters = [WeightBackward { inputs, dh, da, db }];
+    weight_backward("lora_backward", rec, &mut adapters, (rank, scale), scratch)
+}
+
+/// One adapter's part of [`execute_lora_weight_backward_pair`]: its inputs, `dh` (`[T, r]`,
+/// workspace) and the gradients `da`, `db` (overwritten).
+pub struct WeightBackward<'a, 'b> {
+    pub inputs: &'a LoraBackward<'b>,
+    pub dh: &'a mut GpuBuffer<f32>,
+    pub da: &'a mut GpuBuffer<f32>,
+    pub db: &'a mut GpuBuffer<f32>,
+}
+
+/// [`execute_lora_weight_backward`] for two adapters of the same tokens (a layer's query and
+/// value projections) in four launches instead of six: each `dh = dy·B`, then the four weight
+/// gradients' partial sums in one launch and their sums in another. `scratch` holds
+/// [`lora_scratch_len`] for the sum of both adapters' `in + out`.
+pub fn execute_lora_weight_backward_pair(
+    rec: &mut Recorder<'_>,
+    adapters: [WeightBackward<'_, '_>; 2],
+    rank: usize,
+    scale: f32,
+    scratch: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let mut adapters = adapters;
+    weight_backward(
+        "lora_backward_pair",
+        rec,
+        &mut adapters,
+        (rank, scale),
+        scratch,
+    )
+}
+
+/// The weight backward of `adapters` (one or two, of the same tokens), every buffer checked
+/// before anything is recorded (an error must not leave half a backward in the recorder).
+fn weight_backward(
+    name: &str,
+    rec: &mut Recorder<'_>,
+    adapters: &mut [WeightBackward<'_, '_>],
+    (rank, scale): (usize, f32),
+    scratch: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let mut tokens = None;
+    let mut widths = 0;
+    let pair = adapters.len() > 1;
+    for (i, WeightBackward { inputs, dh, da, db }) in adapters.iter().enumerate() {
+        // A pair's bindings are named by their adapter: `adapters[1].dy`.
+        let named = |binding: &str| match pair {
+            true => format!("adapters[{i}].{binding}"),
+            false => binding.to_string(),
+        };
+        let (_, input) = adapter(name, &named("a"), inputs.a, rank)?;
+        let (_, output) = adapter(name, &named("b"), inputs.b, rank)?;
+        let t = rows(name, &named("x"), inputs.x, input as usize, "in")? as usize;
+        if tokens.is_some_and(|first| first != t) {
+            return Err(ExecError::Dispatch {
+                kernel: name.into(),
+                what: format!("adapters over {} and {t} tokens", tokens.unwrap_or(0)),
+                why: "the adapters of one backward take the same tokens".into(),
+            });
+        }
+        tokens = Some(t);
+        let (input, output) = (input as usize, output as usize);
+        widths += input + output;
+        for (binding, buf, len, what) in [
+            ("dy", inputs.dy, t * output, "[tokens, out]"),
+            ("h", inputs.h, t * rank, "[tokens, rank]"),
+            ("dh", &**dh, t * rank, "[tokens, rank]"),
+            ("da", &**da, rank * input, "[rank, in]"),
+            ("db", &**db, output * rank, "[out, rank]"),
+        ] {
+            expect_len(name, &named(binding), buf, len, what)?;
+        }
     }
+    let t = tokens.unwrap_or(0);
     weight_grad::expect_loops(rec.gpu(), name, t)?;
-    let need = lora_scratch_len(t, input + output, rank);
+    let need = lora_scratch_len(t, widths, rank);
     expect_len(
         name,
         "scratch",
@@ -559,22 +619,33 @@ pub fn execute_lora_weight_backward(
         Len::AtLeast(need),
         "lora_scratch_len",
     )?;
-    execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
-    // Both weight gradients, `dB`'s partials then `dA`'s, added up by one launch.
-    let (t, input, output, r) = (t as u32, input as u32, output as u32, rank as u32);
-    let db = Gradient {
-        u: inputs.dy,
-        v: inputs.h,
-        grad: db,
-        n: output,
-    };
-    let da = Gradient {
-        u: inputs.x,
-        v: dh,
-        grad: da,
-        n: input,
-    };
-    weight_grad::launch(rec, (&db, GRAD_B.layout), Some(&da), (t, r, scale), scratch)
+    for WeightBackward { inputs, dh, .. } in adapters.iter_mut() {
+        execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
+    }
+    // Every weight gradient, each adapter's `dB` then its `dA`: the partials in one launch,
+    // their sums in another.
+    let (t, r) = (t as u32, rank as u32);
+    let gradients: Vec<(Gradient<'_>, Layout)> = adapters
+        .iter()
+        .flat_map(|WeightBackward { inputs, dh, da, db }| {
+            let (n_in, n_out) = (inputs.a.len() / rank, inputs.b.len() / rank);
+            let db = Gradient {
+                u: inputs.dy,
+                v: inputs.h,
+                grad: db,
+                n: n_out as u32,
+            };
+            let da = Gradient {
+                u: inputs.x,
+                v: dh,
+                grad: da,
+                n: n_in as u32,
+            };
+            [(db, GRAD_B.layout), (da, GRAD_A.layout)]
+        })
+        .collect();
+    let gradients: Vec<(&Gradient<'_>, Layout)> = gradients.iter().map(|(g, l)| (g, *l)).collect();
+    weight_grad::launch(rec, &gradients, (t, r, scale), scratch)
 }
 
 /// The adapter matrix a [`LoraUp`] epilogue multiplies by.

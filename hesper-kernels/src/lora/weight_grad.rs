@@ -151,14 +151,26 @@ pub(super) fn expect_loops(
     crate::expect_loops(gpu, kernel, || format!("{tokens} tokens"), iterations)
 }
 
-/// The first pass's key: one gradient `n` wide and, when `second` is not 0, a second one
-/// `second` wide whose workgroups follow the first's (both of the fused backward: one launch).
-fn partials_key(n: u32, second: u32, r: u32, tile: PartialsTile) -> KernelKey {
-    KernelKey::new("lora_weight_grad_partials")
-        .workgroup_size(tile.invocations())
-        .shape("n", n)
-        .shape("second", second)
-        .shape("rank", r)
+/// Names of the parts of a first pass: the widths' key shapes (the first is `n`), the operands'
+/// bindings, the parameters where their partials start and where their workgroups end.
+const PARTS: [(&str, (&str, &str), &str, &str); MAX_PARTS] = [
+    ("n", ("u", "v"), "base", "end1"),
+    ("second", ("u2", "v2"), "base2", "end2"),
+    ("third", ("u3", "v3"), "base3", "end3"),
+    ("fourth", ("u4", "v4"), "base4", "end4"),
+];
+
+/// The most gradients one first pass (and one second pass) takes: two adapters' `dB` and `dA`.
+pub(super) const MAX_PARTS: usize = 4;
+
+/// The first pass's key: the widths of up to [`MAX_PARTS`] gradients (0: none), each part's
+/// workgroups after the one before's (the adapters of a layer's backward: one launch).
+fn partials_key(widths: [u32; MAX_PARTS], r: u32, tile: PartialsTile) -> KernelKey {
+    let mut key = KernelKey::new("lora_weight_grad_partials").workgroup_size(tile.invocations());
+    for ((name, ..), width) in PARTS.iter().zip(widths) {
+        key = key.shape(*name, width);
+    }
+    key.shape("rank", r)
         .shape("cols", tile.cols)
         .shape("lanes", tile.lanes)
         .shape("lane_tokens", tile.lane_tokens)
@@ -175,7 +187,7 @@ struct PartialsOf<U> {
     n: u32,
 }
 
-/// What both gradients of a first pass share: the tile, the rank, the partials, the tokens
+/// What the gradients of a first pass share: the tile, the rank, the partials, the tokens
 /// and the workgroup memory where lanes add their sums.
 struct PartialsPass {
     tile: PartialsTile,
@@ -188,16 +200,19 @@ struct PartialsPass {
 /// First pass: `partials[block, j, k] = Σ_{t in block} u[t, j]·v[t, k]`. Invocation
 /// `(lane, c)` keeps its columns' `r` sums in registers over its `lane_tokens` tokens of the
 /// block (`u` read wide, `unroll` rows in flight); the lanes' sums are added in workgroup
-/// memory. With a second gradient, the workgroups past `first_workgroups` take it.
+/// memory. With more than one gradient, each takes the workgroups up to its `end` (after the
+/// one before's), and its partials start at its `base`.
 fn partials_body(k: &mut KernelBuilder) {
-    let (n, second, r) = (
-        k.shape::<u32>("n"),
-        k.shape::<u32>("second"),
-        k.shape("rank"),
-    );
+    let r = k.shape::<u32>("rank");
+    let widths: Vec<u32> = PARTS
+        .iter()
+        .map(|(name, ..)| k.shape::<u32>(name))
+        .take_while(|&n| n > 0)
+        .collect();
     let tile = PartialsTile::from_key(k);
-    let first = Operands::declare(k, ("u", "v"), n, r);
-    let second = (second > 0).then(|| Operands::declare(k, ("u2", "v2"), second, r));
+    let parts: Vec<Operands> = (PARTS.iter().zip(&widths))
+        .map(|((_, names, ..), &n)| Operands::declare(k, *names, n, r))
+        .collect();
     let pass = PartialsPass {
         tile,
         r,
@@ -205,21 +220,34 @@ fn partials_body(k: &mut KernelBuilder) {
         tokens: k.param::<u32>("tokens"),
         sums: k.workgroup_array::<f32>("sums", tile.lanes * tile.cols * tile.round_sums),
     };
-    // Where each gradient's partials start in `partials` (the fused backward keeps two).
-    let base = k.param::<u32>("base");
+    let bases: Vec<Expr<u32>> = (PARTS.iter().take(parts.len()))
+        .map(|(_, _, base, _)| k.param::<u32>(base))
+        .collect();
+    // The last part's end is the grid's.
+    let ends: Vec<Expr<u32>> = (PARTS.iter().take(parts.len().saturating_sub(1)))
+        .map(|(.., end)| k.param::<u32>(end))
+        .collect();
     let wg = k.let_("wg", k.workgroup_index());
-    match second {
-        None => first.partials(k, &pass, base, wg),
-        Some(second) => {
-            let base2 = k.param::<u32>("base2");
-            let first_workgroups = k.param::<u32>("first_workgroups");
-            let in_first = wg.lt(&first_workgroups);
-            k.if_else(
-                in_first,
-                |k| first.partials(k, &pass, base, wg.clone()),
-                |k| second.partials(k, &pass, base2, &wg - &first_workgroups),
-            );
-        }
+    run_parts(k, &pass, parts, (&bases, &ends), (wg, lit(0u32)));
+}
+
+/// Part 0 of `parts` where `wg` is below its end (counted from `start`), else the rest.
+fn run_parts(
+    k: &mut KernelBuilder,
+    pass: &PartialsPass,
+    mut parts: Vec<Operands>,
+    (bases, ends): (&[Expr<u32>], &[Expr<u32>]),
+    (wg, start): (Expr<u32>, Expr<u32>),
+) {
+    let part = parts.remove(0);
+    let own = k.let_("part_wg", &wg - &start);
+    match ends.first() {
+        None => part.partials(k, pass, bases[0].clone(), own),
+        Some(end) => k.if_else(
+            wg.lt(end),
+            |k| part.partials(k, pass, bases[0].clone(), own.clone()),
+            |k| run_parts(k, pass, parts, (&bases[1..], &ends[1..]), (wg, end.clone())),
+        ),
     }
 }
 
@@ -353,24 +381,43 @@ fn partials_with<C: Columns>(
     }
 }
 
-/// The second pass's key: one gradient `n` wide in `layout`, and, when `second` is not 0, a
-/// second one `second` wide, rank-major (`dA` after `dB` in the fused backward: one launch).
-fn sum_key(n: u32, r: u32, layout: Layout, second: u32, tile: SumTile) -> KernelKey {
-    adapter_key("lora_weight_grad_sum", n, r, layout)
-        .workgroup_size(tile.invocations)
-        .shape("second", second)
-        .shape("loads", tile.loads)
-        .assume_in_bounds()
+/// The second pass's key: up to [`MAX_PARTS`] gradients, each its width and layout (`dB`
+/// rank-minor, `dA` rank-major), their partials one after another as the first pass wrote
+/// them; the first's as an [`adapter_key`], the others' as `second`, `third`, `fourth` (0:
+/// none) and `second_rank_minor`, ….
+fn sum_key(parts: &[(u32, Layout)], r: u32, tile: SumTile) -> KernelKey {
+    let (n, layout) = parts[0];
+    let mut key =
+        adapter_key("lora_weight_grad_sum", n, r, layout).workgroup_size(tile.invocations);
+    for (i, (name, ..)) in PARTS.iter().enumerate().skip(1) {
+        let (width, layout) = parts.get(i).copied().unwrap_or((0, Layout::RankMajor));
+        key = key
+            .shape(*name, width)
+            .shape(format!("{name}_rank_minor"), layout.is_rank_minor());
+    }
+    key.shape("loads", tile.loads).assume_in_bounds()
 }
 
+/// Bindings of the second pass's gradients.
+const SUM_GRADS: [&str; MAX_PARTS] = ["grad", "grad2", "grad3", "grad4"];
+
 /// Second pass: `G(j, k) = scale·Σ_blocks partials[block, j, k]`, written in `G`'s layout —
-/// for `grad`, and for `grad2` (whose partials follow `grad`'s) when the key has a second.
+/// for each gradient of the key, invocation `i` adding element `i` of them all in turn.
 fn sum_body(k: &mut KernelBuilder) {
     let (n, r, layout) = adapter_shapes(k);
-    let second = k.shape::<u32>("second");
+    let mut parts = vec![(n, layout)];
+    for (name, ..) in &PARTS[1..] {
+        let width = k.shape::<u32>(name);
+        if width == 0 {
+            break;
+        }
+        let minor = k.shape::<bool>(&format!("{name}_rank_minor"));
+        parts.push((width, Layout::from_shape(minor)));
+    }
     let partials = k.storage::<f32>("partials");
-    let grad = k.storage_rw::<f32>("grad");
-    let grad2 = (second > 0).then(|| k.storage_rw::<f32>("grad2"));
+    let grads: Vec<_> = (SUM_GRADS.iter().take(parts.len()))
+        .map(|name| k.storage_rw::<f32>(name))
+        .collect();
     let blocks = k.param::<u32>("blocks");
     let scale = k.param::<f32>("scale");
     let loads = k.shape::<u32>("loads");
@@ -398,21 +445,28 @@ fn sum_body(k: &mut KernelBuilder) {
         // `G(j, k) = s·Σ_blocks partials[block, j, k]`
         &scale * total
     };
-    k.if_(i.lt(n * r), |k| {
-        let j = k.let_("j", &i / r);
-        let kk = k.let_("k", &i % r);
-        let total = add_blocks(k, (i.clone(), n, lit(0u32)));
-        k.store(&grad, layout.at(&j, &kk, n, r), total);
-    });
-    if let Some(grad2) = &grad2 {
-        k.if_(i.ge(n * r).and(i.lt((n + second) * r)), |k| {
-            let at = k.let_("at", &i - n * r);
+    // Gradient `p`'s elements follow those of the ones before it, in `i` and in each block.
+    let mut before = 0;
+    for ((width, layout), grad) in parts.into_iter().zip(&grads) {
+        let inside = match before {
+            0 => i.lt(width * r),
+            _ => i.ge(before).and(i.lt(before + width * r)),
+        };
+        k.if_(inside, |k| {
+            let at = match before {
+                0 => i.clone(),
+                _ => k.let_("at", &i - before),
+            };
             let j = k.let_("j", &at / r);
             let kk = k.let_("k", &at % r);
-            let base = k.let_("base", &blocks * (n * r));
-            let total = add_blocks(k, (at.clone(), second, base));
-            k.store(grad2, Layout::RankMajor.at(&j, &kk, second, r), total);
+            let base = match before {
+                0 => lit(0u32),
+                _ => k.let_("base", &blocks * before),
+            };
+            let total = add_blocks(k, (at.clone(), width, base));
+            k.store(grad, layout.at(&j, &kk, width, r), total);
         });
+        before += width * r;
     }
 }
 
@@ -424,97 +478,100 @@ pub(super) struct Gradient<'a> {
     pub(super) n: u32,
 }
 
-/// Records both passes for `first` (laid out as `layout`) and, when given, a rank-major `second`
-/// whose partials follow `first`'s in `scratch` and which the same second-pass launch adds up.
-/// `scratch` holds [`lora_scratch_len`] for the gradients' widths (checked by the caller).
+/// Records both passes for each gradient of `gradients` (at most [`MAX_PARTS`], each with its
+/// layout), every gradient's partials after the one before's in `scratch`, one launch each
+/// pass. `scratch` holds [`lora_scratch_len`] for the gradients' widths (checked by the caller).
 pub(super) fn launch(
     rec: &mut Recorder<'_>,
-    (first, layout): (&Gradient<'_>, Layout),
-    second: Option<&Gradient<'_>>,
+    gradients: &[(&Gradient<'_>, Layout)],
     (tokens, r, scale): (u32, u32, f32),
     scratch: &GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
     let tile = PartialsTile::for_tokens(tokens as usize);
     tile.check("lora_weight_grad_partials")?;
     let blocks = tokens.div_ceil(tile.block_tokens());
-    launch_partials(rec, (first, second), (tokens, r, tile), scratch)?;
-    let second_n = second.map_or(0, |s| s.n);
+    let firsts: Vec<&Gradient<'_>> = gradients.iter().map(|(g, _)| *g).collect();
+    launch_partials(rec, &firsts, (tokens, r, tile), scratch)?;
     let sum_tile = SumTile::DEFAULT;
     sum_tile.check("lora_weight_grad_sum")?;
-    let key = sum_key(first.n, r, layout, second_n, sum_tile);
-    let kernel = rec.gpu().kernel(&key, sum_body)?;
-    let args = Args::new()
-        .buffer("partials", scratch)
-        .buffer("grad", first.grad);
-    let args = match second {
-        Some(second) => args.buffer("grad2", second.grad),
-        None => args,
-    };
+    let parts: Vec<(u32, Layout)> = gradients.iter().map(|(g, l)| (g.n, *l)).collect();
+    let kernel = rec.gpu().kernel(&sum_key(&parts, r, sum_tile), sum_body)?;
+    let mut args = Args::new().buffer("partials", scratch);
+    for (name, (g, _)) in SUM_GRADS.iter().zip(gradients) {
+        args = args.buffer(name, g.grad);
+    }
     let args = args.param("blocks", blocks).param("scale", scale);
-    let outputs = (first.n + second_n) as u64 * r as u64;
+    let outputs: u64 = gradients.iter().map(|(g, _)| g.n as u64 * r as u64).sum();
     rec.launch(&kernel, &args, Grid::Threads(outputs))
 }
 
-/// The first pass for `first` and, when given, `second` (its partials after `first`'s) in one
-/// launch, into `scratch`.
+/// The first pass for every gradient of `gradients` (at most [`MAX_PARTS`]) in one launch,
+/// into `scratch`: each gradient's partials after the one before's.
 fn launch_partials(
     rec: &mut Recorder<'_>,
-    (first, second): (&Gradient<'_>, Option<&Gradient<'_>>),
+    gradients: &[&Gradient<'_>],
     (tokens, r, tile): (u32, u32, PartialsTile),
     scratch: &GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
+    let name = "lora_weight_grad_partials";
     let blocks = tokens.div_ceil(tile.block_tokens());
     if blocks == 0 {
         return Ok(());
     }
-    let workgroups = |n: u32| blocks as u64 * row_elements(n).div_ceil(tile.cols) as u64;
-    let second_n = second.map_or(0, |s| s.n);
-    let key = partials_key(first.n, second_n, r, tile);
-    let kernel = rec.gpu().kernel(&key, partials_body)?;
-    let args = bind_columns(Args::new(), "u", first.u, first.n);
-    let mut args = bind_rank_rows(args, "v", first.v, r);
-    if let Some(second) = second {
-        args = bind_columns(args, "u2", second.u, second.n);
-        args = bind_rank_rows(args, "v2", second.v, r);
+    assert!(
+        (1..=MAX_PARTS).contains(&gradients.len()),
+        "callers pass 1 to {MAX_PARTS} gradients"
+    );
+    let mut widths = [0; MAX_PARTS];
+    for (w, g) in widths.iter_mut().zip(gradients) {
+        *w = g.n;
     }
-    let mut args = args
-        .buffer("partials", scratch)
-        .param("tokens", tokens)
-        .param("base", 0u32);
-    let mut total = workgroups(first.n);
-    if second.is_some() {
-        let first_workgroups = u32::try_from(total).map_err(|_| ExecError::Dispatch {
-            kernel: "lora_weight_grad_partials".into(),
-            what: format!("{total} workgroups for the first gradient"),
-            why: "they are counted in u32".into(),
-        })?;
-        args = args
-            .param("base2", blocks * first.n * r)
-            .param("first_workgroups", first_workgroups);
-        total += workgroups(second_n);
+    let kernel = rec
+        .gpu()
+        .kernel(&partials_key(widths, r, tile), partials_body)?;
+    let u32_of = |what: String, v: u64| {
+        u32::try_from(v).map_err(|_| ExecError::Dispatch {
+            kernel: name.into(),
+            what,
+            why: "it is counted in u32".into(),
+        })
+    };
+    let mut args = Args::new();
+    let (mut base, mut end) = (0u64, 0u64);
+    for (i, ((_, (u, v), base_name, end_name), g)) in PARTS.iter().zip(gradients).enumerate() {
+        args = bind_columns(args, u, g.u, g.n);
+        args = bind_rank_rows(args, v, g.v, r);
+        args = args.param(
+            base_name,
+            u32_of(format!("the partials of gradient {i}"), base)?,
+        );
+        base += blocks as u64 * g.n as u64 * r as u64;
+        end += blocks as u64 * row_elements(g.n).div_ceil(tile.cols) as u64;
+        if i + 1 < gradients.len() {
+            args = args.param(end_name, u32_of(format!("{end} workgroups"), end)?);
+        }
     }
-    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(total))
+    let args = args.buffer("partials", scratch).param("tokens", tokens);
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(end))
 }
 
 /// The kernels at a small shape, for snapshots and review.
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
+    let (minor, major) = (Layout::RankMinor, Layout::RankMajor);
+    let tile = PartialsTile::DEFAULT;
+    let four = [(64, minor), (48, major), (20, minor), (64, major)];
     Ok(vec![
-        Kernel::build(
-            &partials_key(64, 48, 2, PartialsTile::DEFAULT),
-            partials_body,
-        )?,
-        Kernel::build(&partials_key(6, 0, 2, PartialsTile::DEFAULT), partials_body)?,
-        Kernel::build(
-            &sum_key(64, 2, Layout::RankMinor, 48, SumTile::DEFAULT),
-            sum_body,
-        )?,
+        Kernel::build(&partials_key([64, 48, 20, 64], 2, tile), partials_body)?,
+        Kernel::build(&partials_key([6, 0, 0, 0], 2, tile), partials_body)?,
+        Kernel::build(&sum_key(&four, 2, SumTile::DEFAULT), sum_body)?,
+        Kernel::build(&sum_key(&[(6, major)], 2, SumTile::DEFAULT), sum_body)?,
     ])
 }
 
 /// `lora_weight_grad_partials` at any shape and tile (`[cols, lanes, lane_tokens, unroll,
 /// round_sums]`), within `limits`, for [`crate::catalog`]: the tile checked first.
 pub(crate) fn partials_at(
-    (n, second, r): (u32, u32, u32),
+    (widths, r): ([u32; MAX_PARTS], u32),
     [cols, lanes, lane_tokens, unroll, round_sums]: [u32; 5],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
@@ -525,26 +582,40 @@ pub(crate) fn partials_at(
         unroll,
         round_sums,
     };
-    super::check_width(n)?;
-    if second > 0 {
-        super::check_width(second)?;
-    }
+    check_parts(&widths)?;
     tile.check("lora_weight_grad_partials")?;
-    let key = partials_key(n, second, r, tile);
+    let key = partials_key(widths, r, tile);
     Ok(Kernel::build_with_limits(&key, limits, partials_body)?)
+}
+
+/// `Ok` for parts' widths a kernel takes: the first positive, none after a 0.
+fn check_parts(widths: &[u32]) -> Result<(), Failure> {
+    super::check_width(widths[0])?;
+    match widths.windows(2).any(|w| w[0] == 0 && w[1] > 0) {
+        true => Err(Failure::rule(
+            format!("widths {widths:?}"),
+            "the gradients' widths one after another: none after a 0".into(),
+        )),
+        false => Ok(()),
+    }
 }
 
 /// `lora_weight_grad_sum` at any shape and tile (`[invocations, loads]`), within `limits`, for
 /// [`crate::catalog`]: the tile checked first.
 pub(crate) fn sum_at(
-    (n, r, rank_minor, second): (u32, u32, bool, u32),
+    (parts, r): ([(u32, bool); MAX_PARTS], u32),
     [invocations, loads]: [u32; 2],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
     let tile = SumTile { invocations, loads };
-    super::check_width(n)?;
+    check_parts(&parts.map(|(width, _)| width))?;
     tile.check("lora_weight_grad_sum")?;
-    let key = sum_key(n, r, Layout::from_shape(rank_minor), second, tile);
+    let parts: Vec<(u32, Layout)> = parts
+        .into_iter()
+        .take_while(|&(width, _)| width > 0)
+        .map(|(width, minor)| (width, Layout::from_shape(minor)))
+        .collect();
+    let key = sum_key(&parts, r, tile);
     Ok(Kernel::build_with_limits(&key, limits, sum_body)?)
 }
 
