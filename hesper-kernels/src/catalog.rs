@@ -1299,16 +1299,6 @@ static ENTRIES: [Entry; 51] = [
                 "the width of a second gradient's u (u2, v2) whose workgroups follow the \
                  first's in the same launch (dA after dB); 0 for none",
             ),
-            u32_param(
-                "third",
-                "20",
-                "the width of a third gradient's u (u3, v3: a second adapter's dB); 0 for none",
-            ),
-            u32_param(
-                "fourth",
-                "64",
-                "the width of a fourth gradient's u (u4, v4: a second adapter's dA); 0 for none",
-            ),
             u32_param("rank", "2", "the rank r"),
             u32_param("cols", "32", "invocations along the columns"),
             u32_param("lanes", "4", "invocations along the tokens"),
@@ -1321,8 +1311,7 @@ static ENTRIES: [Entry; 51] = [
             ),
         ],
         build: |s| {
-            let widths = ["n", "second", "third", "fourth"].map(|p| s.u32(p));
-            let dims = (widths, s.u32("rank"));
+            let dims = (["n", "second"].map(|p| s.u32(p)), s.u32("rank"));
             let tile = ["cols", "lanes", "lane_tokens", "unroll", "round_sums"].map(|p| s.u32(p));
             lora::build::lora_weight_grad_partials(dims, tile, s.limits())
         },

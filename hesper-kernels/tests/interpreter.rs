@@ -28,12 +28,10 @@ fn param(kernel: &str, name: &str, ty: Scalar) -> ScalarValue {
         // Two heads of the catalog's 64 a token (8 vec4s of pairs each), three tokens.
         ("rope_vec4", "quads_per_token") => 16,
         ("rope_vec4", "quads") => 48,
-        // Of the three workgroups, one for each of the first three gradients, whose partials
-        // start past the one before's (the fourth's branch is built but not run here).
-        ("lora_weight_grad_partials", "end1") => 1,
-        ("lora_weight_grad_partials", "end2") => 2,
+        // Of the three workgroups, two for the first gradient and one for the second, whose
+        // partials start past the first's.
+        ("lora_weight_grad_partials", "end1") => 2,
         ("lora_weight_grad_partials", "base2") => 4096,
-        ("lora_weight_grad_partials", "base3") => 8192,
         // Two query heads and one key head of 64 a token, three tokens.
         ("rope_qk_vec4", "q_quads_per_token") => 16,
         ("rope_qk_vec4", "q_quads") => 48,

@@ -548,8 +548,8 @@ pub struct WeightBackward<'a, 'b> {
 }
 
 /// [`execute_lora_weight_backward`] for two adapters of the same tokens (a layer's query and
-/// value projections) in four launches instead of six: each `dh = dy·B`, then the four weight
-/// gradients' partial sums in one launch and their sums in another. `scratch` holds
+/// value projections) in five launches instead of six: each `dh = dy·B`, each adapter's two
+/// weight gradients' partial sums, and all four gradients' sums in one launch. `scratch` holds
 /// [`lora_scratch_len`] for the sum of both adapters' `in + out`.
 pub fn execute_lora_weight_backward_pair(
     rec: &mut Recorder<'_>,
@@ -622,8 +622,8 @@ fn weight_backward(
     for WeightBackward { inputs, dh, .. } in adapters.iter_mut() {
         execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
     }
-    // Every weight gradient, each adapter's `dB` then its `dA`: the partials in one launch,
-    // their sums in another.
+    // Every weight gradient, each adapter's `dB` then its `dA`: the partials an adapter a
+    // launch, all their sums in one.
     let (t, r) = (t as u32, rank as u32);
     let gradients: Vec<(Gradient<'_>, Layout)> = adapters
         .iter()

@@ -151,23 +151,29 @@ pub(super) fn expect_loops(
     crate::expect_loops(gpu, kernel, || format!("{tokens} tokens"), iterations)
 }
 
-/// Names of the parts of a first pass: the widths' key shapes (the first is `n`), the operands'
-/// bindings, the parameters where their partials start and where their workgroups end.
-const PARTS: [(&str, (&str, &str), &str, &str); MAX_PARTS] = [
-    ("n", ("u", "v"), "base", "end1"),
-    ("second", ("u2", "v2"), "base2", "end2"),
-    ("third", ("u3", "v3"), "base3", "end3"),
-    ("fourth", ("u4", "v4"), "base4", "end4"),
-];
+/// The key shapes of the gradients' widths in both passes' keys (the first is `n`; 0: none).
+const WIDTHS: [&str; MAX_PARTS] = ["n", "second", "third", "fourth"];
 
-/// The most gradients one first pass (and one second pass) takes: two adapters' `dB` and `dA`.
+/// The most gradients one second pass takes: two adapters' `dB` and `dA`.
 pub(super) const MAX_PARTS: usize = 4;
 
-/// The first pass's key: the widths of up to [`MAX_PARTS`] gradients (0: none), each part's
-/// workgroups after the one before's (the adapters of a layer's backward: one launch).
-fn partials_key(widths: [u32; MAX_PARTS], r: u32, tile: PartialsTile) -> KernelKey {
+/// The most gradients one first pass takes: one adapter's `dB` and `dA`. Each binds its `u`
+/// and `v`: with the partials, 5 storage buffers, within WebGPU's 8 a shader (four would
+/// need 9).
+const MAX_PARTIALS: usize = 2;
+
+/// The first pass's parts: the operands' bindings, the parameters where their partials start
+/// and where their workgroups end.
+const PARTIALS: [((&str, &str), &str, &str); MAX_PARTIALS] = [
+    (("u", "v"), "base", "end1"),
+    (("u2", "v2"), "base2", "end2"),
+];
+
+/// The first pass's key: the widths of up to [`MAX_PARTIALS`] gradients (0: none), the
+/// second's workgroups after the first's (an adapter's `dB` and `dA`: one launch).
+fn partials_key(widths: [u32; MAX_PARTIALS], r: u32, tile: PartialsTile) -> KernelKey {
     let mut key = KernelKey::new("lora_weight_grad_partials").workgroup_size(tile.invocations());
-    for ((name, ..), width) in PARTS.iter().zip(widths) {
+    for (name, width) in WIDTHS.iter().zip(widths) {
         key = key.shape(*name, width);
     }
     key.shape("rank", r)
@@ -204,14 +210,13 @@ struct PartialsPass {
 /// one before's), and its partials start at its `base`.
 fn partials_body(k: &mut KernelBuilder) {
     let r = k.shape::<u32>("rank");
-    let widths: Vec<u32> = PARTS
-        .iter()
-        .map(|(name, ..)| k.shape::<u32>(name))
+    let widths: Vec<u32> = (WIDTHS.iter().take(MAX_PARTIALS))
+        .map(|name| k.shape::<u32>(name))
         .take_while(|&n| n > 0)
         .collect();
     let tile = PartialsTile::from_key(k);
-    let parts: Vec<Operands> = (PARTS.iter().zip(&widths))
-        .map(|((_, names, ..), &n)| Operands::declare(k, *names, n, r))
+    let parts: Vec<Operands> = (PARTIALS.iter().zip(&widths))
+        .map(|((names, ..), &n)| Operands::declare(k, *names, n, r))
         .collect();
     let pass = PartialsPass {
         tile,
@@ -220,11 +225,11 @@ fn partials_body(k: &mut KernelBuilder) {
         tokens: k.param::<u32>("tokens"),
         sums: k.workgroup_array::<f32>("sums", tile.lanes * tile.cols * tile.round_sums),
     };
-    let bases: Vec<Expr<u32>> = (PARTS.iter().take(parts.len()))
-        .map(|(_, _, base, _)| k.param::<u32>(base))
+    let bases: Vec<Expr<u32>> = (PARTIALS.iter().take(parts.len()))
+        .map(|(_, base, _)| k.param::<u32>(base))
         .collect();
     // The last part's end is the grid's.
-    let ends: Vec<Expr<u32>> = (PARTS.iter().take(parts.len().saturating_sub(1)))
+    let ends: Vec<Expr<u32>> = (PARTIALS.iter().take(parts.len().saturating_sub(1)))
         .map(|(.., end)| k.param::<u32>(end))
         .collect();
     let wg = k.let_("wg", k.workgroup_index());
@@ -389,7 +394,7 @@ fn sum_key(parts: &[(u32, Layout)], r: u32, tile: SumTile) -> KernelKey {
     let (n, layout) = parts[0];
     let mut key =
         adapter_key("lora_weight_grad_sum", n, r, layout).workgroup_size(tile.invocations);
-    for (i, (name, ..)) in PARTS.iter().enumerate().skip(1) {
+    for (i, name) in WIDTHS.iter().enumerate().skip(1) {
         let (width, layout) = parts.get(i).copied().unwrap_or((0, Layout::RankMajor));
         key = key
             .shape(*name, width)
@@ -406,7 +411,7 @@ const SUM_GRADS: [&str; MAX_PARTS] = ["grad", "grad2", "grad3", "grad4"];
 fn sum_body(k: &mut KernelBuilder) {
     let (n, r, layout) = adapter_shapes(k);
     let mut parts = vec![(n, layout)];
-    for (name, ..) in &PARTS[1..] {
+    for name in &WIDTHS[1..] {
         let width = k.shape::<u32>(name);
         if width == 0 {
             break;
@@ -490,8 +495,12 @@ pub(super) fn launch(
     let tile = PartialsTile::for_tokens(tokens as usize);
     tile.check("lora_weight_grad_partials")?;
     let blocks = tokens.div_ceil(tile.block_tokens());
-    let firsts: Vec<&Gradient<'_>> = gradients.iter().map(|(g, _)| *g).collect();
-    launch_partials(rec, &firsts, (tokens, r, tile), scratch)?;
+    // The first pass an adapter (two gradients) a launch, each's partials after the last's.
+    let mut base = 0u64;
+    for part in gradients.chunks(MAX_PARTIALS) {
+        let part: Vec<&Gradient<'_>> = part.iter().map(|(g, _)| *g).collect();
+        base = launch_partials(rec, &part, (tokens, r, tile), (scratch, base))?;
+    }
     let sum_tile = SumTile::DEFAULT;
     sum_tile.check("lora_weight_grad_sum")?;
     let parts: Vec<(u32, Layout)> = gradients.iter().map(|(g, l)| (g.n, *l)).collect();
@@ -505,24 +514,25 @@ pub(super) fn launch(
     rec.launch(&kernel, &args, Grid::Threads(outputs))
 }
 
-/// The first pass for every gradient of `gradients` (at most [`MAX_PARTS`]) in one launch,
-/// into `scratch`: each gradient's partials after the one before's.
+/// The first pass for every gradient of `gradients` (at most [`MAX_PARTIALS`]) in one
+/// launch, into `scratch` from element `base`: each gradient's partials after the one before's.
+/// Returns where the next gradient's partials would start.
 fn launch_partials(
     rec: &mut Recorder<'_>,
     gradients: &[&Gradient<'_>],
     (tokens, r, tile): (u32, u32, PartialsTile),
-    scratch: &GpuBuffer<f32>,
-) -> Result<(), ExecError> {
+    (scratch, mut base): (&GpuBuffer<f32>, u64),
+) -> Result<u64, ExecError> {
     let name = "lora_weight_grad_partials";
     let blocks = tokens.div_ceil(tile.block_tokens());
     if blocks == 0 {
-        return Ok(());
+        return Ok(base);
     }
     assert!(
-        (1..=MAX_PARTS).contains(&gradients.len()),
-        "callers pass 1 to {MAX_PARTS} gradients"
+        (1..=MAX_PARTIALS).contains(&gradients.len()),
+        "callers pass 1 to {MAX_PARTIALS} gradients"
     );
-    let mut widths = [0; MAX_PARTS];
+    let mut widths = [0; MAX_PARTIALS];
     for (w, g) in widths.iter_mut().zip(gradients) {
         *w = g.n;
     }
@@ -537,8 +547,8 @@ fn launch_partials(
         })
     };
     let mut args = Args::new();
-    let (mut base, mut end) = (0u64, 0u64);
-    for (i, ((_, (u, v), base_name, end_name), g)) in PARTS.iter().zip(gradients).enumerate() {
+    let mut end = 0u64;
+    for (i, (((u, v), base_name, end_name), g)) in PARTIALS.iter().zip(gradients).enumerate() {
         args = bind_columns(args, u, g.u, g.n);
         args = bind_rank_rows(args, v, g.v, r);
         args = args.param(
@@ -552,7 +562,8 @@ fn launch_partials(
         }
     }
     let args = args.buffer("partials", scratch).param("tokens", tokens);
-    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(end))
+    rec.launch(&kernel, &args, Grid::WorkgroupPerItem(end))?;
+    Ok(base)
 }
 
 /// The kernels at a small shape, for snapshots and review.
@@ -561,8 +572,8 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let tile = PartialsTile::DEFAULT;
     let four = [(64, minor), (48, major), (20, minor), (64, major)];
     Ok(vec![
-        Kernel::build(&partials_key([64, 48, 20, 64], 2, tile), partials_body)?,
-        Kernel::build(&partials_key([6, 0, 0, 0], 2, tile), partials_body)?,
+        Kernel::build(&partials_key([64, 48], 2, tile), partials_body)?,
+        Kernel::build(&partials_key([6, 0], 2, tile), partials_body)?,
         Kernel::build(&sum_key(&four, 2, SumTile::DEFAULT), sum_body)?,
         Kernel::build(&sum_key(&[(6, major)], 2, SumTile::DEFAULT), sum_body)?,
     ])
@@ -571,7 +582,7 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
 /// `lora_weight_grad_partials` at any shape and tile (`[cols, lanes, lane_tokens, unroll,
 /// round_sums]`), within `limits`, for [`crate::catalog`]: the tile checked first.
 pub(crate) fn partials_at(
-    (widths, r): ([u32; MAX_PARTS], u32),
+    (widths, r): ([u32; MAX_PARTIALS], u32),
     [cols, lanes, lane_tokens, unroll, round_sums]: [u32; 5],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
