@@ -66,7 +66,7 @@ use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
 use super::coop::{self, CoopSeqTile, Which};
-use crate::linear::{Precision, lane};
+use crate::linear::{Precision, lane, offset};
 use crate::{expect_len, expect_u32};
 
 /// Scores of excluded keys take part in no maximum: a finite stand-in for `−∞` (no `inf - inf`).
@@ -534,7 +534,7 @@ fn shares(k: &mut KernelBuilder, slots: u32) -> Vec<(Expr<u32>, Option<Expr<bool
     let lid = k.local_index();
     (0..slots.div_ceil(n))
         .map(|i| {
-            let s = k.let_("s", crate::linear::offset(&lid, i * n));
+            let s = k.let_("s", offset(&lid, i * n));
             let guard = (!slots.is_multiple_of(n) && (i + 1) * n > slots).then(|| s.lt(slots));
             (s, guard)
         })
@@ -599,9 +599,7 @@ fn row_slots(
             let read = Box::new(move |k: &mut KernelBuilder, step: &Expr<u32>| {
                 let row = k.let_("row", &row0 + step * vk);
                 let at = k.let_("at", (&token0 + row.min(&last)) * stride + &col);
-                let l: Vec<Expr<f32>> = (0..4u32)
-                    .map(|q| buf.at(crate::linear::offset(&at, q)))
-                    .collect();
+                let l: Vec<Expr<f32>> = (0..4u32).map(|q| buf.at(offset(&at, q))).collect();
                 let value = vec4(l[0].clone(), l[1].clone(), l[2].clone(), l[3].clone());
                 select(row.lt(&valid), value, Expr::<Vec4<f32>>::splat(0.0f32))
             });
@@ -690,8 +688,8 @@ fn score_tile(
         let a_at = k.let_("a_at", base + &p.ty);
         let b_at = k.let_("b_at", base + &p.tx + bk * quarter);
         for kk in 0..bk {
-            let av = k.let_("a", stage.at(crate::linear::offset(&a_at, kk * quarter)));
-            let bv = k.let_("b", stage.at(crate::linear::offset(&b_at, kk * quarter)));
+            let av = k.let_("a", stage.at(offset(&a_at, kk * quarter)));
+            let bv = k.let_("b", stage.at(offset(&b_at, kk * quarter)));
             for i in 0..4u32 {
                 let ai = Expr::<Vec4<f32>>::splat(lane(&av, i));
                 k.store(&acc, i, ai.fma(&bv, acc.at(i)));
@@ -725,7 +723,7 @@ fn accumulate_product(
     // one; they are never stored.
     let col_at: Vec<Expr<u32>> = (0..cols)
         .map(|j| {
-            let c = crate::linear::offset(&p.tx, j * tx_n);
+            let c = offset(&p.tx, j * tx_n);
             if per_row.is_multiple_of(tx_n) {
                 c
             } else {
@@ -739,10 +737,10 @@ fn accumulate_product(
         let l_at = k.let_("l_at", step * (vk * block / 4) + &p.ty);
         let r_at: Vec<Expr<u32>> = col_at.iter().map(|c| k.let_("r_at", base + c)).collect();
         for c in 0..vk {
-            let lv = k.let_("l", lhs.at(crate::linear::offset(&l_at, c * block / 4)));
+            let lv = k.let_("l", lhs.at(offset(&l_at, c * block / 4)));
             let rv: Vec<Expr<Vec4<f32>>> = r_at
                 .iter()
-                .map(|at| k.let_("r", stage.at(crate::linear::offset(at, c * per_row))))
+                .map(|at| k.let_("r", stage.at(offset(at, c * per_row))))
                 .collect();
             for i in 0..4u32 {
                 let li = Expr::<Vec4<f32>>::splat(lane(&lv, i));
@@ -782,7 +780,7 @@ fn store_rows(
             let scale = k.let_("row_scale", scale);
             let base = k.let_("out_at", (&p.token0 + &row) * stride4 + head_col4);
             for j in 0..cols {
-                let col = crate::linear::offset(&p.tx, j * tx_n);
+                let col = offset(&p.tx, j * tx_n);
                 let value = acc.at(i * cols + j) * Expr::<Vec4<f32>>::splat(scale.clone());
                 if per_row.is_multiple_of(tx_n) || (j + 1) * tx_n <= per_row {
                     k.store(out, &base + &col, value);
@@ -852,7 +850,7 @@ fn row_reduce(
     let base = k.let_("partials_at", &p.ty * tx_n);
     let mut acc = scratch.at(&base);
     for t in 1..tx_n {
-        let next = scratch.at(crate::linear::offset(&base, t));
+        let next = scratch.at(offset(&base, t));
         acc = match op {
             Reduce::Max => acc.max(next),
             Reduce::Min => acc.min(next),
@@ -1002,6 +1000,9 @@ fn forward_body(k: &mut KernelBuilder) {
     }
 }
 
+/// Pairs of vec4s of `O` and `dO` the statistics kernel reads before it sums them.
+const STATS_BATCH: u32 = 8;
+
 /// The backward's pre-pass: `stats[t, h] = (lse, D = Σ_d dO·O)`, zeros on padded rows. One
 /// invocation per `(t, h)`.
 fn stats_body(k: &mut KernelBuilder) {
@@ -1026,12 +1027,30 @@ fn stats_body(k: &mut KernelBuilder) {
             lit(true)
         };
         let base = k.let_("base", &i * (hd / 4));
-        let dot = k.var("dot", Expr::<Vec4<f32>>::splat(0.0f32));
-        k.for_range("v", 0u32, hd / 4, |k, v| {
-            let at = k.let_("at", &base + &v);
-            k.assign(&dot, o.at(&at).fma(d_out.at(&at), dot.get()));
-        });
-        let d = dot.get().dot(Expr::<Vec4<f32>>::splat(1.0f32));
+        // A batch's vec4s are all read before any is summed, so that their reads are in
+        // flight together (a loop of read-then-add kept one read in flight at a time).
+        let mut dot: Option<Expr<Vec4<f32>>> = None;
+        for batch in (0..hd / 4)
+            .collect::<Vec<u32>>()
+            .chunks(STATS_BATCH as usize)
+        {
+            let reads: Vec<_> = batch
+                .iter()
+                .map(|&v| {
+                    let at = offset(&base, v);
+                    (k.let_("o", o.at(&at)), k.let_("d_o", d_out.at(&at)))
+                })
+                .collect();
+            for (o4, d4) in reads {
+                let sum = match dot.take() {
+                    Some(acc) => o4.fma(d4, acc),
+                    None => o4 * d4,
+                };
+                dot = Some(k.let_("dot", sum));
+            }
+        }
+        let dot = dot.expect("head_dim is at least 4");
+        let d = dot.dot(Expr::<Vec4<f32>>::splat(1.0f32));
         let real = k.let_("real", real);
         k.store(
             &stats,
