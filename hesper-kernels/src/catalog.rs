@@ -1253,6 +1253,11 @@ static ENTRIES: [Entry; 51] = [
                  rows: 2·rank at most 32",
             ),
             u32_param(
+                "second_n",
+                "0",
+                "with pair, the width of the second weight's own input (a2); 0: both read a",
+            ),
+            u32_param(
                 "lanes",
                 "32",
                 "the device's subgroup size (8 to invocations, dividing it)",
@@ -1263,7 +1268,7 @@ static ENTRIES: [Entry; 51] = [
         ],
         build: |s| {
             let tile = ["invocations", "group_tokens", "unroll"].map(|p| s.u32(p));
-            let lanes = (s.bool("pair"), s.u32("lanes"));
+            let lanes = (s.bool("pair"), s.u32("second_n"), s.u32("lanes"));
             lora::build::lora_down_subgroups(adapter(s), lanes, tile, s.limits())
         },
     },

@@ -256,6 +256,8 @@ fn every_parameter_changes_the_key() {
                     ("output_f16", "false"),
                     ("depth", "256"),
                 ]),
+                // A second input comes with a second weight.
+                "second_n" => shape(&[("second_n", &v), ("pair", "true")]),
                 _ => vec![(p.name.to_string(), v)],
             };
             let changed = alternatives(p.kind, p.name, p.default)

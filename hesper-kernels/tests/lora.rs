@@ -79,6 +79,94 @@ fn down_pair_matches_reference() {
     }
 }
 
+/// Two adapters' `dh = dy·B` over inputs of their own (`execute_grad_dh_pair`) against the f64
+/// product, on the pair kernel and on the paths without it (no subgroups, `2r` past 32, one
+/// width a multiple of 4 and the other not): the query and value widths of a layer and
+/// others, tokens past one workgroup's and ragged.
+#[test]
+fn grad_dh_pair_matches_reference() {
+    // (tokens, out1, out2, rank)
+    let shapes = [
+        (4100, 576, 192, 8),
+        (37, 64, 48, 16),
+        (5, 7, 13, 3),
+        (130, 100, 20, 17),
+        (9, 130, 64, 4),
+        (300, 8, 1028, 2),
+    ];
+    for g in [gpu(), gpu_without_subgroups()] {
+        for (seed, (t, out1, out2, r)) in shapes.into_iter().enumerate() {
+            let mut rng = Rng::new(seed as u64 + 110);
+            let (dy1, dy2) = (rng.vec(t * out1, 1.0), rng.vec(t * out2, 1.0));
+            let (b1, b2) = (rng.vec(out1 * r, 0.5), rng.vec(out2 * r, 0.5));
+            let up = |v: &Vec<f32>| g.upload(v).unwrap();
+            let (dy1b, dy2b, b1b, b2b) = (up(&dy1), up(&dy2), up(&b1), up(&b2));
+            let mut dh1 = g.filled(t * r, f32::NAN).unwrap();
+            let mut dh2 = g.filled(t * r, f32::NAN).unwrap();
+            let mut rec = g.recorder();
+            lora::execute_grad_dh_pair(
+                &mut rec,
+                (&dy1b, &dy2b),
+                (&b1b, &b2b),
+                r,
+                (&mut dh1, &mut dh2),
+            )
+            .unwrap();
+            let launches = rec.len();
+            rec.submit().unwrap();
+            let paired = g.subgroup_size().is_some_and(|s| (8..=256).contains(&s))
+                && 2 * r <= 32
+                && (out1 % 4 == 0) == (out2 % 4 == 0);
+            let label = format!("dh pair T={t} out={out1}, {out2} r={r} paired={paired}");
+            assert_eq!(launches, if paired { 1 } else { 2 }, "{label}");
+            for (what, dh, dy, b, out) in [
+                ("dh1", &dh1, &dy1, &b1, out1),
+                ("dh2", &dh2, &dy2, &b2, out2),
+            ] {
+                let want: Vec<f64> = (0..t * r)
+                    .map(|i| {
+                        let (tok, k) = (i / r, i % r);
+                        (0..out)
+                            .map(|j| dy[tok * out + j] as f64 * b[j * r + k] as f64)
+                            .sum()
+                    })
+                    .collect();
+                assert_close(
+                    &format!("{what} {label}"),
+                    &dh.read(g).unwrap(),
+                    &want,
+                    1e-4,
+                    1e-4,
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn grad_dh_pair_of_different_tokens_is_an_error() {
+    let g = gpu();
+    let (dy1, dy2) = (
+        g.zeros::<f32>(3 * 8).unwrap(),
+        g.zeros::<f32>(4 * 4).unwrap(),
+    );
+    let (b1, b2) = (
+        g.zeros::<f32>(8 * 2).unwrap(),
+        g.zeros::<f32>(4 * 2).unwrap(),
+    );
+    let (mut dh1, mut dh2) = (g.zeros::<f32>(6).unwrap(), g.zeros::<f32>(6).unwrap());
+    let mut rec = g.recorder();
+    let err =
+        lora::execute_grad_dh_pair(&mut rec, (&dy1, &dy2), (&b1, &b2), 2, (&mut dh1, &mut dh2))
+            .unwrap_err()
+            .to_string();
+    assert!(
+        err.contains("grad_dh_pair") && err.contains("dy1 of 3 tokens and dy2 of 4"),
+        "{err}"
+    );
+    assert!(rec.is_empty(), "nothing recorded on an error");
+}
+
 #[test]
 fn down_pair_of_different_inputs_is_an_error() {
     let g = gpu();
@@ -280,7 +368,13 @@ fn weight_backward_pair_matches_reference() {
             },
         ];
         lora::execute_lora_weight_backward_pair(&mut rec, pair, r, SCALE, &mut scratch).unwrap();
-        assert_eq!(rec.len(), 5, "two dh, two of partials, the sums");
+        // Both dh in one launch where the widths are both multiples of 4 or neither.
+        let dh_paired = (out1 % 4 == 0) == (out2 % 4 == 0);
+        assert_eq!(
+            rec.len(),
+            if dh_paired { 4 } else { 5 },
+            "dh (one launch or two), two of partials, the sums: T={t} out={out1}, {out2}"
+        );
         rec.submit().unwrap();
         for ((out, a, b, dy), (da, db)) in adapters.iter().zip([(&da1, &db1), (&da2, &db2)]) {
             let (want_da, want_db, _) =
@@ -526,6 +620,7 @@ fn wgsl_snapshots() {
         "lora_down_n64_r1_rank_minor",
         "lora_down_subgroups_n64_r2_rank_minor_lanes32",
         "lora_down_subgroups_n64_r2_rank_major_pair_lanes32",
+        "lora_down_subgroups_n64_r2_rank_minor_pair_second48_lanes32",
         "lora_up_n64_r4_rank_major",
         "lora_weight_grad_partials_n64_second48_r2",
         "lora_weight_grad_partials_n6_r2",

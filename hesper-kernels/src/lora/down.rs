@@ -7,7 +7,7 @@ use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, RwBuffer, WorkgroupArray};
 use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
 
-use super::subgroups::{self, SubgroupTile};
+use super::subgroups::{self, Operands, SubgroupTile};
 use super::{
     Layout, MAX_RANK, RankRows, adapter_key, adapter_shapes, bind_columns, bind_rank_rows, by_width,
 };
@@ -363,7 +363,7 @@ pub(super) fn project(
     let (kernel, tokens_per_group) = match subgroups {
         Some(size) => {
             sg_tile.check("lora_down_subgroups")?;
-            let key = subgroups::key((n, r, false), layout, size, sg_tile);
+            let key = subgroups::key((n, r, Operands::One), layout, size, sg_tile);
             let kernel = rec.gpu().kernel(&key, subgroups::body)?;
             (kernel, sg_tile.tokens())
         }
@@ -378,12 +378,14 @@ pub(super) fn project(
     rec.launch(&kernel, &args, Grid::WorkgroupPerItem(groups as u64))
 }
 
-/// `out1 = a·W1` and `out2 = a·W2` (each `[t, r]`, the weights `A`s or `B`s of the same `n`):
-/// one launch of `lora_down_subgroups` over pairs of weights where the device has subgroups it
-/// runs and both ranks fit its sums (`2r ≤ MAX_RANK`), else one launch each.
+/// `out1 = a·W1` and `out2 = a2·W2` (each `[t, r]`, the weights `A`s or `B`s of one layout;
+/// `second` the second product's own input and its width, else `a` for both): one launch of
+/// `lora_down_subgroups` where the device has subgroups it runs, both ranks fit its sums
+/// (`2r ≤ MAX_RANK`) and both widths are multiples of 4 or neither, else one launch each.
 pub(super) fn project_pair(
     rec: &mut Recorder<'_>,
     (a, (w1, w2), (out1, out2)): (&GpuBuffer<f32>, WeightPair<'_>, OutPair<'_>),
+    second: Option<(&GpuBuffer<f32>, u32)>,
     (t, n, r): (u32, u32, u32),
     layout: Layout,
 ) -> Result<(), ExecError> {
@@ -392,22 +394,28 @@ pub(super) fn project_pair(
         .gpu()
         .subgroup_size()
         .filter(|&size| sg_tile.runs_on(size) && 2 * r <= MAX_RANK);
+    let (a2, n2) = second.unwrap_or((a, n));
+    let size = size.filter(|_| super::wide(n) == super::wide(n2));
     let Some(size) = size else {
         project(rec, (a, w1, out1), (t, n, r), layout)?;
-        return project(rec, (a, w2, out2), (t, n, r), layout);
+        return project(rec, (a2, w2, out2), (t, n2, r), layout);
     };
     sg_tile.check("lora_down_subgroups")?;
-    let bind_weight = |args, name, w| match layout {
+    let bind_weight = |args, name, w, n| match layout {
         Layout::RankMinor => bind_rank_rows(args, name, w, r),
         Layout::RankMajor => bind_columns(args, name, w, n),
     };
     let args = bind_columns(Args::new(), "a", a, n);
-    let args = bind_weight(args, "w", w1);
-    let args = bind_weight(args, "w2", w2)
+    let (args, operands) = match second {
+        Some((a2, n2)) => (bind_columns(args, "a2", a2, n2), Operands::PairOver(n2)),
+        None => (args, Operands::Pair),
+    };
+    let args = bind_weight(args, "w", w1, n);
+    let args = bind_weight(args, "w2", w2, n2)
         .buffer("out", out1)
         .buffer("out2", out2)
         .param("tokens", t);
-    let key = subgroups::key((n, r, true), layout, size, sg_tile);
+    let key = subgroups::key((n, r, operands), layout, size, sg_tile);
     let kernel = rec.gpu().kernel(&key, subgroups::body)?;
     let groups = t.div_ceil(sg_tile.tokens());
     rec.launch(&kernel, &args, Grid::WorkgroupPerItem(groups as u64))

@@ -309,7 +309,13 @@ pub fn execute_lora_down_pair(
     if t == 0 {
         return Ok(());
     }
-    down::project_pair(rec, (x, (a1, a2), (h1, h2)), (t, n, r), Layout::RankMajor)
+    down::project_pair(
+        rec,
+        (x, (a1, a2), (h1, h2)),
+        None,
+        (t, n, r),
+        Layout::RankMajor,
+    )
 }
 
 /// `dh = dy·B` (`[T, r]`; Hesper's gradDh = Bᵀ·dy per token).
@@ -321,6 +327,45 @@ pub fn execute_grad_dh(
     dh: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
     into_rank(rec, &GRAD_DH, (dy, b, dh), rank)
+}
+
+/// `dh1 = dy1·B1` and `dh2 = dy2·B2` (each `[T, r]`; `B1: [out1, r]`, `B2: [out2, r]`, the
+/// same `T` and `r`, the widths free): the products into `r` of two adapters' weight
+/// backward (a layer's query and value projections) in one launch where the device's
+/// subgroups allow (`lora_down_subgroups` with a second input, `2r ≤ 32`, both widths
+/// multiples of 4 or neither), else [`execute_grad_dh`] for each.
+pub fn execute_grad_dh_pair(
+    rec: &mut Recorder<'_>,
+    (dy1, dy2): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    (b1, b2): (&GpuBuffer<f32>, &GpuBuffer<f32>),
+    rank: usize,
+    (dh1, dh2): (&mut GpuBuffer<f32>, &mut GpuBuffer<f32>),
+) -> Result<(), ExecError> {
+    let name = "grad_dh_pair";
+    let (r, n1) = adapter(name, "b1", b1, rank)?;
+    let (_, n2) = adapter(name, "b2", b2, rank)?;
+    let t = rows(name, "dy1", dy1, n1 as usize, "out1")?;
+    let t2 = rows(name, "dy2", dy2, n2 as usize, "out2")?;
+    if t2 != t {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("dy1 of {t} tokens and dy2 of {t2}"),
+            why: "both adapters' gradients are of the same tokens".into(),
+        });
+    }
+    for (binding, dh) in [("dh1", &*dh1), ("dh2", &*dh2)] {
+        expect_len(name, binding, dh, t as usize * r as usize, "[tokens, rank]")?;
+    }
+    if t == 0 {
+        return Ok(());
+    }
+    down::project_pair(
+        rec,
+        (dy1, (b1, b2), (dh1, dh2)),
+        Some((dy2, n2)),
+        (t, n1, r),
+        GRAD_DH.layout,
+    )
 }
 
 /// A product into `r`, `out[T, r] = u[T, n]·W(n, r)`, as an `execute_*` function names it.
@@ -548,8 +593,9 @@ pub struct WeightBackward<'a, 'b> {
 }
 
 /// [`execute_lora_weight_backward`] for two adapters of the same tokens (a layer's query and
-/// value projections) in five launches instead of six: each `dh = dy·B`, each adapter's two
-/// weight gradients' partial sums, and all four gradients' sums in one launch. `scratch` holds
+/// value projections) in four launches instead of six: both `dh = dy·B`
+/// ([`execute_grad_dh_pair`]), each adapter's two weight gradients' partial sums, and all four
+/// gradients' sums in one launch. `scratch` holds
 /// [`lora_scratch_len`] for the sum of both adapters' `in + out`.
 pub fn execute_lora_weight_backward_pair(
     rec: &mut Recorder<'_>,
@@ -619,8 +665,19 @@ fn weight_backward(
         Len::AtLeast(need),
         "lora_scratch_len",
     )?;
-    for WeightBackward { inputs, dh, .. } in adapters.iter_mut() {
-        execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
+    match adapters {
+        [first, second] => execute_grad_dh_pair(
+            rec,
+            (first.inputs.dy, second.inputs.dy),
+            (first.inputs.b, second.inputs.b),
+            rank,
+            (&mut *first.dh, &mut *second.dh),
+        )?,
+        _ => {
+            for WeightBackward { inputs, dh, .. } in adapters.iter_mut() {
+                execute_grad_dh(rec, inputs.dy, inputs.b, rank, dh)?;
+            }
+        }
     }
     // Every weight gradient, each adapter's `dB` then its `dA`: the partials an adapter a
     // launch, all their sums in one.

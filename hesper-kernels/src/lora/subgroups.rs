@@ -75,9 +75,34 @@ impl SubgroupTile {
     }
 }
 
+/// What a `lora_down_subgroups` launch multiplies: one weight, or a pair of weights over the
+/// same input or over two inputs of their own.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Operands {
+    One,
+    /// Two weights of `n` over `a`: `out = a·W`, `out2 = a·W2`.
+    Pair,
+    /// The second weight over its own input `a2` of this width: `out2 = a2·W2` (the weight
+    /// gradients' `dy·B` of a layer's query and value adapters, 576 and 192 wide in SmolLM2).
+    PairOver(u32),
+}
+
+impl Operands {
+    fn is_pair(self) -> bool {
+        self != Operands::One
+    }
+    /// The width of the second input (0: none of its own).
+    fn second_n(self) -> u32 {
+        match self {
+            Operands::PairOver(n2) => n2,
+            Operands::One | Operands::Pair => 0,
+        }
+    }
+}
+
 /// The key for subgroups of `subgroup_size` invocations.
 pub(super) fn key(
-    (n, r, pair): (u32, u32, bool),
+    (n, r, operands): (u32, u32, Operands),
     layout: Layout,
     subgroup_size: u32,
     tile: SubgroupTile,
@@ -86,7 +111,8 @@ pub(super) fn key(
     // exactly the size it reports (wgpu does not require full subgroups), and on the H200
     // dropping them gained nothing here.
     adapter_key("lora_down_subgroups", n, r, layout)
-        .shape("pair", pair)
+        .shape("pair", operands.is_pair())
+        .shape("second_n", operands.second_n())
         .workgroup_size(tile.invocations)
         .shape("lanes", subgroup_size)
         .shape("group_tokens", tile.group_tokens)
@@ -214,15 +240,20 @@ impl<C: Columns> DownWeight<C> {
 fn body_with<C: Columns>(k: &mut KernelBuilder) {
     let (n, r, layout) = adapter_shapes(k);
     let pair = k.shape::<bool>("pair");
+    let second_n = k.shape::<u32>("second_n");
     let size = k.shape::<u32>("lanes");
     let tile = SubgroupTile::from_key(k);
     let (wg, group_tokens, unroll) = (tile.invocations, tile.group_tokens, tile.unroll);
     let groups = n / C::N;
+    // With a second input, its wide elements follow the first's along the chunks.
+    let groups2 = second_n / C::N;
+    let all_groups = groups + groups2;
     let subgroups = wg / size;
     // A pair's sums are the first weight's `r` then the second's.
     let sums_r = if pair { 2 * r } else { r };
     let padded = sums_r.next_power_of_two();
     let a = k.storage::<C>("a");
+    let a2 = (groups2 > 0).then(|| k.storage::<C>("a2"));
     let w = DownWeight::<C>::declare(k, "w", layout, r);
     let w2 = pair.then(|| DownWeight::<C>::declare(k, "w2", layout, r));
     let out = k.storage_rw::<f32>("out");
@@ -249,23 +280,42 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
         });
     }
     k.workgroup_barrier();
-    k.for_range("chunk", 0u32, groups.div_ceil(wg), |k, chunk| {
+    k.for_range("chunk", 0u32, all_groups.div_ceil(wg), |k, chunk| {
         let g = k.let_("g", &chunk * wg + &sg * size + &lane);
         let live = k.let_("live", g.lt(groups));
         let gc = k.let_("gc", g.min(groups - 1));
+        // With a second input: the invocation's wide element of it, where `g` is past the
+        // first's (else its first, read and multiplied by zeros).
+        let second = (groups2 > 0).then(|| {
+            let live2 = k.let_("live2", g.ge(groups).and(g.lt(all_groups)));
+            let gc2 = k.let_("gc2", select(live2.clone(), &g - groups, lit(0u32)));
+            (live2, gc2)
+        });
         // ws[c][kk] = W(column c of the invocation's, kk) (a pair's second weight from
-        // kk = r on), zero past the row's end (so that the invocation adds nothing).
+        // kk = r on), zero past the row's end (so that the invocation adds nothing) and, with
+        // a second input, zero where the invocation's element is of the other input.
         let mut ws = w.at(k, &gc, (r, groups));
+        let first_r = ws[0].len();
         if let Some(w2) = &w2 {
-            for (wc, w2c) in ws.iter_mut().zip(w2.at(k, &gc, (r, groups))) {
+            let (gc2, groups_of_w2) = match &second {
+                Some((_, gc2)) => (gc2, groups2),
+                None => (&gc, groups),
+            };
+            for (wc, w2c) in ws.iter_mut().zip(w2.at(k, gc2, (r, groups_of_w2))) {
                 wc.extend(w2c);
             }
         }
         let ws: Vec<Vec<Expr<f32>>> = ws
             .into_iter()
             .map(|wc| {
-                wc.into_iter()
-                    .map(|w| k.let_("w", select(live.clone(), w, 0.0f32)))
+                (wc.into_iter().enumerate())
+                    .map(|(kk, w)| {
+                        let ok = match &second {
+                            Some((live2, _)) if kk >= first_r => live2.clone(),
+                            _ => live.clone(),
+                        };
+                        k.let_("w", select(ok, w, 0.0f32))
+                    })
                     .collect()
             })
             .collect();
@@ -273,8 +323,18 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
             // Rows past the last token read the last one: their sums are never stored.
             let xs: Vec<Expr<C>> = (0..unroll)
                 .map(|j| {
-                    let t = (&t0 + &b * unroll + j).min(&last);
-                    k.let_("x", a.at(t * groups + &gc))
+                    let t = k.let_("t", (&t0 + &b * unroll + j).min(&last));
+                    let x = a.at(&t * groups + &gc);
+                    // Both reads, one of them wasted: the element of the input an invocation
+                    // does not take is one its subgroup shares (the first input's last, the
+                    // second's first), a single read.
+                    let x = match (&a2, &second) {
+                        (Some(a2), Some((live2, gc2))) => {
+                            select(live2.clone(), a2.at(&t * groups2 + gc2), x)
+                        }
+                        _ => x,
+                    };
+                    k.let_("x", x)
                 })
                 .collect();
             for (j, x) in xs.iter().enumerate() {
@@ -331,10 +391,11 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
 
 /// The kernel at a small shape, for snapshots and review.
 pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
-    let key_of = |pair, layout| key((64, 2, pair), layout, 32, SubgroupTile::DEFAULT);
+    let key_of = |operands, layout| key((64, 2, operands), layout, 32, SubgroupTile::DEFAULT);
     Ok(vec![
-        Kernel::build(&key_of(false, Layout::RankMinor), body)?,
-        Kernel::build(&key_of(true, Layout::RankMajor), body)?,
+        Kernel::build(&key_of(Operands::One, Layout::RankMinor), body)?,
+        Kernel::build(&key_of(Operands::Pair, Layout::RankMajor), body)?,
+        Kernel::build(&key_of(Operands::PairOver(48), Layout::RankMinor), body)?,
     ])
 }
 
@@ -343,7 +404,7 @@ pub(super) fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
 /// subgroup size checked first.
 pub(crate) fn build_at(
     (n, r, rank_minor): (u32, u32, bool),
-    (pair, lanes): (bool, u32),
+    (pair, second_n, lanes): (bool, u32, u32),
     [invocations, group_tokens, unroll]: [u32; 3],
     limits: &Limits,
 ) -> Result<Kernel, Failure> {
@@ -361,6 +422,23 @@ pub(crate) fn build_at(
             format!("a pair sums both weights' ranks: 2·rank at most {MAX_RANK}"),
         ));
     }
+    let operands = match (pair, second_n) {
+        (false, 0) => Operands::One,
+        (true, 0) => Operands::Pair,
+        (true, n2) if super::wide(n2) == super::wide(n) => Operands::PairOver(n2),
+        (true, n2) => {
+            return Err(Failure::rule(
+                format!("n = {n}, second_n = {n2}"),
+                "both inputs' widths multiples of 4, or neither".into(),
+            ));
+        }
+        (false, n2) => {
+            return Err(Failure::rule(
+                format!("second_n = {n2} without pair"),
+                "a second input takes a second weight: pair".into(),
+            ));
+        }
+    };
     tile.check(name)?;
     if !tile.runs_on(lanes) {
         return Err(Failure::rule(
@@ -368,7 +446,12 @@ pub(crate) fn build_at(
             format!("the subgroup size must be 8 to {invocations} and divide it"),
         ));
     }
-    let key = key((n, r, pair), Layout::from_shape(rank_minor), lanes, tile);
+    let key = key(
+        (n, r, operands),
+        Layout::from_shape(rank_minor),
+        lanes,
+        tile,
+    );
     Ok(Kernel::build_with_limits(&key, limits, body)?)
 }
 
@@ -384,15 +467,17 @@ mod tests {
             for r in [1, 3, 4, 6, 12, 16, 17, 32] {
                 for n in [7, 64, 2560] {
                     for layout in [Layout::RankMajor, Layout::RankMinor] {
-                        // A pair sums both weights' ranks: up to MAX_RANK in all.
-                        for pair in [false, true]
-                            .into_iter()
-                            .filter(|&p| !p || 2 * r <= MAX_RANK)
-                        {
-                            let key = key((n, r, pair), layout, size, SubgroupTile::DEFAULT);
+                        // A pair sums both weights' ranks: up to MAX_RANK in all. A second
+                        // input as wide as the first or by a whole vec4 less (`PairOver`
+                        // needs both widths wide or neither).
+                        let pairs = [Operands::Pair, Operands::PairOver(n.max(5) - 4)];
+                        let pairs = pairs.into_iter().filter(|_| 2 * r <= MAX_RANK);
+                        for operands in std::iter::once(Operands::One).chain(pairs) {
+                            let key = key((n, r, operands), layout, size, SubgroupTile::DEFAULT);
                             if let Err(e) = Kernel::build(&key, body) {
                                 panic!(
-                                    "size {size}, rank {r}, width {n}, {layout:?}, pair {pair}: {e}"
+                                    "size {size}, rank {r}, width {n}, {layout:?}, \
+                                     {operands:?}: {e}"
                                 );
                             }
                         }
