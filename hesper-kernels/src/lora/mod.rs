@@ -594,8 +594,8 @@ pub struct WeightBackward<'a, 'b> {
 
 /// [`execute_lora_weight_backward`] for two adapters of the same tokens (a layer's query and
 /// value projections) in four launches instead of six: both `dh = dy·B`
-/// ([`execute_grad_dh_pair`]), each adapter's two weight gradients' partial sums, and all four
-/// gradients' sums in one launch. `scratch` holds
+/// ([`execute_grad_dh_pair`]; two launches where it cannot pair them), each adapter's two
+/// weight gradients' partial sums, and all four gradients' sums in one launch. `scratch` holds
 /// [`lora_scratch_len`] for the sum of both adapters' `in + out`.
 pub fn execute_lora_weight_backward_pair(
     rec: &mut Recorder<'_>,
