@@ -69,6 +69,37 @@ fn lora_fuses(rec: &Recorder<'_>, gemm: &Gemm, weights: &Weights<'_>, rank: usiz
     }
 }
 
+/// An adapter's weights, and where one micro-batch's weight gradients go: its `da`, `db` for
+/// the first micro-batch, which writes them; `micro_da`, `micro_db` for the others, added into
+/// them after ([`GpuAdapter::add_micro_grads`]).
+struct AdapterGrads<'a> {
+    a: &'a GpuBuffer<f32>,
+    b: &'a GpuBuffer<f32>,
+    da: &'a mut GpuBuffer<f32>,
+    db: &'a mut GpuBuffer<f32>,
+}
+
+impl GpuAdapter {
+    fn grads_for(&mut self, micro: usize) -> AdapterGrads<'_> {
+        let (da, db) = match micro {
+            0 => (&mut self.da, &mut self.db),
+            _ => (&mut self.micro_da, &mut self.micro_db),
+        };
+        AdapterGrads {
+            a: &self.a,
+            b: &self.b,
+            da,
+            db,
+        }
+    }
+
+    /// Adds a later micro-batch's gradients into the step's.
+    fn add_micro_grads(&mut self, rec: &mut Recorder<'_>) -> Result<(), ModelError> {
+        execute_add(rec, &self.micro_da, &mut self.da)?;
+        Ok(execute_add(rec, &self.micro_db, &mut self.db)?)
+    }
+}
+
 /// Elements `i` and `j` (`i ≠ j`) of `items`, both mutable.
 fn two_mut<T>(items: &mut [T], (i, j): (usize, usize)) -> (&mut T, &mut T) {
     assert_ne!(i, j, "two different elements");
@@ -240,60 +271,39 @@ impl Ctx<'_> {
         let dh_pair = dh_pair
             .as_mut()
             .expect("StepBuffers::new gives a pair's dh where LoRA adapts Q and V");
-        let GpuAdapter {
-            a: a_q,
-            b: b_q,
-            da: da_q,
-            db: db_q,
-            micro_da: micro_da_q,
-            micro_db: micro_db_q,
-            ..
-        } = aq;
-        let GpuAdapter {
-            a: a_v,
-            b: b_v,
-            da: da_v,
-            db: db_v,
-            micro_da: micro_da_v,
-            micro_db: micro_db_v,
-            ..
-        } = av;
+        let (gq, gv) = (aq.grads_for(self.micro), av.grads_for(self.micro));
         let q_in = LoraBackward {
             x: projection_input(saved, Projection::Q),
-            a: a_q,
-            b: b_q,
+            a: gq.a,
+            b: gq.b,
             h: &saved.lora_h[q % targets],
             dy: dq,
         };
         let v_in = LoraBackward {
             x: projection_input(saved, Projection::V),
-            a: a_v,
-            b: b_v,
+            a: gv.a,
+            b: gv.b,
             h: &saved.lora_h[v % targets],
             dy: dv,
         };
-        // The first micro-batch writes the gradients, the others add theirs.
-        let first = self.micro == 0;
         let pair = [
             WeightBackward {
                 inputs: &q_in,
                 dh,
-                da: if first { &mut *da_q } else { &mut *micro_da_q },
-                db: if first { &mut *db_q } else { &mut *micro_db_q },
+                da: gq.da,
+                db: gq.db,
             },
             WeightBackward {
                 inputs: &v_in,
                 dh: dh_pair,
-                da: if first { &mut *da_v } else { &mut *micro_da_v },
-                db: if first { &mut *db_v } else { &mut *micro_db_v },
+                da: gv.da,
+                db: gv.db,
             },
         ];
         execute_lora_weight_backward_pair(rec, pair, self.rank, self.scale, scratch)?;
-        if !first {
-            execute_add(rec, micro_da_q, da_q)?;
-            execute_add(rec, micro_db_q, db_q)?;
-            execute_add(rec, micro_da_v, da_v)?;
-            execute_add(rec, micro_db_v, db_v)?;
+        if self.micro > 0 {
+            aq.add_micro_grads(rec)?;
+            av.add_micro_grads(rec)?;
         }
         Ok(())
     }
@@ -324,15 +334,13 @@ impl Ctx<'_> {
             return Ok(execute_gemm(rec, &gemm, dy, frozen, &mut *dx)?);
         };
         let target = i % adapters.lora().targets.len();
-        let GpuAdapter {
+        let adapter = &mut adapters.adapters[i];
+        let AdapterGrads {
             a,
             b,
-            da,
-            db,
-            micro_da,
-            micro_db,
-            ..
-        } = &mut adapters.adapters[i];
+            da: grad_a,
+            db: grad_b,
+        } = adapter.grads_for(self.micro);
         let inputs = LoraBackward {
             x: projection_input(saved, projection),
             a,
@@ -349,11 +357,6 @@ impl Ctx<'_> {
         let dh = match (grads, dh_pair) {
             (LoraGrads::Paired { second: true }, Some(dh_pair)) => dh_pair,
             _ => dh,
-        };
-        // The first micro-batch writes the gradients, the others add theirs.
-        let (grad_a, grad_b) = match self.micro {
-            0 => (&mut *da, &mut *db),
-            _ => (&mut *micro_da, &mut *micro_db),
         };
         let here = grads == LoraGrads::Here;
         if lora_fuses(rec, &gemm, &frozen, rank) {
@@ -382,8 +385,7 @@ impl Ctx<'_> {
             execute_input_grad(rec, dh, a, rank, scale, dx)?;
         }
         if self.micro > 0 && here {
-            execute_add(rec, micro_da, da)?;
-            execute_add(rec, micro_db, db)?;
+            adapter.add_micro_grads(rec)?;
         }
         Ok(())
     }
