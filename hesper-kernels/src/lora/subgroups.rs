@@ -295,7 +295,6 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
         // kk = r on), zero past the row's end (so that the invocation adds nothing) and, with
         // a second input, zero where the invocation's element is of the other input.
         let mut ws = w.at(k, &gc, (r, groups));
-        let first_r = ws[0].len();
         if let Some(w2) = &w2 {
             let (gc2, groups_of_w2) = match &second {
                 Some((_, gc2)) => (gc2, groups2),
@@ -311,7 +310,7 @@ fn body_with<C: Columns>(k: &mut KernelBuilder) {
                 (wc.into_iter().enumerate())
                     .map(|(kk, w)| {
                         let ok = match &second {
-                            Some((live2, _)) if kk >= first_r => live2.clone(),
+                            Some((live2, _)) if kk >= r as usize => live2.clone(),
                             _ => live.clone(),
                         };
                         k.let_("w", select(ok, w, 0.0f32))
