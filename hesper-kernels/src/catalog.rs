@@ -803,7 +803,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 51] = [
+static ENTRIES: [Entry; 53] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1013,11 +1013,27 @@ static ENTRIES: [Entry; 51] = [
         build: |s| ffn::build::swiglu_packed_backward(s.limits()),
     },
     Entry {
+        name: "swiglu_packed_backward_f16",
+        module: "ffn",
+        summary: "the packed SwiGLU backward from f16 gate_up: d_gate_up in f16, scaled by \
+                  2^e before rounding as the tensor-core GEMM that reads it would scale it",
+        params: &[],
+        build: |s| ffn::build::swiglu_packed_backward_f16(s.limits()),
+    },
+    Entry {
         name: "swiglu_packed_forward",
         module: "ffn",
         summary: "SwiGLU over rows of gate then up (one GEMM's [T, 2I] output): h = silu(g)·u",
         params: &[],
         build: |s| ffn::build::swiglu_packed_forward(s.limits()),
+    },
+    Entry {
+        name: "swiglu_packed_forward_f16",
+        module: "ffn",
+        summary: "the packed SwiGLU from f16 gate_up (a mixed-precision step's GEMM output): \
+                  h = silu(g)·u in f32",
+        params: &[],
+        build: |s| ffn::build::swiglu_packed_forward_f16(s.limits()),
     },
     // linear
     Entry {

@@ -9,10 +9,14 @@
 //! SwiGLU also reads its gate and up from one packed `[rows, 2·I]` array, each row a gate row
 //! then an up row (`swiglu_packed_*`): what one GEMM over `[W_gate; W_up]` writes, so the step
 //! computes both projections in one launch; its backward writes the gradients packed the same
-//! way, for one GEMM back through `[W_gate; W_up]`.
+//! way, for one GEMM back through `[W_gate; W_up]`. The `_f16` kernels read that array as f16
+//! (what a mixed-precision step saves: half the bytes written, kept and read) and write its
+//! gradient as f16, scaled by a power of two as the tensor-core GEMM would scale it before
+//! rounding (`linear::Gemm::input_exponent`), so that GEMM reads it as it is.
 
 use hesper_dsl::prelude::*;
-use hesper_exec::{Args, ExecError, GpuBuffer, Grid, Recorder};
+use hesper_exec::half::f16;
+use hesper_exec::{Args, Element, ExecError, GpuBuffer, Grid, Recorder};
 
 use crate::{expect_len, expect_rows, expect_u32};
 
@@ -113,6 +117,45 @@ fn swiglu_packed_backward(
     }
 }
 
+/// [`swiglu_packed_forward`] with `gate_up` in f16, `h` in f32.
+#[kernel(workgroup_size = 256)]
+fn swiglu_packed_forward_f16(
+    gate_up: &[Vec4<F16>],
+    h: &mut [Vec4<f32>],
+    #[runtime] i4: u32,
+    #[runtime] n4: u32,
+) {
+    let i = global_index();
+    if i < n4 {
+        let at = i + i / i4 * i4;
+        let g = gate_up[at].cast::<Vec4<f32>>();
+        h[i] = g / (1.0 + exp(-g)) * gate_up[at + i4].cast::<Vec4<f32>>();
+    }
+}
+
+/// [`swiglu_packed_backward`] with `gate_up` in f16, and `d_gate_up` in f16 multiplied by
+/// `grad_scale` (a power of two) before it is rounded.
+#[kernel(workgroup_size = 256)]
+fn swiglu_packed_backward_f16(
+    gate_up: &[Vec4<F16>],
+    d_h: &[Vec4<f32>],
+    d_gate_up: &mut [Vec4<F16>],
+    #[runtime] grad_scale: f32,
+    #[runtime] i4: u32,
+    #[runtime] n4: u32,
+) {
+    let i = global_index();
+    if i < n4 {
+        let at = i + i / i4 * i4;
+        let g = gate_up[at].cast::<Vec4<f32>>();
+        let u = gate_up[at + i4].cast::<Vec4<f32>>();
+        let dh = d_h[i] * grad_scale;
+        let sig = 1.0 / (1.0 + exp(-g));
+        d_gate_up[at + i4] = (dh * g * sig).cast::<Vec4<F16>>();
+        d_gate_up[at] = (dh * u * sig * (1.0 + g * (1.0 - sig))).cast::<Vec4<F16>>();
+    }
+}
+
 /// The WGSL of each kernel of this module at its default shapes (for snapshots and review).
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     Ok(vec![
@@ -122,6 +165,8 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         swiglu_backward::build()?,
         swiglu_packed_forward::build()?,
         swiglu_packed_backward::build()?,
+        swiglu_packed_forward_f16::build()?,
+        swiglu_packed_backward_f16::build()?,
     ])
 }
 
@@ -147,6 +192,8 @@ pub(crate) mod build {
         swiglu_backward,
         swiglu_packed_forward,
         swiglu_packed_backward,
+        swiglu_packed_forward_f16,
+        swiglu_packed_backward_f16,
     );
 }
 
@@ -263,11 +310,77 @@ pub fn execute_swiglu_packed_backward(
     rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
 }
 
+/// [`execute_swiglu_packed_forward`] with `gate_up` in f16 (as a mixed-precision step's GEMM
+/// writes it), `h` in f32. Needs `SHADER_F16`.
+pub fn execute_swiglu_packed_forward_f16(
+    rec: &mut Recorder<'_>,
+    gate_up: &GpuBuffer<f16>,
+    width: usize,
+    h: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let name = "swiglu_packed_forward_f16";
+    let (i4, n4) = packed_shape(name, gate_up, width, h, "h")?;
+    if n4 == 0 {
+        return Ok(());
+    }
+    let kernel = rec.gpu().kernel(
+        &swiglu_packed_forward_f16::key(),
+        swiglu_packed_forward_f16::body,
+    )?;
+    let args = Args::new()
+        .buffer_vec4("gate_up", gate_up)
+        .buffer_vec4("h", h)
+        .param("i4", i4)
+        .param("n4", n4);
+    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+}
+
+/// [`execute_swiglu_packed_backward`] with `gate_up` in f16, writing `d_gate_up` in f16 as
+/// `2^grad_exponent·d_gate_up` rounded to nearest: the input a tensor-core GEMM with
+/// `Gemm::input_exponent = grad_exponent` would have rounded (give that GEMM a weight scale of
+/// `2^−grad_exponent` to undo it). Gradients whose scaled size passes 65504 become ±∞, as they
+/// would in that GEMM. `|grad_exponent|` at most 64. Needs `SHADER_F16`.
+pub fn execute_swiglu_packed_backward_f16(
+    rec: &mut Recorder<'_>,
+    gate_up: &GpuBuffer<f16>,
+    width: usize,
+    d_h: &GpuBuffer<f32>,
+    grad_exponent: i32,
+    d_gate_up: &mut GpuBuffer<f16>,
+) -> Result<(), ExecError> {
+    let name = "swiglu_packed_backward_f16";
+    let (i4, n4) = packed_shape(name, gate_up, width, d_h, "d_h")?;
+    expect_len(name, "d_gate_up", d_gate_up, gate_up.len(), "as gate_up")?;
+    if grad_exponent.abs() > 64 {
+        return Err(ExecError::Binding {
+            kernel: name.into(),
+            binding: "grad_exponent".into(),
+            expected: "at most 64 either way (2^e stays a normal f32)".into(),
+            given: grad_exponent.to_string(),
+        });
+    }
+    if n4 == 0 {
+        return Ok(());
+    }
+    let kernel = rec.gpu().kernel(
+        &swiglu_packed_backward_f16::key(),
+        swiglu_packed_backward_f16::body,
+    )?;
+    let args = Args::new()
+        .buffer_vec4("gate_up", gate_up)
+        .buffer_vec4("d_h", d_h)
+        .buffer_vec4("d_gate_up", d_gate_up)
+        .param("grad_scale", 2f32.powi(grad_exponent))
+        .param("i4", i4)
+        .param("n4", n4);
+    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+}
+
 /// `(width / 4, rows·width / 4)` of a packed SwiGLU, checked: `width` a positive multiple of
 /// 4, `gate_up` `[rows, 2·width]`, `out` (`binding`) `[rows, width]`.
-fn packed_shape(
+fn packed_shape<T: Element>(
     name: &str,
-    gate_up: &GpuBuffer<f32>,
+    gate_up: &GpuBuffer<T>,
     width: usize,
     out: &GpuBuffer<f32>,
     binding: &str,

@@ -207,6 +207,73 @@ fn swiglu_packed_matches_reference() {
     }
 }
 
+/// The f16 packed SwiGLU against the f64 reference on the f16-rounded `gate_up`: `h` within
+/// f32's rounding (its inputs are exact), `d_gate_up` read back as `2^−e` times the f16 values
+/// the kernel wrote, within f16's rounding of `2^e·d_gate_up` (half an ulp: 2^−11 relative).
+/// On a device without `SHADER_F16`: the error that says so.
+#[test]
+fn swiglu_packed_f16_matches_reference() {
+    use hesper_exec::half::f16;
+    let g = gpu();
+    let round = |v: &[f32]| -> Vec<f16> { v.iter().map(|x| f16::from_f32(*x)).collect() };
+    let widen = |v: &[f16]| -> Vec<f64> { v.iter().map(|x| x.to_f64()).collect() };
+    for (seed, (rows, width, exponent)) in [(1, 4, 0), (3, 12, 5), (37, 256, 12), (700, 8, -3)]
+        .into_iter()
+        .enumerate()
+    {
+        let mut rng = Rng::new(seed as u64 + 900);
+        let n = rows * width;
+        let (gate, up, dh) = (rng.vec(n, 4.0), rng.vec(n, 2.0), rng.vec(n, 1.0));
+        let packed = round(&pack(&gate, &up, width));
+        let gate_up = g.upload(&packed).unwrap();
+        let d_h = g.upload(&dh).unwrap();
+        let mut h = g.filled(n, f32::NAN).unwrap();
+        let mut d_gate_up = g.filled(2 * n, f16::NAN).unwrap();
+        let mut rec = g.recorder();
+        let forward = ffn::execute_swiglu_packed_forward_f16(&mut rec, &gate_up, width, &mut h);
+        if !g.supports_f16() {
+            let e = forward.unwrap_err();
+            assert!(matches!(e, ExecError::MissingFeature { .. }), "{e}");
+            eprintln!("no SHADER_F16 here: the f16 SwiGLU is refused, as it should be");
+            return;
+        }
+        forward.unwrap();
+        ffn::execute_swiglu_packed_backward_f16(
+            &mut rec,
+            &gate_up,
+            width,
+            &d_h,
+            exponent,
+            &mut d_gate_up,
+        )
+        .unwrap();
+        rec.submit().unwrap();
+        let rounded = widen(&packed);
+        let (gate, up): (Vec<f64>, Vec<f64>) = rounded
+            .chunks(2 * width)
+            .flat_map(|row| row[..width].iter().zip(&row[width..]))
+            .map(|(g, u)| (*g, *u))
+            .unzip();
+        let dh = f64s(&dh);
+        let what = format!("swiglu_packed_forward_f16 {rows}×{width}");
+        let want = reference::swiglu_forward(&gate, &up);
+        assert_close(&what, &h.read(g).unwrap(), &want, 1e-5, 1e-6);
+        let (want_gate, want_up) = reference::swiglu_backward(&gate, &up, &dh);
+        let want: Vec<f64> = want_gate
+            .chunks(width)
+            .zip(want_up.chunks(width))
+            .flat_map(|(g, u)| g.iter().chain(u).copied())
+            .collect();
+        let unscale = 2f64.powi(-exponent);
+        let got: Vec<f32> = widen(&d_gate_up.read(g).unwrap())
+            .iter()
+            .map(|v| (v * unscale) as f32)
+            .collect();
+        let what = format!("swiglu_packed_backward_f16 {rows}×{width} e = {exponent}");
+        assert_close(&what, &got, &want, 5e-4, 1e-6);
+    }
+}
+
 #[test]
 fn packed_shapes_are_checked() {
     let g = gpu();
@@ -268,6 +335,8 @@ fn wgsl_snapshots() {
         "swiglu_backward",
         "swiglu_packed_forward",
         "swiglu_packed_backward",
+        "swiglu_packed_forward_f16",
+        "swiglu_packed_backward_f16",
     ];
     let kernels = ffn::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

@@ -8,6 +8,7 @@
 use hesper_dsl::Kernel;
 use hesper_dsl::interp::{Run, ScalarValue, interpret};
 use hesper_dsl::ty::{Access, Scalar, Ty};
+use hesper_exec::half::f16;
 use hesper_exec::{Args, Gpu, GpuBuffer, Grid};
 use hesper_kernels::catalog;
 use hesper_kernels::testing::{Rng, gpu_without_subgroups};
@@ -89,6 +90,10 @@ fn values(rng: &mut Rng, name: &str, elem: &Ty) -> Vec<u8> {
                 .collect();
             bytemuck::cast_slice(&v).to_vec()
         }
+        Scalar::F16 => {
+            let v: Vec<f16> = (0..n).map(|_| f16::from_f32(rng.next_f32())).collect();
+            bytemuck::cast_slice(&v).to_vec()
+        }
         Scalar::U32 => {
             let v: Vec<u32> = (0..n).map(|_| rng.next_u32() % 7).collect();
             bytemuck::cast_slice(&v).to_vec()
@@ -111,6 +116,7 @@ fn values(rng: &mut Rng, name: &str, elem: &Ty) -> Vec<u8> {
 /// A binding's buffer on the GPU, of its element's scalar type.
 enum Typed {
     F32(GpuBuffer<f32>),
+    F16(GpuBuffer<f16>),
     U32(GpuBuffer<u32>),
     I32(GpuBuffer<i32>),
 }
@@ -122,10 +128,20 @@ fn scalar_of(elem: &Ty) -> Scalar {
     }
 }
 
-/// How `a` (lavapipe's) and `b` (the interpreter's) differ read as `f32`s (NaN equal to NaN):
-/// the elements that differ at all, and the largest difference over the largest magnitude.
-fn differ(a: &[u8], b: &[u8]) -> (usize, f64) {
-    let (a, b): (&[f32], &[f32]) = (bytemuck::cast_slice(a), bytemuck::cast_slice(b));
+/// How `a` (lavapipe's) and `b` (the interpreter's) differ read as `f32`s (f16s widened; NaN
+/// equal to NaN): the elements that differ at all, and the largest difference over the largest
+/// magnitude.
+fn differ(a: &[u8], b: &[u8], scalar: Scalar) -> (usize, f64) {
+    let floats = |bytes: &[u8]| -> Vec<f32> {
+        match scalar {
+            Scalar::F16 => bytemuck::cast_slice::<u8, f16>(bytes)
+                .iter()
+                .map(|x| x.to_f32())
+                .collect(),
+            _ => bytemuck::cast_slice(bytes).to_vec(),
+        }
+    };
+    let (a, b) = (floats(a), floats(b));
     let scale = a.iter().fold(0f64, |m, v| {
         if v.is_finite() {
             m.max(v.abs() as f64)
@@ -134,7 +150,7 @@ fn differ(a: &[u8], b: &[u8]) -> (usize, f64) {
         }
     });
     let (mut count, mut worst) = (0, 0f64);
-    for (x, y) in a.iter().zip(b) {
+    for (x, y) in a.iter().zip(&b) {
         if x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan()) {
             continue;
         }
@@ -165,6 +181,7 @@ fn compare(g: &Gpu, kernel: &Kernel, workgroups: u32, seed: u64) -> (usize, f64)
             let bytes = &run.buffers[&b.name];
             match scalar_of(&b.elem) {
                 Scalar::F32 => Typed::F32(g.upload::<f32>(bytemuck::cast_slice(bytes)).unwrap()),
+                Scalar::F16 => Typed::F16(g.upload::<f16>(bytemuck::cast_slice(bytes)).unwrap()),
                 Scalar::U32 => Typed::U32(g.upload::<u32>(bytemuck::cast_slice(bytes)).unwrap()),
                 Scalar::I32 => Typed::I32(g.upload::<i32>(bytemuck::cast_slice(bytes)).unwrap()),
                 other => panic!("a binding of {other:?}"),
@@ -177,6 +194,8 @@ fn compare(g: &Gpu, kernel: &Kernel, workgroups: u32, seed: u64) -> (usize, f64)
         args = match (buf, vec4) {
             (Typed::F32(x), true) => args.buffer_vec4(&b.name, x),
             (Typed::F32(x), false) => args.buffer(&b.name, x),
+            (Typed::F16(x), true) => args.buffer_vec4(&b.name, x),
+            (Typed::F16(x), false) => args.buffer(&b.name, x),
             (Typed::U32(x), true) => args.buffer_vec4(&b.name, x),
             (Typed::U32(x), false) => args.buffer(&b.name, x),
             (Typed::I32(x), true) => args.buffer_vec4(&b.name, x),
@@ -202,10 +221,11 @@ fn compare(g: &Gpu, kernel: &Kernel, workgroups: u32, seed: u64) -> (usize, f64)
         }
         let gpu: Vec<u8> = match buf {
             Typed::F32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
+            Typed::F16(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
             Typed::U32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
             Typed::I32(x) => bytemuck::cast_slice(&x.read(g).unwrap()).to_vec(),
         };
-        let (count, worst) = differ(&gpu, &run.buffers[&b.name]);
+        let (count, worst) = differ(&gpu, &run.buffers[&b.name], scalar_of(&b.elem));
         result = (result.0 + count, result.1.max(worst));
     }
     result
@@ -282,6 +302,8 @@ fn every_kernel_matches_lavapipe_on_the_interpreter() {
             "swiglu_backward",
             "swiglu_packed_forward",
             "swiglu_packed_backward",
+            "swiglu_packed_forward_f16",
+            "swiglu_packed_backward_f16",
             "cross_entropy",
             "cross_entropy_forward",
             "rms_norm_backward",
