@@ -10,15 +10,16 @@
 //! workspace (one for all layers) holds the gradients of one layer's activations, the loss's
 //! chunk `[C, V]` logits and their gradient, and the batch's inputs.
 
+use hesper_exec::half::f16;
 use hesper_exec::{Gpu, GpuBuffer};
 use hesper_kernels::attention::ValidLengths;
 use hesper_kernels::linear::split::gemm_split_scratch_len;
-use hesper_kernels::linear::{Precision, Product};
+use hesper_kernels::linear::{GemmPath, HalfBuffers, Precision, Product, gemm_path};
 use hesper_kernels::lora::lora_scratch_len;
 use hesper_kernels::optim::grad_norm_partials_len;
 
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
-use super::gpu::{GpuAdapters, GpuModel};
+use super::gpu::{Frozen, GpuAdapters, GpuModel};
 use super::reference::{Batch, IGNORE_INDEX};
 
 /// The shape a step's buffers are made for: `micro_batches` micro-batches of `batch`
@@ -143,26 +144,78 @@ pub(crate) struct LayerActivations {
 
 /// The FFN's gate and up projections' outputs (or their gradients): two `[T, I]` arrays, or one
 /// `[T, 2I]` of rows of gate then up where the step (and decoding) computes both in one GEMM
-/// ([`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up)).
+/// ([`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up)), in f16 where a
+/// mixed-precision step keeps them so ([`GateUp::layout`]).
 pub(crate) enum GateUp {
     Apart {
         gate: GpuBuffer<f32>,
         up: GpuBuffer<f32>,
     },
     Packed(GpuBuffer<f32>),
+    /// `[T, 2I]` in f16: the GEMM's output rounded as PyTorch's autocast rounds it (to bf16
+    /// there), half the bytes written, saved and read; the gradient scaled by
+    /// `2^grad_exponent` (`ffn::execute_swiglu_packed_backward_f16`), as the tensor-core GEMM
+    /// that reads it would have scaled it.
+    PackedHalf(GpuBuffer<f16>),
+}
+
+/// How [`GateUp`] holds the gate and up.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum GateUpLayout {
+    Apart,
+    Packed,
+    PackedHalf,
 }
 
 impl GateUp {
+    /// The layout decoding gives `model`'s gate and up: packed where
+    /// [`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up), in f32.
+    pub(crate) fn layout(model: &GpuModel, lora: &LoraConfig) -> GateUpLayout {
+        match model.packs_gate_up(lora) {
+            true => GateUpLayout::Packed,
+            false => GateUpLayout::Apart,
+        }
+    }
+
+    /// The layout a step over `tokens` gives them: [`GateUp::layout`]'s, in f16 where the
+    /// packed GEMM runs on the tensor cores (which round its output's readers' inputs to f16
+    /// anyway); elsewhere `Precision::F16` keeps the f32 GEMM's exactness, and f32 buffers.
+    pub(crate) fn step_layout(
+        gpu: &Gpu,
+        model: &GpuModel,
+        lora: &LoraConfig,
+        tokens: usize,
+    ) -> GateUpLayout {
+        let c = model.config();
+        let merged = model.layers.first().and_then(|l| l.gate_up());
+        let on_tensor_cores = |merged: &Frozen| {
+            let gemm = model.gemm(Product::Nt, (tokens, 2 * c.ffn_dim, c.dim), false);
+            let half = HalfBuffers {
+                output: true,
+                ..HalfBuffers::NONE
+            };
+            let path = gemm_path(gpu, &gemm, &merged.weights(), half);
+            gpu.supports_f16() && matches!(path, GemmPath::TensorCores { .. })
+        };
+        match (GateUp::layout(model, lora), merged) {
+            (GateUpLayout::Packed, Some(merged)) if on_tensor_cores(merged) => {
+                GateUpLayout::PackedHalf
+            }
+            (layout, _) => layout,
+        }
+    }
+
     /// `[T, I]` twice, or packed as one `[T, 2I]`, zeroed.
     pub(crate) fn new(
         gpu: &Gpu,
         (tokens, ffn_dim): (usize, usize),
-        packed: bool,
+        layout: GateUpLayout,
     ) -> Result<GateUp, ModelError> {
         let n = tokens * ffn_dim;
-        Ok(match packed {
-            true => GateUp::Packed(gpu.zeros(2 * n)?),
-            false => GateUp::Apart {
+        Ok(match layout {
+            GateUpLayout::Packed => GateUp::Packed(gpu.zeros(2 * n)?),
+            GateUpLayout::PackedHalf => GateUp::PackedHalf(gpu.zeros(2 * n)?),
+            GateUpLayout::Apart => GateUp::Apart {
                 gate: gpu.zeros(n)?,
                 up: gpu.zeros(n)?,
             },
@@ -173,6 +226,7 @@ impl GateUp {
         match self {
             GateUp::Apart { gate, up } => gate.bytes() + up.bytes(),
             GateUp::Packed(gate_up) => gate_up.bytes(),
+            GateUp::PackedHalf(gate_up) => gate_up.bytes(),
         }
     }
 }
@@ -285,7 +339,7 @@ impl StepBuffers {
         let buf = |n: usize| gpu.zeros::<f32>(n);
         let opt = |on: bool, n: usize| on.then(|| buf(n)).transpose();
         let kept = if shape.recompute { 1 } else { c.layers };
-        let packed = model.packs_gate_up(adapters.lora());
+        let gate_up = GateUp::step_layout(gpu, model, adapters.lora(), t);
         let layers = (0..kept)
             .map(|_| {
                 Ok(LayerActivations {
@@ -306,7 +360,7 @@ impl StepBuffers {
                     x1: buf(t * d)?,
                     rstd2: buf(t)?,
                     n2: buf(t * d)?,
-                    gate_up: GateUp::new(gpu, (t, i), packed)?,
+                    gate_up: GateUp::new(gpu, (t, i), gate_up)?,
                     h: buf(t * i)?,
                     h_sub: opt(bitnet, t * i)?,
                     rstd_h: opt(bitnet, t)?,
@@ -335,7 +389,7 @@ impl StepBuffers {
             dn: buf(t * d)?,
             d_h: buf(t * i)?,
             d_h_sub: opt(bitnet, t * i)?,
-            d_gate_up: GateUp::new(gpu, (t, i), packed)?,
+            d_gate_up: GateUp::new(gpu, (t, i), gate_up)?,
             d_o: buf(t * hq)?,
             d_o_attn: opt(bitnet, t * hq)?,
             stats: buf(2 * t * c.heads)?,

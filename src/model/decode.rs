@@ -136,7 +136,7 @@ impl KvCache {
             o: buf(hq)?,
             attn: buf(c.heads * capacity)?,
             o_sub: opt(bitnet, hq)?,
-            gate_up: GateUp::new(gpu, (1, i), model.packs_gate_up(adapters.lora()))?,
+            gate_up: GateUp::new(gpu, (1, i), GateUp::layout(model, adapters.lora()))?,
             h: buf(i)?,
             h_sub: opt(bitnet, i)?,
             lora_h: buf(adapters.lora().rank.max(1))?,
@@ -490,6 +490,9 @@ impl KvCache {
                     let gemm = Gemm::new(Product::Nt, (1, 2 * c.ffn_dim, c.dim), false);
                     execute_gemm(rec, &gemm, &a.n, merged.weights(), &mut *gate_up)?;
                     execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
+                }
+                GateUp::PackedHalf(_) => {
+                    unreachable!("decoding lays its gate and up out in f32 (GateUp::layout)")
                 }
                 GateUp::Apart { gate, up } => {
                     project(rec, Projection::Gate, &a.n, gate, &mut a.lora_h, false)?;

@@ -85,6 +85,14 @@ impl Frozen {
         }
     }
 
+    /// `scale` times the matrix, as a GEMM's weights.
+    pub(crate) fn scaled_weights(&self, scale: f32) -> GemmWeights<'_> {
+        match self {
+            Frozen::F32(w) => GemmWeights::ScaledDense { w, scale },
+            Frozen::F16(w) => GemmWeights::Half { w, scale },
+        }
+    }
+
     fn bytes(&self) -> u64 {
         match self {
             Frozen::F32(w) => w.bytes(),

@@ -16,7 +16,8 @@ use hesper_kernels::attention::{
 use hesper_kernels::elementwise::{execute_add, execute_add_bias, execute_embedding};
 use hesper_kernels::ffn::{
     execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
-    execute_swiglu_forward, execute_swiglu_packed_backward, execute_swiglu_packed_forward,
+    execute_swiglu_forward, execute_swiglu_packed_backward, execute_swiglu_packed_backward_f16,
+    execute_swiglu_packed_forward, execute_swiglu_packed_forward_f16,
 };
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
@@ -42,14 +43,12 @@ use super::activations::{
     projection_input,
 };
 use super::config::{ModelError, Projection};
-use super::gpu::{GpuAdapter, GpuAdapters, GpuLayer, GpuModel};
+use super::gpu::{Frozen, GpuAdapter, GpuAdapters, GpuLayer, GpuModel};
 
 /// `[W_gate; W_up]` of a layer the step packs the gate and up of.
-fn merged_gate_up(layer: &GpuLayer) -> Weights<'_> {
+fn merged_gate_up(layer: &GpuLayer) -> &Frozen {
     let merged = layer.gate_up();
-    merged
-        .expect("StepBuffers::new packs the gate and up only where the model merges them")
-        .weights()
+    merged.expect("StepBuffers::new packs the gate and up only where the model merges them")
 }
 
 /// Whether `gemm` over `weights` runs on the tensor cores at a tile that adds LoRA's
@@ -478,8 +477,28 @@ impl Ctx<'_> {
                 let gemm = self
                     .model
                     .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
-                execute_gemm(rec, &gemm, &a.n2, merged_gate_up(w), &mut *gate_up)?;
+                execute_gemm(
+                    rec,
+                    &gemm,
+                    &a.n2,
+                    merged_gate_up(w).weights(),
+                    &mut *gate_up,
+                )?;
                 execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
+            }
+            GateUp::PackedHalf(gate_up) => {
+                // The same, the GEMM's output rounded to f16 as it is stored.
+                let gemm = self
+                    .model
+                    .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
+                execute_gemm(
+                    rec,
+                    &gemm,
+                    &a.n2,
+                    merged_gate_up(w).weights(),
+                    &mut *gate_up,
+                )?;
+                execute_swiglu_packed_forward_f16(rec, gate_up, c.ffn_dim, &mut a.h)?;
             }
             GateUp::Apart { gate, up } => {
                 let n2 = &a.n2;
@@ -573,7 +592,18 @@ impl Ctx<'_> {
                     .model
                     .gemm(Product::Nn, (self.tokens, 2 * c.ffn_dim, c.dim), false)
                     .with_input_exponent(self.grad_exponent);
-                execute_gemm(rec, &gemm, d_gate_up, merged_gate_up(w), &mut *dn)?;
+                execute_gemm(rec, &gemm, d_gate_up, merged_gate_up(w).weights(), &mut *dn)?;
+            }
+            (GateUp::PackedHalf(gate_up), GateUp::PackedHalf(d_gate_up)) => {
+                // `d_gate_up` holds `2^e·∂` rounded to f16, what the GEMM above would have
+                // rounded; the weights' scale `2^−e` takes it back (both exact).
+                let e = self.grad_exponent;
+                execute_swiglu_packed_backward_f16(rec, gate_up, c.ffn_dim, d_h, e, d_gate_up)?;
+                let gemm = self
+                    .model
+                    .gemm(Product::Nn, (self.tokens, 2 * c.ffn_dim, c.dim), false);
+                let weights = merged_gate_up(w).scaled_weights(2f32.powi(-e));
+                execute_gemm(rec, &gemm, &*d_gate_up, weights, &mut *dn)?;
             }
             (
                 GateUp::Apart { gate, up },
