@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Cut a Llama GGUF down to its first N blocks: the same metadata (block_count set to N), the
-same tensors and data (the later blocks' tensor entries dropped; their bytes stay, unused).
-For bisecting by depth, e.g. `hesper grad --check-f64` on SmolLM2 cut to 10 and 12 blocks.
+same tensors and data but the later blocks' (dropped with their bytes, the rest moved up). For
+bisecting by depth, e.g. `hesper grad --check-f64` on SmolLM2 cut to 10 and 12 blocks, and for
+taking the real model where only a smaller file fits (SmolLM2 at 10 blocks: ~45 MB of 98).
 
 Usage: scripts/gguf-cut-blocks.py MODEL.gguf N OUT.gguf (no dependencies)
 """
@@ -39,13 +40,22 @@ for _ in range(nkv):
     if key == b'general.alignment':
         align = struct.unpack_from('<I', b, v0)[0]
     kvs.append(bytes(raw))
-infos = []
+tensors = []  # (info bytes without the offset, offset, kept)
 for _ in range(nt):
-    s0 = pos; name = rstr(); nd = rd('<I'); pos += 8 * nd; rd('<I'); rd('<Q')
+    s0 = pos; name = rstr(); nd = rd('<I'); pos += 8 * nd; rd('<I'); s1 = pos; off = rd('<Q')
     keep = not name.startswith(b'blk.') or int(name.split(b'.')[1]) < n
-    if keep: infos.append(b[s0:pos])
+    tensors.append((b[s0:s1], off, keep))
 data_start = (pos + align - 1) // align * align
+# A tensor's bytes run to the next tensor's offset (or the file's end): offsets are aligned.
+ends = sorted(off for _, off, _ in tensors) + [len(b) - data_start]
+size = {off: ends[i + 1] - off for i, off in enumerate(ends[:-1])}
+infos, data, at = [], [], 0
+for info, off, keep in tensors:
+    if keep:
+        infos.append(info + struct.pack('<Q', at))
+        data.append(b[data_start + off:data_start + off + size[off]])
+        at += size[off]
 head = magic + struct.pack('<IQQ', ver, len(infos), nkv) + b''.join(kvs) + b''.join(infos)
 head += b'\0' * ((-len(head)) % align)
-open(out, 'wb').write(head + b[data_start:])
-print(out, len(infos), 'tensors')
+open(out, 'wb').write(head + b''.join(data))
+print(out, len(infos), 'tensors,', len(head) + at, 'bytes')

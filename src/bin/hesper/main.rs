@@ -121,8 +121,9 @@ impl DataArgs {
 enum PrecisionArg {
     /// f16 where the device has tensor cores (cooperative matrices), else f32.
     Auto,
-    /// Mixed precision: the projections held in f16, GEMMs with f16 inputs and f32 sums;
-    /// norms, attention, loss, LoRA and the optimizer in f32.
+    /// Mixed precision: the projections held in f16, GEMMs with f16 inputs and f32 sums (the
+    /// FFN's gate/up saved in f16 on tensor cores); norms, attention's softmax, loss, LoRA and
+    /// the optimizer in f32.
     F16,
     /// Everything in f32: the reference.
     F32,
