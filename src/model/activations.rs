@@ -145,7 +145,7 @@ pub(crate) struct LayerActivations {
 /// The FFN's gate and up projections' outputs (or their gradients): two `[T, I]` arrays, or one
 /// `[T, 2I]` of rows of gate then up where the step (and decoding) computes both in one GEMM
 /// ([`GpuModel::packs_gate_up`](super::GpuModel::packs_gate_up)), in f16 where a
-/// mixed-precision step keeps them so ([`GateUp::layout`]).
+/// mixed-precision step keeps them so ([`GateUp::step_layout`]).
 pub(crate) enum GateUp {
     Apart {
         gate: GpuBuffer<f32>,

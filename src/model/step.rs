@@ -471,33 +471,20 @@ impl Ctx<'_> {
         )?;
 
         execute_rms_norm_forward(rec, &a.x1, &w.ffn_norm, &mut a.n2, &mut a.rstd2, eps)?;
+        // Packed: both projections in one GEMM over `[W_gate; W_up]`, rows of gate then up (in
+        // f16: rounded as they are stored).
+        let packed = self
+            .model
+            .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
         match &mut a.gate_up {
             GateUp::Packed(gate_up) => {
-                // Both projections in one GEMM over `[W_gate; W_up]`, rows of gate then up.
-                let gemm = self
-                    .model
-                    .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
-                execute_gemm(
-                    rec,
-                    &gemm,
-                    &a.n2,
-                    merged_gate_up(w).weights(),
-                    &mut *gate_up,
-                )?;
+                let merged = merged_gate_up(w).weights();
+                execute_gemm(rec, &packed, &a.n2, merged, &mut *gate_up)?;
                 execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
             }
             GateUp::PackedHalf(gate_up) => {
-                // The same, the GEMM's output rounded to f16 as it is stored.
-                let gemm = self
-                    .model
-                    .gemm(Product::Nt, (self.tokens, 2 * c.ffn_dim, c.dim), false);
-                execute_gemm(
-                    rec,
-                    &gemm,
-                    &a.n2,
-                    merged_gate_up(w).weights(),
-                    &mut *gate_up,
-                )?;
+                let merged = merged_gate_up(w).weights();
+                execute_gemm(rec, &packed, &a.n2, merged, &mut *gate_up)?;
                 execute_swiglu_packed_forward_f16(rec, gate_up, c.ffn_dim, &mut a.h)?;
             }
             GateUp::Apart { gate, up } => {
