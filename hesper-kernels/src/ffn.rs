@@ -267,20 +267,11 @@ pub fn execute_swiglu_packed_forward(
     width: usize,
     h: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = "swiglu_packed_forward";
-    let (i4, n4) = packed_shape(name, gate_up, width, h, "h")?;
-    if n4 == 0 {
-        return Ok(());
-    }
-    let kernel = rec
-        .gpu()
-        .kernel(&swiglu_packed_forward::key(), swiglu_packed_forward::body)?;
-    let args = Args::new()
-        .buffer_vec4("gate_up", gate_up)
-        .buffer_vec4("h", h)
-        .param("i4", i4)
-        .param("n4", n4);
-    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+    let k = (
+        swiglu_packed_forward::key(),
+        swiglu_packed_forward::body as Body,
+    );
+    launch_packed(rec, k, gate_up, width, None, h, None)
 }
 
 /// `d_gate_up` (packed as `gate_up` is) of `h = silu(gate)·up` given `d_h` `[rows, width]`,
@@ -292,22 +283,11 @@ pub fn execute_swiglu_packed_backward(
     d_h: &GpuBuffer<f32>,
     d_gate_up: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = "swiglu_packed_backward";
-    let (i4, n4) = packed_shape(name, gate_up, width, d_h, "d_h")?;
-    expect_len(name, "d_gate_up", d_gate_up, gate_up.len(), "as gate_up")?;
-    if n4 == 0 {
-        return Ok(());
-    }
-    let kernel = rec
-        .gpu()
-        .kernel(&swiglu_packed_backward::key(), swiglu_packed_backward::body)?;
-    let args = Args::new()
-        .buffer_vec4("gate_up", gate_up)
-        .buffer_vec4("d_h", d_h)
-        .buffer_vec4("d_gate_up", d_gate_up)
-        .param("i4", i4)
-        .param("n4", n4);
-    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+    let k = (
+        swiglu_packed_backward::key(),
+        swiglu_packed_backward::body as Body,
+    );
+    launch_packed(rec, k, gate_up, width, Some(d_h), d_gate_up, None)
 }
 
 /// [`execute_swiglu_packed_forward`] with `gate_up` in f16 (as a mixed-precision step's GEMM
@@ -318,28 +298,18 @@ pub fn execute_swiglu_packed_forward_f16(
     width: usize,
     h: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
-    let name = "swiglu_packed_forward_f16";
-    let (i4, n4) = packed_shape(name, gate_up, width, h, "h")?;
-    if n4 == 0 {
-        return Ok(());
-    }
-    let kernel = rec.gpu().kernel(
-        &swiglu_packed_forward_f16::key(),
-        swiglu_packed_forward_f16::body,
-    )?;
-    let args = Args::new()
-        .buffer_vec4("gate_up", gate_up)
-        .buffer_vec4("h", h)
-        .param("i4", i4)
-        .param("n4", n4);
-    rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
+    let k = (
+        swiglu_packed_forward_f16::key(),
+        swiglu_packed_forward_f16::body as Body,
+    );
+    launch_packed(rec, k, gate_up, width, None, h, None)
 }
 
 /// [`execute_swiglu_packed_backward`] with `gate_up` in f16, writing `d_gate_up` in f16 as
 /// `2^grad_exponent·d_gate_up` rounded to nearest: the input a tensor-core GEMM with
 /// `Gemm::input_exponent = grad_exponent` would have rounded (give that GEMM a weight scale of
-/// `2^−grad_exponent` to undo it). Gradients whose scaled size passes 65504 become ±∞, as they
-/// would in that GEMM. `|grad_exponent|` at most 64. Needs `SHADER_F16`.
+/// `2^−grad_exponent` to undo it). WGSL leaves the rounding of a scaled gradient past 65504 to
+/// the device (NVIDIA: ±∞), as in that GEMM. `|grad_exponent|` at most 64. Needs `SHADER_F16`.
 pub fn execute_swiglu_packed_backward_f16(
     rec: &mut Recorder<'_>,
     gate_up: &GpuBuffer<f16>,
@@ -348,41 +318,67 @@ pub fn execute_swiglu_packed_backward_f16(
     grad_exponent: i32,
     d_gate_up: &mut GpuBuffer<f16>,
 ) -> Result<(), ExecError> {
-    let name = "swiglu_packed_backward_f16";
-    let (i4, n4) = packed_shape(name, gate_up, width, d_h, "d_h")?;
-    expect_len(name, "d_gate_up", d_gate_up, gate_up.len(), "as gate_up")?;
     if grad_exponent.abs() > 64 {
         return Err(ExecError::Binding {
-            kernel: name.into(),
+            kernel: "swiglu_packed_backward_f16".into(),
             binding: "grad_exponent".into(),
             expected: "at most 64 either way (2^e stays a normal f32)".into(),
             given: grad_exponent.to_string(),
         });
     }
+    let k = (
+        swiglu_packed_backward_f16::key(),
+        swiglu_packed_backward_f16::body as Body,
+    );
+    let scale = Some(2f32.powi(grad_exponent));
+    launch_packed(rec, k, gate_up, width, Some(d_h), d_gate_up, scale)
+}
+
+/// A packed SwiGLU's launch, its buffers checked: the forward's (`d_h` none, `out` is `h`
+/// `[rows, width]`) or the backward's (`out` is `d_gate_up`, as long as `gate_up`), with
+/// `grad_scale` where the kernel takes one.
+fn launch_packed<G: Element, O: Element>(
+    rec: &mut Recorder<'_>,
+    (key, body): (KernelKey, Body),
+    gate_up: &GpuBuffer<G>,
+    width: usize,
+    d_h: Option<&GpuBuffer<f32>>,
+    out: &GpuBuffer<O>,
+    grad_scale: Option<f32>,
+) -> Result<(), ExecError> {
+    let name = key.name();
+    let (i4, n4) = match d_h {
+        None => packed_shape(name, gate_up, width, out, "h")?,
+        Some(d_h) => {
+            let shape = packed_shape(name, gate_up, width, d_h, "d_h")?;
+            expect_len(name, "d_gate_up", out, gate_up.len(), "as gate_up")?;
+            shape
+        }
+    };
     if n4 == 0 {
         return Ok(());
     }
-    let kernel = rec.gpu().kernel(
-        &swiglu_packed_backward_f16::key(),
-        swiglu_packed_backward_f16::body,
-    )?;
-    let args = Args::new()
-        .buffer_vec4("gate_up", gate_up)
-        .buffer_vec4("d_h", d_h)
-        .buffer_vec4("d_gate_up", d_gate_up)
-        .param("grad_scale", 2f32.powi(grad_exponent))
-        .param("i4", i4)
-        .param("n4", n4);
+    let kernel = rec.gpu().kernel(&key, body)?;
+    let args = Args::new().buffer_vec4("gate_up", gate_up);
+    let args = match d_h {
+        None => args.buffer_vec4("h", out),
+        Some(d_h) => args.buffer_vec4("d_h", d_h).buffer_vec4("d_gate_up", out),
+    };
+    let args = match grad_scale {
+        Some(scale) => args.param("grad_scale", scale),
+        None => args,
+    };
+    let args = args.param("i4", i4).param("n4", n4);
     rec.launch(&kernel, &args, Grid::Threads(n4 as u64))
 }
 
 /// `(width / 4, rows·width / 4)` of a packed SwiGLU, checked: `width` a positive multiple of
 /// 4, `gate_up` `[rows, 2·width]`, `out` (`binding`) `[rows, width]`.
-fn packed_shape<T: Element>(
+fn packed_shape<G: Element, O: Element>(
     name: &str,
-    gate_up: &GpuBuffer<T>,
+    gate_up: &GpuBuffer<G>,
     width: usize,
-    out: &GpuBuffer<f32>,
+    out: &GpuBuffer<O>,
     binding: &str,
 ) -> Result<(u32, u32), ExecError> {
     if width == 0 || !width.is_multiple_of(4) {
