@@ -307,6 +307,34 @@ fn packed_shapes_are_checked() {
             .starts_with("kernel `swiglu_packed_backward`, binding `gate_up`: expected"),
         "{err}"
     );
+    // The f16 kernels check the same, and the exponent (checked before the device's f16).
+    use hesper_exec::half::f16;
+    let gate_up16 = g.zeros::<f16>(48).unwrap();
+    let mut d_gate_up16 = g.zeros::<f16>(40).unwrap();
+    let err =
+        ffn::execute_swiglu_packed_backward_f16(&mut rec, &gate_up16, 8, &h, 0, &mut d_gate_up16)
+            .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `swiglu_packed_backward_f16`, binding `d_gate_up`: expected 48 elements (as \
+         gate_up), given 40 elements"
+    );
+    let mut d_gate_up16 = g.zeros::<f16>(48).unwrap();
+    let err =
+        ffn::execute_swiglu_packed_backward_f16(&mut rec, &gate_up16, 8, &h, 65, &mut d_gate_up16)
+            .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "kernel `swiglu_packed_backward_f16`, binding `grad_exponent`: expected at most 64 either \
+         way (2^e stays a normal f32), given 65"
+    );
+    let err =
+        ffn::execute_swiglu_packed_forward_f16(&mut rec, &gate_up16, 8, &mut h_short).unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("kernel `swiglu_packed_forward_f16`, binding `h`: expected 24"),
+        "{err}"
+    );
     assert!(rec.is_empty());
 }
 
