@@ -163,7 +163,7 @@ fn backward_references_match_finite_differences() {
 }
 
 /// Rows of `width` gate values then `width` up values, from the two `[rows, width]` arrays.
-fn pack(gate: &[f32], up: &[f32], width: usize) -> Vec<f32> {
+fn pack<T: Copy>(gate: &[T], up: &[T], width: usize) -> Vec<T> {
     gate.chunks(width)
         .zip(up.chunks(width))
         .flat_map(|(g, u)| g.iter().chain(u).copied())
@@ -197,11 +197,7 @@ fn swiglu_packed_matches_reference() {
         let want = reference::swiglu_forward(&gate, &up);
         assert_close(&what, &h.read(g).unwrap(), &want, 1e-5, 1e-6);
         let (want_gate, want_up) = reference::swiglu_backward(&gate, &up, &dh);
-        let want: Vec<f64> = want_gate
-            .chunks(width)
-            .zip(want_up.chunks(width))
-            .flat_map(|(g, u)| g.iter().chain(u).copied())
-            .collect();
+        let want = pack(&want_gate, &want_up, width);
         let what = format!("swiglu_packed_backward {rows}×{width} d_gate_up");
         assert_close(&what, &d_gate_up.read(g).unwrap(), &want, 1e-5, 1e-6);
     }
@@ -259,11 +255,7 @@ fn swiglu_packed_f16_matches_reference() {
         let want = reference::swiglu_forward(&gate, &up);
         assert_close(&what, &h.read(g).unwrap(), &want, 1e-5, 1e-6);
         let (want_gate, want_up) = reference::swiglu_backward(&gate, &up, &dh);
-        let want: Vec<f64> = want_gate
-            .chunks(width)
-            .zip(want_up.chunks(width))
-            .flat_map(|(g, u)| g.iter().chain(u).copied())
-            .collect();
+        let want = pack(&want_gate, &want_up, width);
         let unscale = 2f64.powi(-exponent);
         let got: Vec<f32> = widen(&d_gate_up.read(g).unwrap())
             .iter()
