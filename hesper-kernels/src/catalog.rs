@@ -803,7 +803,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 53] = [
+static ENTRIES: [Entry; 54] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1034,6 +1034,14 @@ static ENTRIES: [Entry; 53] = [
                   h = silu(g)·u in f32",
         params: &[],
         build: |s| ffn::build::swiglu_packed_forward_f16(s.limits()),
+    },
+    Entry {
+        name: "swiglu_packed_forward_half",
+        module: "ffn",
+        summary: "the packed SwiGLU in f16 both ways: h = silu(g)·u rounded to f16 as it is \
+                  stored, for the tensor-core GEMM that reads it (the down projection)",
+        params: &[],
+        build: |s| ffn::build::swiglu_packed_forward_half(s.limits()),
     },
     // linear
     Entry {

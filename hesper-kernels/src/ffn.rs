@@ -133,6 +133,23 @@ fn swiglu_packed_forward_f16(
     }
 }
 
+/// [`swiglu_packed_forward`] with `gate_up` and `h` in f16 (`h` rounded as it is stored).
+#[kernel(workgroup_size = 256)]
+fn swiglu_packed_forward_half(
+    gate_up: &[Vec4<F16>],
+    h: &mut [Vec4<F16>],
+    #[runtime] i4: u32,
+    #[runtime] n4: u32,
+) {
+    let i = global_index();
+    if i < n4 {
+        let at = i + i / i4 * i4;
+        let g = gate_up[at].cast::<Vec4<f32>>();
+        let value = g / (1.0 + exp(-g)) * gate_up[at + i4].cast::<Vec4<f32>>();
+        h[i] = value.cast::<Vec4<F16>>();
+    }
+}
+
 /// [`swiglu_packed_backward`] with `gate_up` in f16, and `d_gate_up` in f16 multiplied by
 /// `grad_scale` (a power of two) before it is rounded.
 #[kernel(workgroup_size = 256)]
@@ -166,6 +183,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         swiglu_packed_forward::build()?,
         swiglu_packed_backward::build()?,
         swiglu_packed_forward_f16::build()?,
+        swiglu_packed_forward_half::build()?,
         swiglu_packed_backward_f16::build()?,
     ])
 }
@@ -193,6 +211,7 @@ pub(crate) mod build {
         swiglu_packed_forward,
         swiglu_packed_backward,
         swiglu_packed_forward_f16,
+        swiglu_packed_forward_half,
         swiglu_packed_backward_f16,
     );
 }
@@ -301,6 +320,22 @@ pub fn execute_swiglu_packed_forward_f16(
     let k = (
         swiglu_packed_forward_f16::key(),
         swiglu_packed_forward_f16::body as Body,
+    );
+    launch_packed(rec, k, gate_up, width, None, h, None)
+}
+
+/// [`execute_swiglu_packed_forward`] with `gate_up` and `h` in f16: `h` rounded to nearest as
+/// it is stored, for a tensor-core GEMM that would round it so as it read it (the FFN's down
+/// projection). Needs `SHADER_F16`.
+pub fn execute_swiglu_packed_forward_half(
+    rec: &mut Recorder<'_>,
+    gate_up: &GpuBuffer<f16>,
+    width: usize,
+    h: &mut GpuBuffer<f16>,
+) -> Result<(), ExecError> {
+    let k = (
+        swiglu_packed_forward_half::key(),
+        swiglu_packed_forward_half::body as Body,
     );
     launch_packed(rec, k, gate_up, width, None, h, None)
 }

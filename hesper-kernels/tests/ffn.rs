@@ -204,7 +204,7 @@ fn swiglu_packed_matches_reference() {
 }
 
 /// The f16 packed SwiGLU against the f64 reference on the f16-rounded `gate_up`: `h` within
-/// f32's rounding (its inputs are exact), `d_gate_up` read back as `2^−e` times the f16 values
+/// f32's rounding (its inputs are exact), or f16's where it is stored in f16, `d_gate_up` read back as `2^−e` times the f16 values
 /// the kernel wrote, within f16's rounding of `2^e·d_gate_up` (half an ulp: 2^−11 relative).
 /// On a device without `SHADER_F16`: the error that says so.
 #[test]
@@ -224,6 +224,7 @@ fn swiglu_packed_f16_matches_reference() {
         let gate_up = g.upload(&packed).unwrap();
         let d_h = g.upload(&dh).unwrap();
         let mut h = g.filled(n, f32::NAN).unwrap();
+        let mut h_half = g.filled(n, f16::NAN).unwrap();
         let mut d_gate_up = g.filled(2 * n, f16::NAN).unwrap();
         let mut rec = g.recorder();
         let forward = ffn::execute_swiglu_packed_forward_f16(&mut rec, &gate_up, width, &mut h);
@@ -234,6 +235,7 @@ fn swiglu_packed_f16_matches_reference() {
             return;
         }
         forward.unwrap();
+        ffn::execute_swiglu_packed_forward_half(&mut rec, &gate_up, width, &mut h_half).unwrap();
         ffn::execute_swiglu_packed_backward_f16(
             &mut rec,
             &gate_up,
@@ -254,6 +256,10 @@ fn swiglu_packed_f16_matches_reference() {
         let what = format!("swiglu_packed_forward_f16 {rows}×{width}");
         let want = reference::swiglu_forward(&gate, &up);
         assert_close(&what, &h.read(g).unwrap(), &want, 1e-5, 1e-6);
+        // Rounded to nearest: within half an ulp (2^−11 relative; f16's subnormals 2^−25 apart).
+        let what = format!("swiglu_packed_forward_half {rows}×{width}");
+        let got: Vec<f32> = h_half.read(g).unwrap().iter().map(|v| v.to_f32()).collect();
+        assert_close(&what, &got, &want, 4.9e-4, 3e-8);
         let (want_gate, want_up) = reference::swiglu_backward(&gate, &up, &dh);
         let want = pack(&want_gate, &want_up, width);
         let unscale = 2f64.powi(-exponent);
@@ -327,6 +333,14 @@ fn packed_shapes_are_checked() {
             .starts_with("kernel `swiglu_packed_forward_f16`, binding `h`: expected 24"),
         "{err}"
     );
+    let mut h_short16 = g.zeros::<f16>(20).unwrap();
+    let err = ffn::execute_swiglu_packed_forward_half(&mut rec, &gate_up16, 8, &mut h_short16)
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .starts_with("kernel `swiglu_packed_forward_half`, binding `h`: expected 24"),
+        "{err}"
+    );
     assert!(rec.is_empty());
 }
 
@@ -356,6 +370,7 @@ fn wgsl_snapshots() {
         "swiglu_packed_forward",
         "swiglu_packed_backward",
         "swiglu_packed_forward_f16",
+        "swiglu_packed_forward_half",
         "swiglu_packed_backward_f16",
     ];
     let kernels = ffn::kernels().unwrap();

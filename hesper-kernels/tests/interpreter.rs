@@ -316,7 +316,15 @@ fn every_kernel_matches_lavapipe_on_the_interpreter() {
             "cross_entropy_forward",
             "rms_norm_backward",
         ];
-        if inexact.contains(&entry.name) {
+        // The same, then rounded to f16 as it is stored: where the two `exp`s straddle a
+        // rounding boundary, one ulp of f16 (2^−10 of the value, at most the largest's).
+        if entry.name == "swiglu_packed_forward_half" {
+            assert!(
+                worst <= 1e-3,
+                "{}: {count} elements differ, by {worst:e}",
+                entry.name
+            );
+        } else if inexact.contains(&entry.name) {
             assert!(
                 worst <= 1e-6,
                 "{}: {count} elements differ, by {worst:e}",

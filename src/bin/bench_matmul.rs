@@ -10,6 +10,8 @@
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_matmul   # small shapes
 //! HESPER_BENCH_TUNED=1 scripts/with-gpu cargo run --release --bin bench_matmul   # tuned tiles only
 //! HESPER_BENCH_SHAPES='lm-head|down' scripts/with-gpu cargo run --release --bin bench_matmul  # shapes whose label has one
+//! HESPER_BENCH_TILES='128x64x32/64x64,256x64x32/64x64' …   # these tiles instead of the extra ones
+//! HESPER_BENCH_INPUT=f32 …   # the input as f32, rounded as it is staged (the step's forward)
 //! ```
 
 use std::time::Duration;
@@ -49,6 +51,21 @@ const EXTRA_TILES: [CoopTile; 2] = [
         wn: 32,
     },
 ];
+
+/// A tile written `bm×bn×bk/wm×wn` (`HESPER_BENCH_TILES`).
+fn parse_tile(text: &str) -> Result<CoopTile, String> {
+    let numbers: Vec<u32> = text
+        .split(['x', '/'])
+        .map(|n| n.trim().parse::<u32>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| format!("HESPER_BENCH_TILES: {text:?}: {e}"))?;
+    match numbers[..] {
+        [bm, bn, bk, wm, wn] => Ok(CoopTile { bm, bn, bk, wm, wn }),
+        _ => Err(format!(
+            "HESPER_BENCH_TILES: {text:?}: expected bm×bn×bk/wm×wn, e.g. 128x64x32/64x64"
+        )),
+    }
+}
 
 /// The output's columns of a product through `W: [n, k]`.
 fn gemm_cols(product: Product, n: usize, k: usize) -> usize {
@@ -102,9 +119,21 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .filter(|(label, _)| only.split('|').any(|part| label.contains(part)))
         .collect();
     let tuned_only = std::env::var("HESPER_BENCH_TUNED").is_ok_and(|v| v == "1");
+    let extra = match std::env::var("HESPER_BENCH_TILES") {
+        Ok(list) => list
+            .split(',')
+            .map(parse_tile)
+            .collect::<Result<Vec<_>, _>>()?,
+        Err(_) => EXTRA_TILES.to_vec(),
+    };
+    let f32_input = match std::env::var("HESPER_BENCH_INPUT").as_deref() {
+        Ok("f32") => true,
+        Ok("f16") | Err(_) => false,
+        Ok(other) => return Err(format!("HESPER_BENCH_INPUT: f16 or f32, not {other}").into()),
+    };
     let mut tiles: Vec<Option<CoopTile>> = vec![None];
     if !tuned_only {
-        tiles.extend(coop::TILES.iter().chain(&EXTRA_TILES).map(|t| Some(*t)));
+        tiles.extend(coop::TILES.iter().chain(&extra).map(|t| Some(*t)));
     }
     let mut first = true;
     println!();
@@ -124,6 +153,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 Product::Nn => (m * n, m * k),
             };
             let x = gpu.upload(&half(in_len, &mut rng))?;
+            let x32 = gpu.upload(&rng.vec(in_len, 1.0))?;
+            let input = || match f32_input {
+                true => Operand::F32(&x32),
+                false => Operand::F16(&x),
+            };
             let mut y = gpu.zeros::<f32>(out_len)?;
             for tile in &tiles {
                 let gemm = Gemm {
@@ -132,7 +166,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 let weights = Weights::Half { w: &w, scale: 1.0 };
                 let half = HalfBuffers {
-                    input: true,
+                    input: !f32_input,
                     weight: true,
                     output: false,
                 };
@@ -151,13 +185,7 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 first = false;
                 let r = bench(&gpu, "matmul", config, |rec| {
-                    execute_gemm(
-                        rec,
-                        &gemm,
-                        Operand::F16(&x),
-                        weights,
-                        OutputBuffer::F32(&mut y),
-                    )
+                    execute_gemm(rec, &gemm, input(), weights, OutputBuffer::F32(&mut y))
                 });
                 let name = format!(
                     "{}{}×{}×{}, {}×{}",

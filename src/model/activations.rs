@@ -3,7 +3,8 @@
 //!
 //! Sizes, with `T = B·S` tokens of one micro-batch, `M` micro-batches, `Hq = H·hd`,
 //! `Hkv = KV·hd`, `C` the loss chunk's tokens (per layer, saved for the backward, in `f32`s):
-//! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]`, `gate, up, h: [T, I]`, `lse: [T, H]`,
+//! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]`, `gate, up, h: [T, I]` (`h` in f16 where
+//! [`Hidden::step_in_half`]), `lse: [T, H]`,
 //! two `rstd: [T]`, one `h_lora: [T, r]` per adapted projection (gate and up as one `[T, 2I]`
 //! of rows of gate then up where the model packs them); Qwen3 adds the un-normed
 //! `q, k` and their `rstd`s, BitNet the sub-norms' outputs `[T, Hq]`, `[T, I]` and `rstd`s. The
@@ -135,7 +136,7 @@ pub(crate) struct LayerActivations {
     pub(crate) n2: GpuBuffer<f32>,
     pub(crate) gate_up: GateUp,
     /// The FFN's `h = act(gate)·up`; BitNet's sub-norm of it and its `rstd`.
-    pub(crate) h: GpuBuffer<f32>,
+    pub(crate) h: Hidden,
     pub(crate) h_sub: Option<GpuBuffer<f32>>,
     pub(crate) rstd_h: Option<GpuBuffer<f32>>,
     /// `x·Aᵀ` `[T, r]` of each adapted projection, in the LoRA config's order.
@@ -157,6 +158,66 @@ pub(crate) enum GateUp {
     /// `2^grad_exponent` (`ffn::execute_swiglu_packed_backward_f16`), as the tensor-core GEMM
     /// that reads it would have scaled it.
     PackedHalf(GpuBuffer<f16>),
+}
+
+/// The FFN's `h` `[T, I]`, the down projection's input.
+pub(crate) enum Hidden {
+    F32(GpuBuffer<f32>),
+    /// Rounded to f16 as SwiGLU stores it (`ffn::execute_swiglu_packed_forward_half`): the
+    /// value the down projection's tensor-core GEMM rounded it to as it read it, at half the
+    /// bytes written and read. Where [`Hidden::step_in_half`].
+    F16(GpuBuffer<f16>),
+}
+
+impl Hidden {
+    /// Whether a step keeps `h` in f16: where gate and up are [`GateUpLayout::PackedHalf`]
+    /// (the SwiGLU that writes `h` reads f16), LoRA does not adapt the down projection (its
+    /// adapter reads `h` in f32, and so does its weight gradient), and the down projection's
+    /// GEMM with an f16 input runs on the tensor cores (which rounded an f32 `h` the same way).
+    pub(crate) fn step_in_half(
+        gpu: &Gpu,
+        model: &GpuModel,
+        lora: &LoraConfig,
+        (tokens, gate_up): (usize, GateUpLayout),
+    ) -> bool {
+        let c = model.config();
+        let down = match model.layers.first() {
+            Some(layer) => layer.projection(Projection::Down),
+            None => return false,
+        };
+        let gemm = model.gemm(Product::Nt, (tokens, c.dim, c.ffn_dim), true);
+        let half = HalfBuffers {
+            input: true,
+            ..HalfBuffers::NONE
+        };
+        let path = gemm_path(gpu, &gemm, &down.weights(), half);
+        gate_up == GateUpLayout::PackedHalf
+            && !lora.targets.contains(&Projection::Down)
+            && matches!(path, GemmPath::TensorCores { .. })
+    }
+
+    /// `h` in f32: every path but the f16 one ([`Hidden::step_in_half`]) keeps it so.
+    pub(crate) fn f32(&self) -> &GpuBuffer<f32> {
+        match self {
+            Hidden::F32(h) => h,
+            Hidden::F16(_) => unreachable!("h is in f16 only where nothing reads it in f32"),
+        }
+    }
+
+    /// [`Hidden::f32`], to write.
+    pub(crate) fn f32_mut(&mut self) -> &mut GpuBuffer<f32> {
+        match self {
+            Hidden::F32(h) => h,
+            Hidden::F16(_) => unreachable!("h is in f16 only where nothing writes it in f32"),
+        }
+    }
+
+    fn bytes(&self) -> u64 {
+        match self {
+            Hidden::F32(h) => h.bytes(),
+            Hidden::F16(h) => h.bytes(),
+        }
+    }
 }
 
 /// How [`GateUp`] holds the gate and up.
@@ -340,6 +401,7 @@ impl StepBuffers {
         let opt = |on: bool, n: usize| on.then(|| buf(n)).transpose();
         let kept = if shape.recompute { 1 } else { c.layers };
         let gate_up = GateUp::step_layout(gpu, model, adapters.lora(), t);
+        let h_in_half = Hidden::step_in_half(gpu, model, adapters.lora(), (t, gate_up));
         let layers = (0..kept)
             .map(|_| {
                 Ok(LayerActivations {
@@ -361,7 +423,10 @@ impl StepBuffers {
                     rstd2: buf(t)?,
                     n2: buf(t * d)?,
                     gate_up: GateUp::new(gpu, (t, i), gate_up)?,
-                    h: buf(t * i)?,
+                    h: match h_in_half {
+                        true => Hidden::F16(gpu.zeros(t * i)?),
+                        false => Hidden::F32(buf(t * i)?),
+                    },
                     h_sub: opt(bitnet, t * i)?,
                     rstd_h: opt(bitnet, t)?,
                     lora_h: adapters
@@ -546,7 +611,7 @@ impl StepBuffers {
         };
         let layer = |l: &LayerActivations| {
             let fixed = [
-                &l.x, &l.rstd1, &l.n1, &l.q, &l.k, &l.v, &l.o, &l.lse, &l.x1, &l.rstd2, &l.n2, &l.h,
+                &l.x, &l.rstd1, &l.n1, &l.q, &l.k, &l.v, &l.o, &l.lse, &l.x1, &l.rstd2, &l.n2,
             ];
             let extra = [
                 &l.q_pre, &l.k_pre, &l.rstd_q, &l.rstd_k, &l.o_sub, &l.rstd_o, &l.h_sub, &l.rstd_h,
@@ -555,6 +620,7 @@ impl StepBuffers {
                 + sum(&mut extra.into_iter().map(Option::as_ref))
                 + sum(&mut l.lora_h.iter().map(Some))
                 + l.gate_up.bytes()
+                + l.h.bytes()
         };
         let w = &self.work;
         let work = [
@@ -608,7 +674,7 @@ pub(crate) fn projection_input(layer: &LayerActivations, p: Projection) -> &GpuB
         Projection::Q | Projection::K | Projection::V => &layer.n1,
         Projection::O => layer.o_sub.as_ref().unwrap_or(&layer.o),
         Projection::Gate | Projection::Up => &layer.n2,
-        Projection::Down => layer.h_sub.as_ref().unwrap_or(&layer.h),
+        Projection::Down => layer.h_sub.as_ref().unwrap_or_else(|| layer.h.f32()),
     }
 }
 

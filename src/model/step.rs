@@ -18,11 +18,12 @@ use hesper_kernels::ffn::{
     execute_relu_sqr_mul_backward, execute_relu_sqr_mul_forward, execute_swiglu_backward,
     execute_swiglu_forward, execute_swiglu_packed_backward, execute_swiglu_packed_backward_f16,
     execute_swiglu_packed_forward, execute_swiglu_packed_forward_f16,
+    execute_swiglu_packed_forward_half,
 };
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
 use hesper_kernels::linear::{
-    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Product, Weights, execute_gemm,
+    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, execute_gemm,
     execute_gemm_fused, gemm_path,
 };
 use hesper_kernels::lora::{
@@ -39,7 +40,7 @@ use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_gra
 use hesper_kernels::rope::{Positions, execute_rope_qk};
 
 use super::activations::{
-    GateUp, LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
+    GateUp, Hidden, LayerActivations, LogitsBuffers, LoraWork, LossBuffers, StepBuffers, Workspace,
     projection_input,
 };
 use super::config::{ModelError, Projection};
@@ -157,12 +158,17 @@ impl Ctx<'_> {
         rec: &mut Recorder<'_>,
         adapters: &GpuAdapters,
         (layer, projection): (usize, Projection),
-        x: &GpuBuffer<f32>,
+        x: Operand<'_>,
         y: &mut GpuBuffer<f32>,
         (lora_h, h_ready): (&mut [GpuBuffer<f32>], bool),
         residual: Option<&GpuBuffer<f32>>,
     ) -> Result<(), ModelError> {
         let weights = &self.model.layers[layer];
+        // Only an unadapted projection's input comes in f16 (`Hidden::F16`).
+        let x32 = || match x {
+            Operand::F32(x) => x,
+            Operand::F16(_) => unreachable!("an adapted projection reads its input in f32"),
+        };
         let (out, input) = projection.shape(self.model.config());
         let gemm = self
             .model
@@ -180,7 +186,7 @@ impl Ctx<'_> {
         let (adapter, up) = match adapter {
             Some((adapter, h)) if fuse_lora => {
                 if !h_ready {
-                    execute_lora_down(rec, x, &adapter.a, self.rank, h)?;
+                    execute_lora_down(rec, x32(), &adapter.a, self.rank, h)?;
                 }
                 let up = LoraUp {
                     h,
@@ -211,6 +217,7 @@ impl Ctx<'_> {
                 execute_lora_up(rec, h, &adapter.b, self.rank, self.scale, y)?
             }
             Some((adapter, h)) => {
+                let x = x32();
                 execute_lora_forward(rec, x, &adapter.a, &adapter.b, self.rank, self.scale, h, y)?
             }
             None => {}
@@ -409,7 +416,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::Q),
-            &a.n1,
+            Operand::F32(&a.n1),
             q_out,
             (&mut a.lora_h, paired),
             None,
@@ -419,7 +426,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::K),
-            &a.n1,
+            Operand::F32(&a.n1),
             k_out,
             (&mut a.lora_h, false),
             None,
@@ -428,7 +435,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::V),
-            &a.n1,
+            Operand::F32(&a.n1),
             &mut a.v,
             (&mut a.lora_h, paired),
             None,
@@ -464,7 +471,7 @@ impl Ctx<'_> {
             rec,
             adapters,
             at(Projection::O),
-            o_in,
+            Operand::F32(o_in),
             &mut a.x1,
             (&mut a.lora_h, false),
             Some(&a.x),
@@ -480,12 +487,19 @@ impl Ctx<'_> {
             GateUp::Packed(gate_up) => {
                 let merged = merged_gate_up(w).weights();
                 execute_gemm(rec, &packed, &a.n2, merged, &mut *gate_up)?;
-                execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, &mut a.h)?;
+                execute_swiglu_packed_forward(rec, gate_up, c.ffn_dim, a.h.f32_mut())?;
             }
             GateUp::PackedHalf(gate_up) => {
                 let merged = merged_gate_up(w).weights();
                 execute_gemm(rec, &packed, &a.n2, merged, &mut *gate_up)?;
-                execute_swiglu_packed_forward_f16(rec, gate_up, c.ffn_dim, &mut a.h)?;
+                match &mut a.h {
+                    Hidden::F16(h) => {
+                        execute_swiglu_packed_forward_half(rec, gate_up, c.ffn_dim, h)?
+                    }
+                    Hidden::F32(h) => {
+                        execute_swiglu_packed_forward_f16(rec, gate_up, c.ffn_dim, h)?
+                    }
+                }
             }
             GateUp::Apart { gate, up } => {
                 let n2 = &a.n2;
@@ -493,7 +507,7 @@ impl Ctx<'_> {
                     rec,
                     adapters,
                     at(Projection::Gate),
-                    n2,
+                    Operand::F32(n2),
                     gate,
                     (&mut a.lora_h, false),
                     None,
@@ -502,21 +516,25 @@ impl Ctx<'_> {
                     rec,
                     adapters,
                     at(Projection::Up),
-                    n2,
+                    Operand::F32(n2),
                     up,
                     (&mut a.lora_h, false),
                     None,
                 )?;
                 match (&mut a.h_sub, &mut a.rstd_h, &w.ffn_sub_norm) {
                     (Some(h_sub), Some(rstd_h), Some(gamma)) => {
-                        execute_relu_sqr_mul_forward(rec, gate, up, &mut a.h)?;
-                        execute_rms_norm_forward(rec, &a.h, gamma, h_sub, rstd_h, eps)?;
+                        execute_relu_sqr_mul_forward(rec, gate, up, a.h.f32_mut())?;
+                        execute_rms_norm_forward(rec, a.h.f32(), gamma, h_sub, rstd_h, eps)?;
                     }
-                    _ => execute_swiglu_forward(rec, gate, up, &mut a.h)?,
+                    _ => execute_swiglu_forward(rec, gate, up, a.h.f32_mut())?,
                 }
             }
         }
-        let h_in = a.h_sub.as_ref().unwrap_or(&a.h);
+        let h_in = match (&a.h_sub, &a.h) {
+            (Some(h_sub), _) => Operand::F32(h_sub),
+            (None, Hidden::F32(h)) => Operand::F32(h),
+            (None, Hidden::F16(h)) => Operand::F16(h),
+        };
         self.project(
             rec,
             adapters,
@@ -601,7 +619,15 @@ impl Ctx<'_> {
             ) => {
                 match (&a.h_sub, &a.rstd_h, &w.ffn_sub_norm, d_h_sub) {
                     (Some(_), Some(rstd_h), Some(gamma), Some(d_h_sub)) => {
-                        execute_rms_norm_backward(rec, &a.h, gamma, rstd_h, d_h_sub, d_h, false)?;
+                        execute_rms_norm_backward(
+                            rec,
+                            a.h.f32(),
+                            gamma,
+                            rstd_h,
+                            d_h_sub,
+                            d_h,
+                            false,
+                        )?;
                         execute_relu_sqr_mul_backward(rec, gate, up, d_h, d_gate, d_up)?;
                     }
                     _ => execute_swiglu_backward(rec, gate, up, d_h, d_gate, d_up)?,
