@@ -151,7 +151,8 @@ impl Ctx<'_> {
     /// residual is the GEMM's epilogue (`linear::fusion`): no copy of it into `y` first; so is
     /// LoRA's up-projection on the tensor cores ([`lora_fuses`]). The bias is not fused:
     /// on the H200 the fused GEMM costs more than its own kernel (BENCHMARKS.md, "Fusion").
-    /// With `h_ready`, `lora_h` holds `x·Aᵀ` already ([`Ctx::lora_down_pair`]).
+    /// With `h_ready`, `lora_h` holds `x·Aᵀ` already ([`Ctx::lora_down_pair`]). `x` comes in
+    /// f16 only for a projection LoRA does not adapt (the down projection's [`Hidden::F16`]).
     #[allow(clippy::too_many_arguments)]
     fn project(
         &self,
