@@ -383,6 +383,13 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             rows: 70,
             shape: &[("cols", "40"), ("depth", "48"), ("input_f16", "false")],
         },
+        // One subgroup of four fragments, ragged, f16 out: the staged epilogue takes its two
+        // tiles of `c_tile` by turns (a race if a fragment's store met an earlier one's reads).
+        Case {
+            name: "coop_matmul_nt",
+            rows: 45,
+            shape: &[("tile", "32x32x16_32x32"), ("output_f16", "true")],
+        },
         // Rows of 30 (not a multiple of 4): f16 elements read one by one.
         Case {
             name: "coop_matmul_nt",
