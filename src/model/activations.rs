@@ -185,15 +185,17 @@ impl Hidden {
             Some(layer) => layer.projection(Projection::Down),
             None => return false,
         };
+        if gate_up != GateUpLayout::PackedHalf || lora.targets.contains(&Projection::Down) {
+            return false;
+        }
+        // Asked only now: with autotuning on, the path may measure tiles for this GEMM.
         let gemm = model.gemm(Product::Nt, (tokens, c.dim, c.ffn_dim), true);
         let half = HalfBuffers {
             input: true,
             ..HalfBuffers::NONE
         };
         let path = gemm_path(gpu, &gemm, &down.weights(), half);
-        gate_up == GateUpLayout::PackedHalf
-            && !lora.targets.contains(&Projection::Down)
-            && matches!(path, GemmPath::TensorCores { .. })
+        matches!(path, GemmPath::TensorCores { .. })
     }
 
     /// `h` in f32: every path but the f16 one ([`Hidden::step_in_half`]) keeps it so.
