@@ -250,6 +250,9 @@ pub const MAX_TIMED_LAUNCHES: u32 = 2048;
 #[derive(Clone, Debug, PartialEq)]
 pub struct LaunchTiming {
     pub kernel: String,
+    /// The kernel's whole key (its shape parameters: which GEMM, which tile) and the
+    /// launch's workgroups, e.g. `coop_matmul_nt cols=576 … wg=256x1x1 [3, 32, 1]`.
+    pub launch: String,
     pub gpu_ns: f64,
 }
 
@@ -257,6 +260,7 @@ struct Timing {
     queries: wgpu::QuerySet,
     capacity: u32,
     names: Vec<String>,
+    launches: Vec<String>,
 }
 
 /// Bind groups and params buffers kept from one recorder to the next, for work that repeats
@@ -400,6 +404,7 @@ impl Gpu {
             queries,
             capacity,
             names: vec![],
+            launches: vec![],
         });
         Ok(rec)
     }
@@ -635,6 +640,7 @@ impl<'g> Recorder<'g> {
             // A pass per launch, so each one's time is its own.
             let i = t.names.len() as u32;
             t.names.push(kernel.name().to_string());
+            t.launches.push(format!("{} {groups:?}", kernel.key()));
             let timestamp_writes = wgpu::ComputePassTimestampWrites {
                 query_set: &t.queries,
                 beginning_of_pass_write_index: Some(2 * i),
@@ -787,9 +793,11 @@ impl<'g> Recorder<'g> {
         Ok(timing
             .names
             .into_iter()
+            .zip(timing.launches)
             .enumerate()
-            .map(|(i, kernel)| LaunchTiming {
+            .map(|(i, (kernel, launch))| LaunchTiming {
                 kernel,
+                launch,
                 gpu_ns: raw[2 * i + 1].wrapping_sub(raw[2 * i]) as f64 * period,
             })
             .collect())

@@ -7,7 +7,8 @@
 //!   a step; launches and submissions per step; GPU memory; with and without gradient
 //!   checkpointing;
 //! - the GPU time per kernel family (timestamp queries, one step), and with
-//!   `HESPER_BENCH_KERNELS=1` per kernel (by name, every launch of it in the step);
+//!   `HESPER_BENCH_KERNELS=1` per kernel (by name, every launch of it in the step), with `=2`
+//!   also per launch kind (the kernel's whole key and the workgroups: which GEMM, which tile);
 //! - with `HESPER_BENCH_GEMMS=1` the step's GEMM shapes one by one at several tiles, and with
 //!   `HESPER_BENCH_FUSION=1` the step's fused GEMMs against their plain ones at the step's
 //!   precision.
@@ -141,6 +142,7 @@ fn print_breakdown(title: &str, what: &str, times: BTreeMap<String, (f64, usize)
 fn run() -> Result<(), Box<dyn std::error::Error>> {
     let quick = std::env::var_os("HESPER_BENCH_QUICK").is_some();
     let per_kernel = std::env::var_os("HESPER_BENCH_KERNELS").is_some();
+    let per_launch = std::env::var("HESPER_BENCH_KERNELS").is_ok_and(|v| v == "2");
     let precision = match std::env::var("HESPER_BENCH_PRECISION").as_deref() {
         Ok("f16") => Precision::F16,
         Ok("f32") | Err(_) => Precision::F32,
@@ -277,10 +279,12 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         let timings = rec.submit_timed()?;
         let mut by_family: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         let mut by_kernel: BTreeMap<String, (f64, usize)> = BTreeMap::new();
+        let mut by_launch: BTreeMap<String, (f64, usize)> = BTreeMap::new();
         for t in &timings {
             for (map, name) in [
                 (&mut by_family, family(&t.kernel).to_string()),
                 (&mut by_kernel, t.kernel.clone()),
+                (&mut by_launch, t.launch.clone()),
             ] {
                 let entry = map.entry(name).or_default();
                 entry.0 += t.gpu_ns / 1e6;
@@ -290,6 +294,9 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         breakdowns.push((batch, "kernel family", by_family));
         if per_kernel {
             breakdowns.push((batch, "kernel", by_kernel));
+        }
+        if per_launch {
+            breakdowns.push((batch, "kernel and shape, workgroups", by_launch));
         }
     }
     for (batch, what, times) in breakdowns {
