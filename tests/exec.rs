@@ -419,6 +419,8 @@ fn timed_launches_report_each_kernel() {
     assert_eq!(times.len(), 3);
     for t in &times {
         assert_eq!(t.kernel, "mul_add_step");
+        // The whole key (its workgroup of 64) and the launch's 4096 / 64 workgroups.
+        assert_eq!(t.launch, format!("{} [64, 1, 1]", kernel.kernel().key()));
         assert!(t.gpu_ns.is_finite() && t.gpu_ns > 0.0, "{t:?}");
     }
     // The three launches really ran: 1 → 3·1+0 → 3·3+1 → 3·10+2.
