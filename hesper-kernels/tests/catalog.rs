@@ -234,8 +234,7 @@ fn alternatives(kind: Kind, name: &str, default: &str) -> Vec<String> {
         (Kind::F32, _) => vec!["0.5".into()],
         (Kind::Bool, _) => vec![(default == "false").to_string()],
         (Kind::Text(_), "tau") => vec!["0.5".into()],
-        // `small`: a tensor-core tile within the default 32 KiB of workgroup memory.
-        (Kind::Text(_), "tile") => ["medium", "small", "portable", "32x32x8_4x4", "32x16x8"]
+        (Kind::Text(_), "tile") => ["medium", "portable", "32x32x8_4x4", "32x16x8"]
             .map(String::from)
             .to_vec(),
         (Kind::Text(_), other) => panic!("no alternatives for `{other}`"),

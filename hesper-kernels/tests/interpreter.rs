@@ -383,8 +383,9 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             rows: 70,
             shape: &[("cols", "40"), ("depth", "48"), ("input_f16", "false")],
         },
-        // One subgroup of four fragments, ragged, f16 out: the staged epilogue takes its two
-        // tiles of `c_tile` by turns (a race if a fragment's store met an earlier one's reads).
+        // One subgroup of four fragments, ragged, f16 out: the staged epilogue stores each
+        // fragment into the subgroup's 16×16 of `c_tile` and reads it back (a race if a
+        // fragment's store met an earlier one's reads).
         Case {
             name: "coop_matmul_nt",
             rows: 45,

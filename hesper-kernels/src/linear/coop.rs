@@ -35,9 +35,6 @@ type Acc = CoopMat<f32, CoopC>;
 
 /// Halves of padding after each staged row.
 const PAD: u32 = 8;
-/// f32s of `c_tile` a subgroup: two 16×16 fragments, stored into by turns (the staged
-/// epilogue's one barrier a fragment).
-const C_TILE: u32 = 2 * 256;
 
 /// A tensor-core GEMM's tile: `bm × bn` outputs per workgroup, `bk` of the depth per step,
 /// `wm × wn` per subgroup (multiples of 16). [`CoopTile::check`] says which rule a tile breaks.
@@ -98,11 +95,11 @@ impl CoopTile {
         (self.bm / self.wm.max(1)) * (self.bn / self.wn.max(1))
     }
 
-    /// Bytes of workgroup memory: the staged slices and two 16×16 f32 tiles per subgroup.
+    /// Bytes of workgroup memory: the staged slices and a 16×16 f32 tile per subgroup.
     pub fn workgroup_bytes(&self) -> u32 {
         let a = self.bm * (self.bk + PAD);
         let b = (self.bn * (self.bk + PAD)).max(self.bk * (self.bn + PAD));
-        2 * (a + b) + 4 * C_TILE * self.subgroups()
+        2 * (a + b) + 4 * 256 * self.subgroups()
     }
 
     /// `Ok` when the kernels can run this tile with `subgroup_size` invocations a subgroup;
@@ -805,7 +802,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     k.comment("Write the accumulators.");
     let row0 = k.let_("row0", &m0 + &wm0);
     let col0 = k.let_("col0", &n0 + &wn0);
-    let c_tile = k.workgroup_array::<f32>("c_tile", tile.subgroups() * C_TILE);
+    let c_tile = k.workgroup_array::<f32>("c_tile", tile.subgroups() * 256);
     let epilogue = Epilogue {
         out: &out,
         acc: &acc,
@@ -937,11 +934,8 @@ impl Epilogue<'_> {
         }
     }
 
-    /// Every fragment through one of the subgroup's two 16×16 tiles of `c_tile` (by turns),
-    /// then element by element under a bounds check (converted to f16 for an f16 `out`). One
-    /// barrier a fragment: between its store and its reads; the barrier of the next fragment
-    /// (which stores into the other tile) is past this one's reads before the one after it
-    /// stores here again.
+    /// Every fragment through the subgroup's 16×16 of `c_tile`, then element by element under
+    /// a bounds check (converted to f16 for an f16 `out`).
     fn staged(
         &self,
         k: &mut KernelBuilder,
@@ -949,10 +943,10 @@ impl Epilogue<'_> {
         sg: &Expr<u32>,
         subgroup: u32,
     ) {
+        let mine = k.let_("mine", sg * 256u32);
         let lane = k.let_("lane", k.subgroup_invocation_id());
         for (f, acc) in self.acc.iter().enumerate() {
             let (row, col) = self.corner(f as u32);
-            let mine = k.let_("mine", sg * C_TILE + (f as u32 % 2) * 256);
             k.coop_store(c_tile, &mine, 16u32, Major::Row, acc.get());
             k.workgroup_barrier();
             for e in 0..256 / subgroup {
@@ -983,6 +977,7 @@ impl Epilogue<'_> {
                     }
                 });
             }
+            k.workgroup_barrier();
         }
     }
 }
