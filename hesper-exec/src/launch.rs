@@ -259,8 +259,8 @@ pub struct LaunchTiming {
 struct Timing {
     queries: wgpu::QuerySet,
     capacity: u32,
-    names: Vec<String>,
-    launches: Vec<String>,
+    /// Each launch's kernel name and [`LaunchTiming::launch`], in order.
+    launches: Vec<(String, String)>,
 }
 
 /// Bind groups and params buffers kept from one recorder to the next, for work that repeats
@@ -403,7 +403,6 @@ impl Gpu {
         rec.timing = Some(Timing {
             queries,
             capacity,
-            names: vec![],
             launches: vec![],
         });
         Ok(rec)
@@ -525,11 +524,11 @@ impl<'g> Recorder<'g> {
         check_buffers(self.gpu, kernel, args)?;
         let params = param_bytes(kernel, args)?;
         if let Some(t) = &self.timing
-            && t.names.len() as u32 >= t.capacity
+            && t.launches.len() as u32 >= t.capacity
         {
             return Err(ExecError::Dispatch {
                 kernel: kernel.name().into(),
-                what: format!("launch {} in a timed recorder", t.names.len() + 1),
+                what: format!("launch {} in a timed recorder", t.launches.len() + 1),
                 why: format!("it was made for {} launches", t.capacity),
             });
         }
@@ -638,9 +637,9 @@ impl<'g> Recorder<'g> {
 
         if let Some(t) = &mut self.timing {
             // A pass per launch, so each one's time is its own.
-            let i = t.names.len() as u32;
-            t.names.push(kernel.name().to_string());
-            t.launches.push(format!("{} {groups:?}", kernel.key()));
+            let i = t.launches.len() as u32;
+            let launch = format!("{} {groups:?}", kernel.key());
+            t.launches.push((kernel.name().to_string(), launch));
             let timestamp_writes = wgpu::ComputePassTimestampWrites {
                 query_set: &t.queries,
                 beginning_of_pass_write_index: Some(2 * i),
@@ -766,7 +765,7 @@ impl<'g> Recorder<'g> {
                 "submit_timed needs a recorder from Gpu::timed_recorder".into(),
             ));
         };
-        let n = timing.names.len() as u32;
+        let n = timing.launches.len() as u32;
         if n == 0 {
             return Ok(vec![]);
         }
@@ -791,9 +790,8 @@ impl<'g> Recorder<'g> {
         let raw: Vec<u64> = bytemuck::cast_slice(&gpu.read_raw(&resolve, bytes, &what)?).to_vec();
         let period = self.gpu.timestamp_period_ns() as f64;
         Ok(timing
-            .names
+            .launches
             .into_iter()
-            .zip(timing.launches)
             .enumerate()
             .map(|(i, (kernel, launch))| LaunchTiming {
                 kernel,

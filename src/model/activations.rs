@@ -180,14 +180,14 @@ impl Hidden {
         lora: &LoraConfig,
         (tokens, gate_up): (usize, GateUpLayout),
     ) -> bool {
+        if gate_up != GateUpLayout::PackedHalf || lora.targets.contains(&Projection::Down) {
+            return false;
+        }
         let c = model.config();
         let down = match model.layers.first() {
             Some(layer) => layer.projection(Projection::Down),
             None => return false,
         };
-        if gate_up != GateUpLayout::PackedHalf || lora.targets.contains(&Projection::Down) {
-            return false;
-        }
         // Asked only now: with autotuning on, the path may measure tiles for this GEMM.
         let gemm = model.gemm(Product::Nt, (tokens, c.dim, c.ffn_dim), true);
         let half = HalfBuffers {
