@@ -4,6 +4,7 @@
 //! device has them), and the tensor-core kernel on the DSL's interpreter (which lavapipe cannot
 //! run); their WGSL snapshots; and the errors of a fusion's buffers.
 
+use hesper_dsl::Limits;
 use hesper_dsl::interp::{Run, ScalarValue, interpret};
 use hesper_exec::half::f16;
 use hesper_exec::{ExecError, GpuBuffer};
@@ -310,26 +311,34 @@ fn fused_gemms_match_the_unfused_math() {
 /// depth, accumulation.
 #[test]
 fn the_fused_tensor_core_gemm_is_right_on_the_interpreter() {
-    let tile = CoopTile {
+    // The H200's 48 KiB of workgroup memory, which the `wide` tile needs.
+    let limits = Limits {
+        max_workgroup_storage_bytes: 48 * 1024,
+        ..Limits::default()
+    };
+    let small = CoopTile {
         bm: 32,
         bn: 32,
         bk: 16,
         wm: 16,
         wn: 16,
     };
-    let path = GemmPath::TensorCores { tile, subgroup: 32 };
-    // (product, dims, accumulate, bias, rank): without the bias the tiles inside the output
-    // are stored directly, the low-rank product added on the tensor cores; with it, through
-    // workgroup memory. Rank 5 takes all of the tile's 16 of depth (three parts of 5); rank
-    // 12 does not fit and goes element by element.
-    for (product, dims, accumulate, bias_on, rank) in [
-        (Product::Nt, (50, 60, 36), false, true, RANK),
-        (Product::Nn, (33, 64, 40), true, true, RANK),
-        (Product::Nt, (70, 64, 36), true, false, RANK),
-        (Product::Nn, (64, 36, 40), false, false, RANK),
-        (Product::Nt, (40, 32, 20), false, false, 5),
-        (Product::Nn, (40, 36, 20), true, true, 12),
+    // (tile, product, dims, accumulate, bias, rank): without the bias the tiles inside the
+    // output are stored directly, the low-rank product added on the tensor cores; with it,
+    // through workgroup memory. Rank 5 takes all of the small tile's 16 of depth (three parts
+    // of 5); rank 12 does not fit and goes element by element. The `wide` tile's step (48)
+    // holds rank 8's 32 of depth with 16 to spare.
+    for (tile, product, dims, accumulate, bias_on, rank) in [
+        (small, Product::Nt, (50, 60, 36), false, true, RANK),
+        (small, Product::Nn, (33, 64, 40), true, true, RANK),
+        (small, Product::Nt, (70, 64, 36), true, false, RANK),
+        (small, Product::Nn, (64, 36, 40), false, false, RANK),
+        (small, Product::Nt, (40, 32, 20), false, false, 5),
+        (small, Product::Nn, (40, 36, 20), true, true, 12),
+        (CoopTile::WIDE, Product::Nt, (140, 200, 100), true, false, 8),
+        (CoopTile::WIDE, Product::Nn, (130, 384, 96), false, false, 8),
     ] {
+        let path = GemmPath::TensorCores { tile, subgroup: 32 };
         let mut case = Case::with_rank(product, dims, accumulate, 99 + dims.0 as u64, rank);
         case.bias_on = bias_on;
         let buffers = upload_fusion_buffers(&case);
@@ -344,7 +353,7 @@ fn the_fused_tensor_core_gemm_is_right_on_the_interpreter() {
             weight: false,
             output: false,
         };
-        let kernel = linear::fused_kernel(&case.gemm(), path, half, &fusion).unwrap();
+        let kernel = linear::fused_kernel(&case.gemm(), path, half, &fusion, &limits).unwrap();
         let (m, cols, _) = dims;
         let (input, output) = match product {
             Product::Nt => ("x", "y"),
@@ -355,7 +364,12 @@ fn the_fused_tensor_core_gemm_is_right_on_the_interpreter() {
             true => case.prior.clone(),
             false => vec![f32::NAN; m * cols],
         };
-        let mut run = Run::new([cols.div_ceil(32) as u32, m.div_ceil(32) as u32, 1]);
+        let grid = [
+            cols.div_ceil(tile.bn as usize),
+            m.div_ceil(tile.bm as usize),
+            1,
+        ];
+        let mut run = Run::new(grid.map(|n| n as u32));
         run.subgroup_size = 32;
         for (name, v) in [
             (input, &case.x),
@@ -431,7 +445,14 @@ fn fused_wgsl_snapshots() {
             },
         ),
     ] {
-        let kernel = linear::fused_kernel(&case.gemm(), path, HalfBuffers::NONE, &fusion).unwrap();
+        let kernel = linear::fused_kernel(
+            &case.gemm(),
+            path,
+            HalfBuffers::NONE,
+            &fusion,
+            &Limits::default(),
+        )
+        .unwrap();
         insta::assert_snapshot!(name, kernel.wgsl());
     }
 }

@@ -397,6 +397,24 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             rows: 130,
             shape: &[("tile", "64x96x48_32x32"), ("cols", "200"), ("depth", "96")],
         },
+        // The standard `wide` tile (six subgroups of 64×64, 48 deep): `·W` ragged in rows,
+        // columns and depth; `·Wᵀ` a whole number of steps deep with tiles inside the output.
+        Case {
+            name: "coop_matmul_nn",
+            rows: 140,
+            shape: &[("tile", "wide"), ("cols", "200"), ("depth", "100")],
+        },
+        Case {
+            name: "coop_matmul_nt",
+            rows: 256,
+            shape: &[
+                ("tile", "wide"),
+                ("cols", "384"),
+                ("depth", "144"),
+                ("input_f16", "true"),
+                ("weight_f16", "true"),
+            ],
+        },
         // Rows of 30 (not a multiple of 4): f16 elements read one by one.
         Case {
             name: "coop_matmul_nt",
@@ -415,7 +433,13 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let kernel = catalog::find(case.name).unwrap().build(&shape).unwrap();
+        // The H200's 48 KiB of workgroup memory, which the `wide` tile needs.
+        let limits = hesper_dsl::Limits {
+            max_workgroup_storage_bytes: 48 * 1024,
+            ..hesper_dsl::Limits::default()
+        };
+        let entry = catalog::find(case.name).unwrap();
+        let kernel = entry.build_with_limits(&shape, &limits).unwrap();
         let key = kernel.key();
         let u = |name: &str| match key.get(name) {
             Some(hesper_dsl::ShapeValue::U32(v)) => v as usize,

@@ -1222,13 +1222,15 @@ fn check_gemm(
 }
 
 /// The kernel a fused dense GEMM runs on `path` (the f32 tiled GEMM or the tensor cores), as
-/// [`execute_gemm_fused`] builds it: for snapshots, review and the DSL's interpreter. `half`
-/// says which buffers hold f16 (the tensor cores' key always names all three).
+/// [`execute_gemm_fused`] builds it for a device with `limits` (`Gpu::kernel_limits`): for
+/// snapshots, review and the DSL's interpreter. `half` says which buffers hold f16 (the
+/// tensor cores' key always names all three).
 pub fn fused_kernel(
     gemm: &Gemm,
     path: GemmPath,
     half: HalfBuffers,
     fusion: &Fusion<'_>,
+    limits: &hesper_dsl::Limits,
 ) -> Result<Kernel, ExecError> {
     let product = gemm.product;
     let (cols, depth) = gemm.cols_depth();
@@ -1254,7 +1256,7 @@ pub fn fused_kernel(
         }
     };
     let key = fusion.key(name, key)?;
-    let kernel = Kernel::build(&key, |k| match path {
+    let kernel = Kernel::build_with_limits(&key, limits, |k| match path {
         GemmPath::TensorCores { .. } => coop::kernel(k, product, fusion),
         _ => gemm_kernel(k, product, false, fusion),
     })?;
