@@ -1603,3 +1603,36 @@ pub(crate) fn record<'a>(
     let groups = [cols.div_ceil(tile.bn), m.div_ceil(tile.bm), splits];
     rec.launch(&kernel, &args, Grid::Workgroups(groups))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every standard tile passes its checks with subgroups of 32 and builds, for both
+    /// products, within the workgroup memory `workgroup_bytes` says (what `fits_device`
+    /// chooses by), on the H200's 48 KiB.
+    #[test]
+    fn standard_tiles_use_the_workgroup_memory_they_say() {
+        let limits = Limits {
+            max_workgroup_storage_bytes: 48 * 1024,
+            ..Limits::default()
+        };
+        let f16_in = HalfBuffers {
+            input: true,
+            weight: true,
+            output: false,
+        };
+        for tile in TILES {
+            assert!(tile.check("test", 32).is_ok(), "{tile:?}");
+            assert!(tile.workgroup_bytes() <= limits.max_workgroup_storage_bytes);
+            for product in [Product::Nt, Product::Nn] {
+                let key = key(product, (576, 1536), tile, 32, f16_in, (false, 1));
+                let kernel =
+                    Kernel::build_with_limits(&key, &limits, |k| kernel(k, product, &Fusion::NONE))
+                        .unwrap();
+                let used = kernel.workgroup_memory_bytes();
+                assert!(used <= tile.workgroup_bytes(), "{key}: {used} bytes");
+            }
+        }
+    }
+}
