@@ -499,3 +499,167 @@ fn refusals() {
     };
     assert!(refused, "{err}");
 }
+
+/// `execute_gemm_blocks`: `dx (+)= s·[dy_0 | dy_1 | dy_2]·[W_0; W_1; W_2] (+ s_r·dh·A)`, the
+/// input block-major (each block a row-major `[m, width]` after the other, as the step's
+/// `[dq | dk | dv]`), against the f64 reference of the row-major input the blocks make up (f16-
+/// rounded as the tensor cores take it; the low-rank fold exact, as its two-part staging keeps
+/// it). On the DSL's interpreter's tensor cores (CI: lavapipe has none) and the test device's
+/// where it has them; elsewhere, and for widths no tile's step divides, refused with an error.
+#[test]
+fn block_major_inputs_match_reference() {
+    use hesper_exec::{Gpu, GpuOptions};
+    use hesper_kernels::linear::fusion::Fusion;
+    use hesper_kernels::lora::{LoraUp, UpWeight};
+    let interpreter = Gpu::with_options(GpuOptions {
+        interpreter: true,
+        cooperative_matrix: true,
+        ..GpuOptions::default()
+    })
+    .unwrap();
+    let small = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 16,
+        wm: 16,
+        wn: 16,
+    };
+    // (device, m, blocks, cols, tile, accumulate, rank of the fold): rows ragged against the
+    // tile, blocks of unequal widths (the step's 576 | 192 | 192 in small), the last a
+    // lone step.
+    type Case<'a> = (&'a Gpu, usize, &'a [usize], usize, Option<CoopTile>, bool, usize);
+    let cases: [Case; 4] = [
+        (&interpreter, 45, &[48, 16, 32], 64, Some(small), false, 0),
+        (&interpreter, 70, &[32, 16, 16], 48, Some(small), true, 4),
+        (gpu(), 300, &[576, 192, 192], 576, None, true, 8),
+        (gpu(), 77, &[64, 64], 96, None, false, 8),
+    ];
+    for (i, (g, m, widths, cols, tile, accumulate, rank)) in cases.into_iter().enumerate() {
+        let depth: usize = widths.iter().sum();
+        let gemm = Gemm {
+            coop_tile: tile,
+            ..Gemm::new(Product::Nn, (m, depth, cols), accumulate)
+        }
+        .with_precision(Precision::F16);
+        let mut rng = Rng::new(40 + i as u64);
+        // Row-major `[m, depth]`, and the same values block-major.
+        let dy = rng.vec(m * depth, 1.0);
+        let mut blocked = Vec::with_capacity(dy.len());
+        let mut start = 0;
+        for &w in widths {
+            for r in 0..m {
+                blocked.extend_from_slice(&dy[r * depth + start..][..w]);
+            }
+            start += w;
+        }
+        let w = rng.vec(depth * cols, 1.0);
+        let prior = rng.vec(m * cols, 1.0);
+        let (dh, a) = (
+            rng.vec(m * rank.max(1), 1.0),
+            rng.vec(rank.max(1) * cols, 1.0),
+        );
+        let lora_scale = 1.75f32;
+        let w16: Vec<f16> = w.iter().map(|v| f16::from_f32(*v)).collect();
+        let (xb, wb) = (g.upload(&blocked).unwrap(), g.upload(&w16).unwrap());
+        let (dhb, ab) = (g.upload(&dh).unwrap(), g.upload(&a).unwrap());
+        let mut out = g
+            .upload(&match accumulate {
+                true => prior.clone(),
+                false => vec![f32::NAN; m * cols],
+            })
+            .unwrap();
+        let up = LoraUp {
+            h: &dhb,
+            weight: UpWeight::A(&ab),
+            rank,
+            scale: lora_scale,
+        };
+        let epilogues: [&dyn linear::GemmFusion; 1] = [&up];
+        let fusion = Fusion {
+            prologue: None,
+            epilogues: if rank > 0 { &epilogues } else { &[] },
+        };
+        let weights = Weights::Half {
+            w: &wb,
+            scale: SCALE,
+        };
+        let half = linear::HalfBuffers {
+            weight: true,
+            ..linear::HalfBuffers::NONE
+        };
+        let fits = linear::gemm_blocks_fit(g, &gemm, widths, &weights, half);
+        let mut rec = g.recorder();
+        let recorded =
+            linear::execute_gemm_blocks(&mut rec, &gemm, widths, &fusion, &xb, weights, &mut out);
+        if coop::subgroup_size(g).is_none() {
+            assert!(!fits, "case {i}: no tensor cores on {}", g.describe());
+            let err = recorded.unwrap_err().to_string();
+            assert!(
+                err.contains("coop_matmul_nn") || err.contains("matmul_nn"),
+                "{err}"
+            );
+            assert!(
+                err.contains("tensor cores") && err.contains(&format!("{widths:?}")),
+                "{err}"
+            );
+            continue;
+        }
+        assert!(fits, "case {i} on {}", g.describe());
+        recorded.unwrap();
+        rec.submit().unwrap();
+        let got = out.read(g).unwrap();
+        let seen = |v: &[f32]| v.iter().map(|x| round_f16(*x) as f64).collect::<Vec<_>>();
+        let mut want = reference::matmul_nn(&seen(&dy), &seen(&w), m, depth, cols);
+        for r in 0..m {
+            for c in 0..cols {
+                let v = &mut want[r * cols + c];
+                *v *= SCALE as f64;
+                let fold: f64 = (0..rank)
+                    .map(|j| dh[r * rank + j] as f64 * a[j * cols + c] as f64)
+                    .sum();
+                *v += lora_scale as f64 * fold;
+                if accumulate {
+                    *v += prior[r * cols + c] as f64;
+                }
+            }
+        }
+        let c = compare(&got, &want, 1e-3);
+        let bound = 2e-6 * (depth as f64).sqrt();
+        assert!(
+            c.max_abs / c.scale <= bound,
+            "case {i}: {m}×{widths:?}→{cols}: {c} (bound {bound:.1e})"
+        );
+    }
+    // Widths that no standard tile's step divides: refused, nothing recorded.
+    let g = &interpreter;
+    let gemm = Gemm::new(Product::Nn, (64, 56, 64), false).with_precision(Precision::F16);
+    let (x, w) = (
+        g.zeros::<f32>(64 * 56).unwrap(),
+        g.zeros::<f32>(56 * 64).unwrap(),
+    );
+    let mut y = g.zeros::<f32>(64 * 64).unwrap();
+    let mut rec = g.recorder();
+    let err = linear::execute_gemm_blocks(
+        &mut rec,
+        &gemm,
+        &[40, 16],
+        &Fusion::NONE,
+        &x,
+        Weights::Dense(&w),
+        &mut y,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("[40, 16]"), "{err}");
+    assert!(rec.is_empty());
+    let err = linear::execute_gemm_blocks(
+        &mut rec,
+        &gemm,
+        &[40, 8],
+        &Fusion::NONE,
+        &x,
+        Weights::Dense(&w),
+        &mut y,
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("depth 56"), "{err}");
+}

@@ -231,6 +231,49 @@ pub(crate) fn key(
         .assume_in_bounds()
 }
 
+/// The most blocks a block-major input ([`Launch::input_blocks`]) is cut into.
+pub const MAX_INPUT_BLOCKS: usize = 4;
+
+/// `key` with the input's blocks along the depth ([`Launch::input_blocks`]) where it has more
+/// than one (a row-major input keeps its key and WGSL).
+fn with_input_blocks(key: KernelKey, blocks: &[u32]) -> KernelKey {
+    match blocks.len() {
+        0 | 1 => key,
+        n => blocks
+            .iter()
+            .enumerate()
+            .fold(key.shape("input_blocks", n as u32), |key, (i, &width)| {
+                key.shape(format!("input_block{i}"), width)
+            }),
+    }
+}
+
+/// The input's blocks along the depth as the key holds them: each one's first column and width
+/// (none: row-major).
+fn input_blocks_of(k: &KernelBuilder) -> Vec<(u32, u32)> {
+    let get = |name: &str| match k.key().get(name) {
+        Some(hesper_dsl::ShapeValue::U32(v)) => Some(v),
+        _ => None,
+    };
+    let count = get("input_blocks").unwrap_or(0);
+    let mut start = 0;
+    (0..count)
+        .map_while(|i| {
+            let width = get(&format!("input_block{i}"))?;
+            let block = (start, width);
+            start += width;
+            Some(block)
+        })
+        .collect()
+}
+
+/// A block-major input as its reads address it: each block's first column and width along the
+/// depth, and `rows − 1` (block `b` starts at element `rows·start_b` of the buffer).
+struct Blocks {
+    spans: Vec<(u32, u32)>,
+    rows_less_one: Expr<u32>,
+}
+
 /// Where a staged operand comes from: f16 or f32 (rounded to f16 when it is staged, after a
 /// multiply by the scale where there is one), four elements at once when its rows are a
 /// multiple of 4 long, else one by one.
@@ -425,6 +468,8 @@ struct Staged<'a> {
     partial: bool,
     /// The buffer's last element (reads are clamped to it where they may pass it).
     last: Expr<u32>,
+    /// `A` held block-major along the depth (every block a whole number of steps).
+    blocks: Option<&'a Blocks>,
 }
 
 impl Staged<'_> {
@@ -466,6 +511,12 @@ impl Staged<'_> {
                     (Some(base), _) => {
                         vec![super::offset(base, i * rows_per_round * (self.width / 4))]
                     }
+                    (None, Along::Depth) if self.blocks.is_some() => {
+                        // The row's start depends on the step's block: computed as it is read.
+                        let r = (self.origin + &row).min(&self.fixed_last);
+                        source_row = Some(k.let_(&format!("{operand}_source_row"), r));
+                        vec![col0.clone()]
+                    }
                     (None, Along::Depth) => {
                         let mut r = (self.origin + &row).min(&self.fixed_last);
                         if self.prologue.is_some() {
@@ -499,16 +550,34 @@ impl Staged<'_> {
     /// Read each slot's four elements for the step starting at depth `d0` into its register.
     fn fetch(&self, k: &mut KernelBuilder, slots: &[Slot], d0: &Expr<u32>) {
         let addressing = self.addressing();
-        let step = match (self.along, addressing) {
-            (Along::Depth, _) => d0.clone(),
-            (Along::Columns, Addressing::Vec4s) => k.let_("d0_offset", d0 * (self.width / 4)),
-            (Along::Columns, Addressing::Clamped) => k.let_("d0_offset", d0 * self.width),
+        // Block-major: the step lies in one block (`start`, `width`); element `(r, d)` of it is
+        // at `rows·start + r·width + (d − start)` = `r·width + d + start·(rows − 1)`.
+        let block_width = self.blocks.map(|b| {
+            let (mut width, mut start) = (lit(b.spans[0].1), lit(0u32));
+            for &(s, w) in &b.spans[1..] {
+                let inside = d0.ge(s);
+                width = select(inside.clone(), w, width);
+                start = select(inside, s, start);
+            }
+            let width = k.let_("block_width", width);
+            let d0 = k.let_("block_d0", d0 + start * &b.rows_less_one);
+            (width, d0)
+        });
+        let step = match (self.along, addressing, &block_width) {
+            (Along::Depth, _, Some((_, d0))) => d0.clone(),
+            (Along::Depth, _, None) => d0.clone(),
+            (Along::Columns, Addressing::Vec4s, _) => k.let_("d0_offset", d0 * (self.width / 4)),
+            (Along::Columns, Addressing::Clamped, _) => k.let_("d0_offset", d0 * self.width),
         };
         let clamp = |i: Expr<u32>| match self.partial {
             true => i.min(&self.last),
             false => i,
         };
         for slot in slots {
+            let step = match (&block_width, &slot.source_row) {
+                (Some((width, _)), Some(row)) => row * width + &step,
+                _ => step.clone(),
+            };
             let at: Vec<Expr<u32>> = match (&slot.at[..], addressing, self.source.is_vec4()) {
                 ([at], Addressing::Vec4s, _) => vec![at + &step],
                 ([base], Addressing::Clamped, true) => vec![clamp(base + &step) / 4u32],
@@ -620,6 +689,25 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         return;
     }
 
+    let input_blocks = input_blocks_of(k);
+    if !input_blocks.is_empty() {
+        let widths: Vec<u32> = input_blocks.iter().map(|&(_, w)| w).collect();
+        let whole = input_blocks
+            .iter()
+            .all(|&(_, w)| w > 0 && w.is_multiple_of(tile.bk));
+        if !whole || widths.iter().sum::<u32>() != depth || fusion.prologue.is_some() {
+            k.error(hesper_dsl::ErrorKind::TypeMismatch {
+                item: "shape `input_blocks`".into(),
+                expected: format!(
+                    "widths, each a multiple of bk = {}, that add up to the depth {depth}, and no prologue",
+                    tile.bk
+                ),
+                found: format!("{widths:?}"),
+            });
+            return;
+        }
+    }
+
     // Rows of `A` (and of `W` through `·Wᵀ`) run along the depth; of `W` through `·W`, along
     // the columns.
     let w_width = match product {
@@ -665,6 +753,10 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     let b_tile = k.workgroup_array::<Vec4<F16>>("b_tile", b_rows * b_stride / 4);
 
     let partial = !depth.is_multiple_of(tile.bk);
+    let blocks = (!input_blocks.is_empty()).then(|| Blocks {
+        spans: input_blocks,
+        rows_less_one: k.let_("rows_less_one", &rows - 1u32),
+    });
     let staged_a = Staged {
         source: &a,
         along: Along::Depth,
@@ -675,6 +767,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         depth,
         partial,
         last: k.let_("a_last", &rows * depth - 1u32),
+        blocks: blocks.as_ref(),
     };
     let staged_w = Staged {
         source: &w,
@@ -689,6 +782,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         depth,
         partial,
         last: lit(cols * depth - 1),
+        blocks: None,
     };
     let (frag_rows, frag_cols) = (tile.wm / 16, tile.wn / 16);
     let acc: Vec<Var<Acc>> = (0..frag_rows * frag_cols)
@@ -1309,6 +1403,18 @@ pub(crate) struct Launch {
     /// Parts of the depth, each summed into its own `[m, cols]` slice of the output (rows
     /// rounded up to 4 floats; 1: not split, the output itself).
     pub splits: u32,
+    /// The input's widths along the depth where it is block-major: `[x_0 | x_1 | …]` held as
+    /// the row-major `[m, width_b]` matrices one after another (each a whole number of the
+    /// tile's steps), zeros after the last; all zeros (or one block): row-major `[m, depth]`.
+    pub input_blocks: [u32; MAX_INPUT_BLOCKS],
+}
+
+impl Launch {
+    /// The input's blocks along the depth ([`Launch::input_blocks`] up to its first zero).
+    fn blocks(&self) -> &[u32] {
+        let n = self.input_blocks.iter().take_while(|&&w| w > 0).count();
+        &self.input_blocks[..n]
+    }
 }
 
 /// The tensor-core path for `gemm` on `gpu`, when the device offers it: the tile asked for, or
@@ -1319,6 +1425,29 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm, half: HalfBuffers) -> Option<s
         .coop_tile
         .unwrap_or_else(|| choose_tile(gpu, gemm, subgroup, half));
     Some(super::GemmPath::TensorCores { tile, subgroup })
+}
+
+/// The tensor-core path for `gemm` with its input block-major along the depth in blocks of
+/// `widths` (`Launch::input_blocks`): the tile asked for or chosen where its step divides
+/// every width, else the first standard tile that fits the device and does; `None` where the
+/// device has no tensor cores or no tile serves.
+pub(crate) fn blocks_path(
+    gpu: &Gpu,
+    gemm: &super::Gemm,
+    half: HalfBuffers,
+    widths: &[u32],
+) -> Option<(CoopTile, u32)> {
+    let Some(super::GemmPath::TensorCores { tile, subgroup }) = path(gpu, gemm, half) else {
+        return None;
+    };
+    let serves = |t: &CoopTile| widths.iter().all(|w| w.is_multiple_of(t.bk));
+    if serves(&tile) {
+        return Some((tile, subgroup));
+    }
+    let other = TILES
+        .into_iter()
+        .find(|t| gemm.coop_tile.is_none() && serves(t) && fits_device(gpu, t, subgroup));
+    other.map(|t| (t, subgroup))
 }
 
 /// Whether `gpu` runs `tile` with subgroups of `subgroup` invocations.
@@ -1488,6 +1617,7 @@ fn measure_tiles(
             scale: 1.0,
             input_exponent: 0,
             splits: 1,
+            input_blocks: [0; MAX_INPUT_BLOCKS],
         };
         let config = BenchConfig {
             warmup: Duration::from_millis(warmup_ms),
@@ -1550,6 +1680,7 @@ pub(crate) fn record<'a>(
         scale,
         input_exponent,
         splits,
+        input_blocks: _,
     } = *launch;
     let name = kernel_name(product);
     tile.check(name, subgroup)?;
@@ -1569,6 +1700,7 @@ pub(crate) fn record<'a>(
             (accumulate, splits),
         ),
     )?;
+    let key = with_input_blocks(key, launch.blocks());
     let kernel = rec.gpu().kernel(&key, |k| kernel(k, product, fusion))?;
     let (input_name, output_name) = product.names();
     let w_width = match product {

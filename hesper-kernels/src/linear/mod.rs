@@ -1029,6 +1029,101 @@ pub fn execute_gemm_fused<'a>(
     output: impl Into<OutputBuffer<'a>>,
 ) -> Result<(), ExecError> {
     let (input, output) = (input.into(), output.into());
+    record_gemm(rec, gemm, fusion, (input, weights, output), None)
+}
+
+/// [`execute_gemm_fused`] with its input block-major along the depth: `[x_0 | x_1 | …]` held
+/// as the row-major `[m, widths[b]]` matrices `x_b` one after another (views of one
+/// allocation, say), `Σ widths` the depth. `dn = [dq | dk | dv]·[W_q; W_k; W_v]` is then one
+/// GEMM over a depth of `q + k + v` where three GEMMs would each stage a narrower one.
+///
+/// On the tensor cores only, at a tile whose step divides every width
+/// ([`gemm_blocks_fit`] says beforehand); elsewhere an error that says so, and one GEMM per
+/// block (accumulating) is the portable way. At most [`coop::MAX_INPUT_BLOCKS`] blocks.
+pub fn execute_gemm_blocks<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    widths: &[usize],
+    fusion: &Fusion<'a>,
+    input: impl Into<Operand<'a>>,
+    weights: Weights<'a>,
+    output: impl Into<OutputBuffer<'a>>,
+) -> Result<(), ExecError> {
+    let (input, output) = (input.into(), output.into());
+    let name = kernel_name(gemm.product, false);
+    let (_, depth) = gemm.cols_depth();
+    let blocks = input_blocks(widths, depth).map_err(|why| ExecError::Dispatch {
+        kernel: name.into(),
+        what: format!("input blocks {widths:?} over a depth of {depth}"),
+        why,
+    })?;
+    let half = HalfBuffers {
+        input: matches!(input, Operand::F16(_)),
+        output: matches!(output, OutputBuffer::F16(_)),
+        ..HalfBuffers::NONE
+    };
+    if !gemm_blocks_fit(rec.gpu(), gemm, widths, &weights, half) {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("input blocks {widths:?}"),
+            why: "a block-major input runs on the tensor cores only (Precision::F16, dense \
+                  weights, a device with them, a tile whose step divides every width): run \
+                  one GEMM per block here"
+                .into(),
+        });
+    }
+    record_gemm(rec, gemm, fusion, (input, weights, output), Some(blocks))
+}
+
+/// Whether [`execute_gemm_blocks`] runs `gemm` with its input in blocks of `widths` on `gpu`.
+pub fn gemm_blocks_fit(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    widths: &[usize],
+    weights: &Weights<'_>,
+    half: HalfBuffers,
+) -> bool {
+    let half = HalfBuffers {
+        weight: matches!(weights, Weights::Half { .. }),
+        ..half
+    };
+    let Ok(blocks) = input_blocks(widths, gemm.cols_depth().1) else {
+        return false;
+    };
+    let n = blocks.iter().take_while(|&&w| w > 0).count();
+    gemm.precision == Precision::F16
+        && !matches!(weights, Weights::Ternary { .. })
+        && gemm.m > 0
+        && coop::blocks_path(gpu, gemm, half, &blocks[..n]).is_some()
+}
+
+/// `widths` as [`coop::Launch::input_blocks`]: 1 to [`coop::MAX_INPUT_BLOCKS`] of them, none
+/// zero, adding up to `depth`.
+fn input_blocks(widths: &[usize], depth: usize) -> Result<[u32; coop::MAX_INPUT_BLOCKS], String> {
+    let mut blocks = [0; coop::MAX_INPUT_BLOCKS];
+    if widths.is_empty() || widths.len() > blocks.len() {
+        return Err(format!("1 to {} blocks", blocks.len()));
+    }
+    if widths.contains(&0) || widths.iter().sum::<usize>() != depth {
+        return Err(format!(
+            "widths of at least 1 that add up to the depth {depth}"
+        ));
+    }
+    for (b, &w) in blocks.iter_mut().zip(widths) {
+        *b = u32::try_from(w).map_err(|_| format!("widths within u32, not {w}"))?;
+    }
+    Ok(blocks)
+}
+
+/// One GEMM as [`execute_gemm_fused`] records it; with `blocks`, its input block-major
+/// ([`execute_gemm_blocks`], which has checked that the tensor cores take it).
+fn record_gemm<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    fusion: &Fusion<'a>,
+    (input, weights, output): (Operand<'a>, Weights<'a>, OutputBuffer<'a>),
+    blocks: Option<[u32; coop::MAX_INPUT_BLOCKS]>,
+) -> Result<(), ExecError> {
     let ternary = matches!(weights, Weights::Ternary { .. });
     let product = gemm.product;
     let name = kernel_name(product, ternary);
@@ -1043,10 +1138,16 @@ pub fn execute_gemm_fused<'a>(
         accumulate: gemm.accumulate || fusion.adds_matrices(),
         ..*gemm
     };
-    let path = match gemm_path(rec.gpu(), &chooses_as, &weights, half) {
+    let path = match (gemm_path(rec.gpu(), &chooses_as, &weights, half), blocks) {
+        (_, Some(blocks)) => {
+            let n = blocks.iter().take_while(|&&w| w > 0).count();
+            let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, &blocks[..n])
+                .expect("execute_gemm_blocks checked that the tensor cores take it");
+            GemmPath::TensorCores { tile, subgroup }
+        }
         // gemv has no fusion.
-        GemmPath::Gemv if !fusion.is_empty() => GemmPath::Tiled(tile),
-        path => path,
+        (GemmPath::Gemv, None) if !fusion.is_empty() => GemmPath::Tiled(tile),
+        (path, None) => path,
     };
     match path {
         GemmPath::Empty if depth == 0 && gemm.m > 0 && cols > 0 && !gemm.accumulate => {
@@ -1083,6 +1184,7 @@ pub fn execute_gemm_fused<'a>(
                 scale,
                 input_exponent: gemm.input_exponent,
                 splits: 1,
+                input_blocks: blocks.unwrap_or_default(),
             };
             coop::record(rec, &launch, input, w, output, fusion)
         }

@@ -104,6 +104,7 @@ pub fn execute_gemm_split<'a>(
         scale,
         input_exponent: gemm.input_exponent,
         splits: parts,
+        input_blocks: [0; coop::MAX_INPUT_BLOCKS],
     };
     debug_assert!(!half.output, "an f16 output is not split (above)");
     // Compiled before the GEMM is recorded: a failure leaves the recorder as it was.
