@@ -5,9 +5,11 @@
 //! (the GEMMs' inputs are rounded too). Also its memory, its decoding, and the weights it
 //! refuses.
 
-use hesper::exec::Gpu;
 use hesper::exec::half::f16;
-use hesper::kernels::linear::{Gemm, GemmPath, HalfBuffers, Precision, Product, gemm_path};
+use hesper::exec::{Gpu, GpuOptions};
+use hesper::kernels::linear::{
+    Gemm, GemmPath, HalfBuffers, Precision, Product, gemm_blocks_fit, gemm_path,
+};
 use hesper::kernels::testing::gpu;
 use hesper::model::config::{Family, LoraConfig, ModelConfig, Projection};
 use hesper::model::reference::{Adapters, Batch, Weights, logits, loss_and_grads};
@@ -82,19 +84,26 @@ fn lora(targets: &[Projection]) -> LoraConfig {
 /// sequences, one short, the loss in uneven chunks) against the f64 model of its f16 weights:
 /// the loss, every adapter gradient and the gradient at the embedding output.
 fn check_family(family: Family, lora: LoraConfig) {
-    check_step(ModelConfig::tiny(family), lora, (8, &[8, 5]), 3, 2e-2);
+    check_step(
+        gpu(),
+        ModelConfig::tiny(family),
+        lora,
+        (8, &[8, 5]),
+        3,
+        2e-2,
+    );
 }
 
 /// [`check_family`] over sequences of `seq_len` with `lens` real positions each, the loss in
 /// chunks of `loss_chunk` rows, the gradients within `tensor_core_tol` on tensor cores.
 fn check_step(
+    g: &Gpu,
     config: ModelConfig,
     lora: LoraConfig,
     (seq_len, lens): (usize, &[usize]),
     loss_chunk: usize,
     tensor_core_tol: f64,
 ) {
-    let g = gpu();
     let family = config.family;
     let config = ModelConfig {
         max_seq: seq_len,
@@ -197,12 +206,54 @@ fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
     ] {
         let config = config.clone();
         check_step(
+            gpu(),
             config,
             lora(targets),
             (256, &[256, 256, 256, 254]),
             300,
             2e-3,
         );
+    }
+}
+
+/// The query, key and value projections' input gradient as one GEMM over the block-major
+/// `[dq | dk | dv]` (`execute_gemm_blocks`) runs only on tensor cores, which lavapipe lacks: the
+/// steps of a tiny Qwen2 with LoRA on q and v (the query's up-projection folded into the GEMM,
+/// the value's a launch after it) and of a tiny Llama with LoRA on o and down (none of the
+/// three adapted) on the DSL's interpreter's tensor cores, against the f64 model.
+#[test]
+fn the_merged_qkv_backward_matches_the_f64_model_on_the_interpreters_tensor_cores() {
+    let g = Gpu::with_options(GpuOptions {
+        interpreter: true,
+        cooperative_matrix: true,
+        ..GpuOptions::default()
+    })
+    .unwrap();
+    let cases = [
+        (Family::Qwen2, lora(&[Projection::Q, Projection::V])),
+        (Family::Llama, lora(&[Projection::O, Projection::Down])),
+    ];
+    for (family, lora) in cases {
+        let config = ModelConfig::tiny(family);
+        // The step takes the one GEMM where it fits: the tiny models' blocks (64 | 32 | 32)
+        // do, in a standard tile's 32-deep step.
+        let (hq, hkv) = (
+            config.heads * config.head_dim,
+            config.kv_heads * config.head_dim,
+        );
+        let w = g.zeros::<f16>((hq + 2 * hkv) * config.dim).unwrap();
+        let weights = hesper::kernels::linear::Weights::Half { w: &w, scale: 1.0 };
+        let dims = (16, hq + 2 * hkv, config.dim);
+        let gemm = Gemm::new(Product::Nn, dims, false).with_precision(Precision::F16);
+        let widths = [hq, hkv, hkv];
+        assert!(gemm_blocks_fit(
+            &g,
+            &gemm,
+            &widths,
+            &weights,
+            HalfBuffers::NONE
+        ));
+        check_step(&g, config, lora, (8, &[8, 5]), 3, 2e-2);
     }
 }
 

@@ -312,6 +312,10 @@ pub(crate) struct Workspace {
     pub(crate) d_q: GpuBuffer<f32>,
     pub(crate) d_k: GpuBuffer<f32>,
     pub(crate) d_v: GpuBuffer<f32>,
+    /// `[d_q | d_k | d_v]` block-major: the allocation `d_q`, `d_k` and `d_v` are views of, for
+    /// their input gradient in one GEMM (`linear::execute_gemm_blocks`); `None` where `d_k` or
+    /// `d_v` could not start a view (then they are three allocations).
+    pub(crate) d_qkv: Option<GpuBuffer<f32>>,
     pub(crate) d_q_pre: Option<GpuBuffer<f32>>,
     pub(crate) d_k_pre: Option<GpuBuffer<f32>>,
     pub(crate) lora: LoraWork,
@@ -451,6 +455,19 @@ impl StepBuffers {
             true => widest.max(width(&Projection::Q) + width(&Projection::V)),
             false => widest,
         };
+        let align = gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize;
+        let starts_view = |floats: usize| (floats * 4).is_multiple_of(align.max(4));
+        let (d_q, d_k, d_v, d_qkv) = match starts_view(t * hq) && starts_view(t * (hq + hkv)) {
+            true => {
+                let whole = buf(t * (hq + 2 * hkv))?;
+                let (q_end, k_end) = (t * hq, t * (hq + hkv));
+                let d_q = whole.view(gpu, 0..q_end)?;
+                let d_k = whole.view(gpu, q_end..k_end)?;
+                let d_v = whole.view(gpu, k_end..whole.len())?;
+                (d_q, d_k, d_v, Some(whole))
+            }
+            false => (buf(t * hq)?, buf(t * hkv)?, buf(t * hkv)?, None),
+        };
         let work = Workspace {
             dx: buf(t * d)?,
             dn: buf(t * d)?,
@@ -460,9 +477,10 @@ impl StepBuffers {
             d_o: buf(t * hq)?,
             d_o_attn: opt(bitnet, t * hq)?,
             stats: buf(2 * t * c.heads)?,
-            d_q: buf(t * hq)?,
-            d_k: buf(t * hkv)?,
-            d_v: buf(t * hkv)?,
+            d_q,
+            d_k,
+            d_v,
+            d_qkv,
             d_q_pre: opt(qwen3, t * hq)?,
             d_k_pre: opt(qwen3, t * hkv)?,
             lora: LoraWork {

@@ -111,6 +111,10 @@ pub(crate) struct GpuLayer {
     /// bind `W_up` where it starts (`I·D` elements not a multiple of its storage-binding
     /// alignment): then they are two allocations.
     gate_up: Option<Frozen>,
+    /// `[W_q; W_k; W_v]` `[Hq + 2·Hkv, D]` the same way: one allocation of which the three are
+    /// views, so that the step's input gradient through them is one GEMM
+    /// (`linear::execute_gemm_blocks`). `None` where `W_k` or `W_v` could not start a view.
+    qkv: Option<Frozen>,
     pub(crate) ffn_norm: GpuBuffer<f32>,
     pub(crate) q_bias: Option<GpuBuffer<f32>>,
     pub(crate) k_bias: Option<GpuBuffer<f32>>,
@@ -143,12 +147,31 @@ impl GpuLayer {
         } else {
             None
         };
+        let (q, k, v) = (
+            w.projection(Projection::Q),
+            w.projection(Projection::K),
+            w.projection(Projection::V),
+        );
+        let starts_view = |elements: usize| (elements * elem).is_multiple_of(align);
+        let qkv = if starts_view(q.len()) && starts_view(q.len() + k.len()) {
+            for (p, values) in [(Projection::Q, q), (Projection::K, k), (Projection::V, v)] {
+                check_range(&what(p), values, precision)?;
+            }
+            let what = format!("layers[{layer}].[Q; K; V]");
+            Some(Frozen::upload(gpu, &what, &[q, k, v].concat(), precision)?)
+        } else {
+            None
+        };
         let mut projections = Vec::with_capacity(7);
         for p in Projection::ALL {
             let n = gate.len();
-            let frozen = match (p, &gate_up) {
-                (Projection::Gate, Some(merged)) => merged.view(gpu, 0..n)?,
-                (Projection::Up, Some(merged)) => merged.view(gpu, n..2 * n)?,
+            let (qk, qkv_len) = (q.len() + k.len(), q.len() + k.len() + v.len());
+            let frozen = match (p, &gate_up, &qkv) {
+                (Projection::Gate, Some(merged), _) => merged.view(gpu, 0..n)?,
+                (Projection::Up, Some(merged), _) => merged.view(gpu, n..2 * n)?,
+                (Projection::Q, _, Some(merged)) => merged.view(gpu, 0..q.len())?,
+                (Projection::K, _, Some(merged)) => merged.view(gpu, q.len()..qk)?,
+                (Projection::V, _, Some(merged)) => merged.view(gpu, qk..qkv_len)?,
                 _ => Frozen::upload(gpu, &what(p), w.projection(p), precision)?,
             };
             projections.push(frozen);
@@ -157,6 +180,7 @@ impl GpuLayer {
             attn_norm: upload(gpu, &w.attn_norm)?,
             projections: projections.try_into().ok().expect("seven projections"),
             gate_up,
+            qkv,
             ffn_norm: upload(gpu, &w.ffn_norm)?,
             q_bias: upload_option(gpu, &w.q_bias)?,
             k_bias: upload_option(gpu, &w.k_bias)?,
@@ -180,6 +204,11 @@ impl GpuLayer {
     /// `[W_gate; W_up]` `[2I, D]`, where the layer holds them in one allocation.
     pub(crate) fn gate_up(&self) -> Option<&Frozen> {
         self.gate_up.as_ref()
+    }
+
+    /// `[W_q; W_k; W_v]` `[Hq + 2·Hkv, D]`, where the layer holds them in one allocation.
+    pub(crate) fn qkv(&self) -> Option<&Frozen> {
+        self.qkv.as_ref()
     }
 
     /// The bias of `projection`, where the family has one (Qwen2's Q, K, V).

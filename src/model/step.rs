@@ -23,8 +23,8 @@ use hesper_kernels::ffn::{
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
 use hesper_kernels::linear::{
-    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, execute_gemm,
-    execute_gemm_fused, gemm_path,
+    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, coop, execute_gemm,
+    execute_gemm_blocks, execute_gemm_fused, gemm_blocks_fit, gemm_path,
 };
 use hesper_kernels::lora::{
     LoraBackward, LoraUp, UpWeight, WeightBackward, execute_input_grad, execute_lora_backward,
@@ -397,6 +397,76 @@ impl Ctx<'_> {
         Ok(())
     }
 
+    /// `dn = [dq | dk | dv]·[W_q; W_k; W_v] (+ s·dh_q·A_q + s·dh_v·A_v)`, the input gradient
+    /// through the query, key and value projections, as one GEMM over the block-major
+    /// `d_qkv` (`execute_gemm_blocks`; each of the three alone stages a narrower depth), and
+    /// `true`: where the layer holds `[W_q; W_k; W_v]` in one allocation, the tensor cores
+    /// take the GEMM, and LoRA adapts none of the three or (`paired`) the query and value,
+    /// whose weight gradients and `dh` are computed already ([`Ctx::lora_weight_backward_pair`]):
+    /// the query's `s·dh·A` folded into the GEMM, the value's a launch after it. Elsewhere
+    /// `false`, and nothing is recorded.
+    fn qkv_backward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        layer: usize,
+        d_qkv: &GpuBuffer<f32>,
+        dn: &mut GpuBuffer<f32>,
+        (lora, paired): (&LoraWork, bool),
+    ) -> Result<bool, ModelError> {
+        let c = self.model.config();
+        let Some(qkv) = self.model.layers[layer].qkv() else {
+            return Ok(false);
+        };
+        let adapted = |p| adapters.index(layer, p);
+        let pair = match (adapted(Projection::Q), adapted(Projection::K)) {
+            (None, None) if adapted(Projection::V).is_none() => None,
+            (Some(q), None) if paired => {
+                let v = adapted(Projection::V).expect("a pair adapts the value projection");
+                let dh_v = lora.dh_pair.as_ref().expect("a pair has its second dh");
+                Some(((q, &lora.dh), (v, dh_v)))
+            }
+            _ => return Ok(false),
+        };
+        let widths = [Projection::Q, Projection::K, Projection::V].map(|p| p.shape(c).0);
+        let gemm = self
+            .model
+            .gemm(
+                Product::Nn,
+                (self.tokens, widths.iter().sum(), c.dim),
+                false,
+            )
+            .with_input_exponent(self.grad_exponent);
+        let weights = qkv.weights();
+        if !gemm_blocks_fit(rec.gpu(), &gemm, &widths, &weights, HalfBuffers::NONE) {
+            return Ok(false);
+        }
+        // On every standard tile's step, or element by element after the product (slower
+        // than a launch of its own: BENCHMARKS.md, "Fusion").
+        let shallowest = coop::TILES.iter().map(|t| t.bk).min().unwrap_or(0);
+        let fold = low_rank_fits(self.rank, shallowest);
+        let a_of = |i: usize| &adapters.adapters[i].a;
+        let folded = pair.filter(|_| fold).map(|((q, h), _)| LoraUp {
+            h,
+            weight: UpWeight::A(a_of(q)),
+            rank: self.rank,
+            scale: self.scale,
+        });
+        let epilogues: Vec<&dyn GemmFusion> = folded.iter().map(|u| u as &dyn GemmFusion).collect();
+        let fusion = Fusion {
+            prologue: None,
+            epilogues: &epilogues,
+        };
+        execute_gemm_blocks(rec, &gemm, &widths, &fusion, d_qkv, weights, &mut *dn)?;
+        if let Some((q, v)) = pair {
+            let launched = if fold { vec![v] } else { vec![q, v] };
+            for (i, dh) in launched {
+                execute_input_grad(rec, dh, a_of(i), self.rank, self.scale, dn)?;
+            }
+        }
+        Ok(true)
+    }
+
     /// Block `layer`'s forward from `saved.x`, saving its activations; its output into `out`.
     fn block_forward(
         &self,
@@ -572,6 +642,7 @@ impl Ctx<'_> {
             d_q,
             d_k,
             d_v,
+            d_qkv,
             d_q_pre,
             d_k_pre,
             lora,
@@ -677,6 +748,8 @@ impl Ctx<'_> {
         let qk = (&mut *d_q, &mut *d_k);
         execute_rope_qk(rec, qk, &self.model.rope, heads, self.positions, true)?;
         let (mut dq_in, mut dk_in): (&GpuBuffer<f32>, &GpuBuffer<f32>) = (d_q, d_k);
+        // `[d_q | d_k | d_v]` as the query, key and value projections' gradients take it.
+        let mut blocks_in = d_qkv.as_ref();
         if let (
             Some(q_pre),
             Some(k_pre),
@@ -699,6 +772,7 @@ impl Ctx<'_> {
             execute_rms_norm_backward(rec, q_pre, q_norm, rstd_q, dq_in, d_q_pre, false)?;
             execute_rms_norm_backward(rec, k_pre, k_norm, rstd_k, dk_in, d_k_pre, false)?;
             (dq_in, dk_in) = (d_q_pre, d_k_pre);
+            blocks_in = None;
         }
         // The query and value adapters' weight gradients in one pair where both are adapted.
         let paired = lora.dh_pair.is_some()
@@ -713,12 +787,18 @@ impl Ctx<'_> {
             }
             false => (LoraGrads::Here, LoraGrads::Here),
         };
-        let q = (&mut *lora, q_grads);
-        self.project_backward(rec, adapters, at(Projection::Q), a, dq_in, dn, q, false)?;
-        let k = (&mut *lora, LoraGrads::Here);
-        self.project_backward(rec, adapters, at(Projection::K), a, dk_in, dn, k, true)?;
-        let v = (&mut *lora, v_grads);
-        self.project_backward(rec, adapters, at(Projection::V), a, d_v, dn, v, true)?;
+        let merged = match blocks_in {
+            Some(d_qkv) => self.qkv_backward(rec, adapters, layer, d_qkv, dn, (lora, paired))?,
+            None => false,
+        };
+        if !merged {
+            let q = (&mut *lora, q_grads);
+            self.project_backward(rec, adapters, at(Projection::Q), a, dq_in, dn, q, false)?;
+            let k = (&mut *lora, LoraGrads::Here);
+            self.project_backward(rec, adapters, at(Projection::K), a, dk_in, dn, k, true)?;
+            let v = (&mut *lora, v_grads);
+            self.project_backward(rec, adapters, at(Projection::V), a, d_v, dn, v, true)?;
+        }
         execute_rms_norm_backward(rec, &a.x, &w.attn_norm, &a.rstd1, dn, dx, true)?;
         Ok(())
     }
