@@ -527,7 +527,15 @@ fn block_major_inputs_match_reference() {
     // (device, m, blocks, cols, tile, accumulate, rank of the fold): rows ragged against the
     // tile, blocks of unequal widths (the step's 576 | 192 | 192 in small), the last a
     // lone step.
-    type Case<'a> = (&'a Gpu, usize, &'a [usize], usize, Option<CoopTile>, bool, usize);
+    type Case<'a> = (
+        &'a Gpu,
+        usize,
+        &'a [usize],
+        usize,
+        Option<CoopTile>,
+        bool,
+        usize,
+    );
     let cases: [Case; 4] = [
         (&interpreter, 45, &[48, 16, 32], 64, Some(small), false, 0),
         (&interpreter, 70, &[32, 16, 16], 48, Some(small), true, 4),
