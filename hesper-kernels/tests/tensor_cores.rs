@@ -670,4 +670,19 @@ fn block_major_inputs_match_reference() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("depth 56"), "{err}");
+    // No rows: nothing to compute, on any device.
+    let none = Gemm::new(Product::Nn, (0, 56, 64), false).with_precision(Precision::F16);
+    let empty = g.zeros::<f32>(0).unwrap();
+    let (mut y0, mut rec) = (g.zeros::<f32>(0).unwrap(), g.recorder());
+    linear::execute_gemm_blocks(
+        &mut rec,
+        &none,
+        &[40, 16],
+        &Fusion::NONE,
+        &empty,
+        Weights::Dense(&w),
+        &mut y0,
+    )
+    .unwrap();
+    assert!(rec.is_empty());
 }

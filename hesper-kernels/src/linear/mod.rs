@@ -1051,12 +1051,16 @@ pub fn execute_gemm_blocks<'a>(
 ) -> Result<(), ExecError> {
     let (input, output) = (input.into(), output.into());
     let name = kernel_name(gemm.product, false);
-    let (_, depth) = gemm.cols_depth();
+    let (cols, depth) = gemm.cols_depth();
     let blocks = input_blocks(widths, depth).map_err(|why| ExecError::Dispatch {
         kernel: name.into(),
         what: format!("input blocks {widths:?} over a depth of {depth}"),
         why,
     })?;
+    if gemm.m == 0 || cols == 0 {
+        // No output: the buffers are checked, nothing is launched, on any device.
+        return record_gemm(rec, gemm, fusion, (input, weights, output), None);
+    }
     let half = HalfBuffers {
         input: matches!(input, Operand::F16(_)),
         output: matches!(output, OutputBuffer::F16(_)),
