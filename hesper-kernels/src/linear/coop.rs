@@ -231,7 +231,7 @@ pub(crate) fn key(
         .assume_in_bounds()
 }
 
-/// The most blocks a block-major input ([`Launch::input_blocks`]) is cut into.
+/// The most blocks a block-major input ([`super::execute_gemm_blocks`]) is cut into.
 pub const MAX_INPUT_BLOCKS: usize = 4;
 
 /// `key` with the input's blocks along the depth ([`Launch::input_blocks`]) where it has more
