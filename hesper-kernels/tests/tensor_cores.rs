@@ -569,6 +569,13 @@ fn block_major_inputs_match_reference() {
         let lora_scale = 1.75f32;
         let w16: Vec<f16> = w.iter().map(|v| f16::from_f32(*v)).collect();
         let (xb, wb) = (g.upload(&blocked).unwrap(), g.upload(&w16).unwrap());
+        // Case 0 reads its input from f16, the others from f32 rounded as it is staged.
+        let x16: Vec<f16> = blocked.iter().map(|v| f16::from_f32(*v)).collect();
+        let x16 = g.upload(&x16).unwrap();
+        let input = match i {
+            0 => Operand::F16(&x16),
+            _ => Operand::F32(&xb),
+        };
         let (dhb, ab) = (g.upload(&dh).unwrap(), g.upload(&a).unwrap());
         let mut out = g
             .upload(&match accumulate {
@@ -592,13 +599,14 @@ fn block_major_inputs_match_reference() {
             scale: SCALE,
         };
         let half = linear::HalfBuffers {
+            input: i == 0,
             weight: true,
             ..linear::HalfBuffers::NONE
         };
         let fits = linear::gemm_blocks_fit(g, &gemm, widths, &weights, half);
         let mut rec = g.recorder();
         let recorded =
-            linear::execute_gemm_blocks(&mut rec, &gemm, widths, &fusion, &xb, weights, &mut out);
+            linear::execute_gemm_blocks(&mut rec, &gemm, widths, &fusion, input, weights, &mut out);
         if coop::subgroup_size(g).is_none() {
             assert!(!fits, "case {i}: no tensor cores on {}", g.describe());
             let err = recorded.unwrap_err().to_string();

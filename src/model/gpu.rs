@@ -350,8 +350,8 @@ impl GpuModel {
                 .any(|p| matches!(p, Projection::Gate | Projection::Up))
     }
 
-    /// Bytes of GPU memory the frozen weights take (`[W_gate; W_up]` once: its projections are
-    /// views of it).
+    /// Bytes of GPU memory the frozen weights take (`[W_gate; W_up]` and `[W_q; W_k; W_v]`
+    /// once: their projections are views of them).
     pub fn memory_bytes(&self) -> u64 {
         let layer = |l: &GpuLayer| {
             let extras = [

@@ -23,8 +23,8 @@ use hesper_kernels::ffn::{
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split;
 use hesper_kernels::linear::{
-    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, coop, execute_gemm,
-    execute_gemm_blocks, execute_gemm_fused, gemm_blocks_fit, gemm_path,
+    Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, execute_gemm,
+    execute_gemm_blocks, execute_gemm_fused, gemm_blocks_path, gemm_path,
 };
 use hesper_kernels::lora::{
     LoraBackward, LoraUp, UpWeight, WeightBackward, execute_input_grad, execute_lora_backward,
@@ -404,7 +404,8 @@ impl Ctx<'_> {
     /// take the GEMM, and LoRA adapts none of the three or (`paired`) the query and value,
     /// whose weight gradients and `dh` are computed already ([`Ctx::lora_weight_backward_pair`]):
     /// the query's `s·dh·A` folded into the GEMM, the value's a launch after it. Elsewhere
-    /// `false`, and nothing is recorded.
+    /// `false`, and nothing is recorded. (With a q/k norm, Qwen3's, the caller never asks:
+    /// the projections' gradients are then the norms' outputs, not views of `d_qkv`.)
     fn qkv_backward(
         &self,
         rec: &mut Recorder<'_>,
@@ -438,13 +439,13 @@ impl Ctx<'_> {
             )
             .with_input_exponent(self.grad_exponent);
         let weights = qkv.weights();
-        if !gemm_blocks_fit(rec.gpu(), &gemm, &widths, &weights, HalfBuffers::NONE) {
+        let path = gemm_blocks_path(rec.gpu(), &gemm, &widths, &weights, HalfBuffers::NONE);
+        let Some(GemmPath::TensorCores { tile, .. }) = path else {
             return Ok(false);
-        }
-        // On every standard tile's step, or element by element after the product (slower
-        // than a launch of its own: BENCHMARKS.md, "Fusion").
-        let shallowest = coop::TILES.iter().map(|t| t.bk).min().unwrap_or(0);
-        let fold = low_rank_fits(self.rank, shallowest);
+        };
+        // Folded where the tile's step holds it; element by element after the product it
+        // would cost more than a launch of its own (BENCHMARKS.md, "Fusion").
+        let fold = low_rank_fits(self.rank, tile.bk);
         let a_of = |i: usize| &adapters.adapters[i].a;
         let folded = pair.filter(|_| fold).map(|((q, h), _)| LoraUp {
             h,

@@ -1429,8 +1429,9 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm, half: HalfBuffers) -> Option<s
 
 /// The tensor-core path for `gemm` with its input block-major along the depth in blocks of
 /// `widths` (`Launch::input_blocks`): the tile asked for or chosen where its step divides
-/// every width, else the first standard tile that fits the device and does; `None` where the
-/// device has no tensor cores or no tile serves.
+/// every width; else, where none was asked for, the standard tile that [`choose_tile`]'s
+/// default rule picks among those whose step does. `None` where the device has no tensor
+/// cores, the tile asked for does not serve, or no standard tile does.
 pub(crate) fn blocks_path(
     gpu: &Gpu,
     gemm: &super::Gemm,
@@ -1444,10 +1445,17 @@ pub(crate) fn blocks_path(
     if serves(&tile) {
         return Some((tile, subgroup));
     }
-    let other = TILES
+    if gemm.coop_tile.is_some() {
+        return None;
+    }
+    let (cols, _) = gemm.cols_depth();
+    let groups = |t: &CoopTile| gemm.m.div_ceil(t.bm as usize) * cols.div_ceil(t.bn as usize);
+    let usable: Vec<CoopTile> = TILES
         .into_iter()
-        .find(|t| gemm.coop_tile.is_none() && serves(t) && fits_device(gpu, t, subgroup));
-    other.map(|t| (t, subgroup))
+        .filter(|t| serves(t) && fits_device(gpu, t, subgroup))
+        .collect();
+    let tile = usable.iter().find(|t| groups(t) >= 132).or(usable.last())?;
+    Some((*tile, subgroup))
 }
 
 /// Whether `gpu` runs `tile` with subgroups of `subgroup` invocations.

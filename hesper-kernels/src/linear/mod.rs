@@ -1039,7 +1039,8 @@ pub fn execute_gemm_fused<'a>(
 ///
 /// On the tensor cores only, at a tile whose step divides every width
 /// ([`gemm_blocks_fit`] says beforehand); elsewhere an error that says so, and one GEMM per
-/// block (accumulating) is the portable way. At most [`coop::MAX_INPUT_BLOCKS`] blocks.
+/// block (accumulating) is the portable way. At most [`coop::MAX_INPUT_BLOCKS`] blocks, and no
+/// prologue (epilogues as [`execute_gemm_fused`] takes them).
 pub fn execute_gemm_blocks<'a>(
     rec: &mut Recorder<'_>,
     gemm: &Gemm,
@@ -1057,6 +1058,13 @@ pub fn execute_gemm_blocks<'a>(
         what: format!("input blocks {widths:?} over a depth of {depth}"),
         why,
     })?;
+    if fusion.prologue.is_some() {
+        return Err(ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("a prologue with input blocks {widths:?}"),
+            why: "a block-major input takes no prologue".into(),
+        });
+    }
     if gemm.m == 0 || cols == 0 {
         // No output: the buffers are checked, nothing is launched, on any device.
         return record_gemm(rec, gemm, fusion, (input, weights, output), None);
@@ -1079,7 +1087,8 @@ pub fn execute_gemm_blocks<'a>(
     record_gemm(rec, gemm, fusion, (input, weights, output), Some(blocks))
 }
 
-/// Whether [`execute_gemm_blocks`] runs `gemm` with its input in blocks of `widths` on `gpu`.
+/// Whether [`execute_gemm_blocks`] runs `gemm` with its input in blocks of `widths` on `gpu`
+/// (with no prologue: it takes none).
 pub fn gemm_blocks_fit(
     gpu: &Gpu,
     gemm: &Gemm,
@@ -1087,18 +1096,31 @@ pub fn gemm_blocks_fit(
     weights: &Weights<'_>,
     half: HalfBuffers,
 ) -> bool {
+    gemm_blocks_path(gpu, gemm, widths, weights, half).is_some()
+}
+
+/// The path [`execute_gemm_blocks`] takes for `gemm` with its input in blocks of `widths` on
+/// `gpu`: the tensor cores at a tile whose step divides every width, or `None` where it
+/// cannot run (then it returns an error).
+pub fn gemm_blocks_path(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    widths: &[usize],
+    weights: &Weights<'_>,
+    half: HalfBuffers,
+) -> Option<GemmPath> {
     let half = HalfBuffers {
         weight: matches!(weights, Weights::Half { .. }),
         ..half
     };
-    let Ok(blocks) = input_blocks(widths, gemm.cols_depth().1) else {
-        return false;
-    };
+    let blocks = input_blocks(widths, gemm.cols_depth().1).ok()?;
     let n = blocks.iter().take_while(|&&w| w > 0).count();
-    gemm.precision == Precision::F16
-        && !matches!(weights, Weights::Ternary { .. })
-        && gemm.m > 0
-        && coop::blocks_path(gpu, gemm, half, &blocks[..n]).is_some()
+    let dense = !matches!(weights, Weights::Ternary { .. });
+    if gemm.precision != Precision::F16 || !dense || gemm.m == 0 {
+        return None;
+    }
+    let (tile, subgroup) = coop::blocks_path(gpu, gemm, half, &blocks[..n])?;
+    Some(GemmPath::TensorCores { tile, subgroup })
 }
 
 /// `widths` as [`coop::Launch::input_blocks`]: 1 to [`coop::MAX_INPUT_BLOCKS`] of them, none
