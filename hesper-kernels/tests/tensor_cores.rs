@@ -655,29 +655,21 @@ fn block_major_inputs_match_reference() {
     );
     let mut y = g.zeros::<f32>(64 * 64).unwrap();
     let mut rec = g.recorder();
-    let err = linear::execute_gemm_blocks(
-        &mut rec,
-        &gemm,
-        &[40, 16],
-        &Fusion::NONE,
-        &x,
-        Weights::Dense(&w),
-        &mut y,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("[40, 16]"), "{err}");
-    assert!(rec.is_empty());
-    let err = linear::execute_gemm_blocks(
-        &mut rec,
-        &gemm,
-        &[40, 8],
-        &Fusion::NONE,
-        &x,
-        Weights::Dense(&w),
-        &mut y,
-    )
-    .unwrap_err();
-    assert!(err.to_string().contains("depth 56"), "{err}");
+    // Widths no tile serves, and widths that do not add up to the depth.
+    for (widths, named) in [(&[40, 16], "[40, 16]"), (&[40, 8], "depth 56")] {
+        let err = linear::execute_gemm_blocks(
+            &mut rec,
+            &gemm,
+            widths,
+            &Fusion::NONE,
+            &x,
+            Weights::Dense(&w),
+            &mut y,
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains(named), "{err}");
+        assert!(rec.is_empty());
+    }
     // No rows: nothing to compute, on any device.
     let none = Gemm::new(Product::Nn, (0, 56, 64), false).with_precision(Precision::F16);
     let empty = g.zeros::<f32>(0).unwrap();

@@ -234,6 +234,12 @@ pub(crate) fn key(
 /// The most blocks a block-major input ([`super::execute_gemm_blocks`]) is cut into.
 pub const MAX_INPUT_BLOCKS: usize = 4;
 
+/// The widths of `blocks` up to its first zero ([`Launch::input_blocks`]).
+pub(crate) fn used_blocks(blocks: &[u32; MAX_INPUT_BLOCKS]) -> &[u32] {
+    let n = blocks.iter().take_while(|&&w| w > 0).count();
+    &blocks[..n]
+}
+
 /// `key` with the input's blocks along the depth ([`Launch::input_blocks`]) where it has more
 /// than one (a row-major input keeps its key and WGSL).
 fn with_input_blocks(key: KernelKey, blocks: &[u32]) -> KernelKey {
@@ -1412,8 +1418,7 @@ pub(crate) struct Launch {
 impl Launch {
     /// The input's blocks along the depth ([`Launch::input_blocks`] up to its first zero).
     fn blocks(&self) -> &[u32] {
-        let n = self.input_blocks.iter().take_while(|&&w| w > 0).count();
-        &self.input_blocks[..n]
+        used_blocks(&self.input_blocks)
     }
 }
 

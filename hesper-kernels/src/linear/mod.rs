@@ -1114,12 +1114,11 @@ pub fn gemm_blocks_path(
         ..half
     };
     let blocks = input_blocks(widths, gemm.cols_depth().1).ok()?;
-    let n = blocks.iter().take_while(|&&w| w > 0).count();
     let dense = !matches!(weights, Weights::Ternary { .. });
     if gemm.precision != Precision::F16 || !dense || gemm.m == 0 {
         return None;
     }
-    let (tile, subgroup) = coop::blocks_path(gpu, gemm, half, &blocks[..n])?;
+    let (tile, subgroup) = coop::blocks_path(gpu, gemm, half, coop::used_blocks(&blocks))?;
     Some(GemmPath::TensorCores { tile, subgroup })
 }
 
@@ -1166,8 +1165,8 @@ fn record_gemm<'a>(
     };
     let path = match (gemm_path(rec.gpu(), &chooses_as, &weights, half), blocks) {
         (_, Some(blocks)) => {
-            let n = blocks.iter().take_while(|&&w| w > 0).count();
-            let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, &blocks[..n])
+            let used = coop::used_blocks(&blocks);
+            let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, used)
                 .expect("execute_gemm_blocks checked that the tensor cores take it");
             GemmPath::TensorCores { tile, subgroup }
         }
