@@ -720,24 +720,41 @@ const SEQ_TILE: Param = Param {
           (block a multiple of 4, vk dividing it), untested on a GPU",
 };
 const SEQ_PARAMS: &[Param] = &[SEQ_HEAD_DIM, SEQ_HEADS, SEQ_KV_HEADS, PADDED, SEQ_TILE];
+const COOP_ROW_TILES: Param = u32_param(
+    "row_tiles",
+    "2",
+    "tiles of 16 rows a workgroup owns, one a subgroup (the executor: 4 for the forward and dQ, \
+     2 for dK/dV; fewer where memory is short)",
+);
+const COOP_STEP: Param = u32_param(
+    "step",
+    "32",
+    "rows of the other side a step (a multiple of 16; the executor: 16 for the forward, 32 for \
+     the gradients, 16 where memory is short)",
+);
 const COOP_SEQ_PARAMS: &[Param] = &[
     SEQ_HEAD_DIM,
     SEQ_HEADS,
     SEQ_KV_HEADS,
     PADDED,
-    u32_param(
-        "row_tiles",
-        "2",
-        "tiles of 16 rows a workgroup owns, one a subgroup (the executor: 4 for the forward and \
-         dQ, 2 for dK/dV; fewer where memory is short)",
-    ),
-    u32_param(
-        "step",
-        "32",
-        "rows of the other side a step (a multiple of 16; the executor: 16 for the forward, 32 \
-         for the gradients, 16 where memory is short)",
-    ),
+    COOP_ROW_TILES,
+    COOP_STEP,
     COOP_SUBGROUP,
+];
+const COOP_SEQ_KV_PARAMS: &[Param] = &[
+    SEQ_HEAD_DIM,
+    SEQ_HEADS,
+    SEQ_KV_HEADS,
+    PADDED,
+    COOP_ROW_TILES,
+    COOP_STEP,
+    COOP_SUBGROUP,
+    bool_param(
+        "write_scores",
+        "false",
+        "also write the scores' gradients dSᵀ (f16, [B, H, S', S'], S' the sequence rounded up \
+         to 64) for coop_attention_backward_q_from_scores",
+    ),
 ];
 
 const GEMM_TILE: Param = Param {
@@ -804,7 +821,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 54] = [
+static ENTRIES: [Entry; 55] = [
     // argmax
     Entry {
         name: "argmax",
@@ -818,9 +835,13 @@ static ENTRIES: [Entry; 54] = [
         name: "coop_attention_backward_kv",
         module: "attention::coop",
         summary: "causal attention backward on tensor cores, one workgroup per KV block: dK and \
-                  dV (f16 products, f32 sums), recomputing P = exp(τ·S − lse)",
-        params: COOP_SEQ_PARAMS,
-        build: |s| coop_attention(s, CoopWhich::KeyGrads),
+                  dV (f16 products, f32 sums), recomputing P = exp(τ·S − lse); with \
+                  write_scores, dS too",
+        params: COOP_SEQ_KV_PARAMS,
+        build: |s| {
+            let write_scores = s.bool("write_scores");
+            coop_attention(s, CoopWhich::KeyGrads { write_scores })
+        },
     },
     Entry {
         name: "coop_attention_backward_q",
@@ -829,6 +850,15 @@ static ENTRIES: [Entry; 54] = [
                   (f16 products, f32 sums)",
         params: COOP_SEQ_PARAMS,
         build: |s| coop_attention(s, CoopWhich::QueryGrads),
+    },
+    Entry {
+        name: "coop_attention_backward_q_from_scores",
+        module: "attention::coop",
+        summary: "causal attention backward on tensor cores, one workgroup per query block: dQ = \
+                  dS·K over the scores' gradients coop_attention_backward_kv wrote (masked as \
+                  staged)",
+        params: COOP_SEQ_PARAMS,
+        build: |s| coop_attention(s, CoopWhich::QueryGradsFromScores),
     },
     Entry {
         name: "coop_attention_forward",

@@ -174,6 +174,14 @@ pub fn compare(got: &[f32], want: &[f64], atol: f64) -> Comparison {
     c
 }
 
+/// The largest of `errors`, infinite where one is NaN (`f64::max` would pass a NaN over).
+pub fn worst(errors: impl IntoIterator<Item = f64>) -> f64 {
+    errors.into_iter().fold(0.0, |a, e| match e.is_nan() {
+        true => f64::INFINITY,
+        false => a.max(e),
+    })
+}
+
 /// Largest `|got - want| / (atol + |want|)`: [`compare`]'s `max_rel`.
 pub fn max_rel_err(got: &[f32], want: &[f64], atol: f64) -> f64 {
     compare(got, want, atol).max_rel

@@ -1,11 +1,12 @@
 //! Causal attention over whole sequences (forward and backward, GQA, padded batches) on the GPU
 //! against f64 references; the backward reference against finite differences.
 
+use hesper_exec::half::f16;
 use hesper_exec::{Gpu, GpuBuffer};
 use hesper_kernels::attention::reference as ar;
 use hesper_kernels::attention::{self, SeqGrads, SeqInputs, SeqSaved, SeqShape, ValidLengths};
 use hesper_kernels::linear::Precision;
-use hesper_kernels::testing::{Rng, assert_close, check_gradient, compare, f64s, gpu};
+use hesper_kernels::testing::{Rng, assert_close, check_gradient, compare, f64s, gpu, worst};
 
 /// A shape and the valid lengths of its sequences (`None`: unpadded).
 struct Case {
@@ -114,18 +115,17 @@ fn forward_matches_reference() {
 /// elsewhere the f32 kernels. `dO` is a mean loss's gradient here (~1e-4, near f16's
 /// subnormals), which `grad_exponent` lifts before the rounding. Every case whose head
 /// dimension is a multiple of 16 (ragged lengths, padding, a sequence of padding alone, GQA),
-/// against the f64 attention: the largest error within 1% of the largest value.
+/// against the f64 attention: the largest error within 1% of the largest value. The backward
+/// twice: recomputing the scores for `dQ`, and with a workspace that keeps the scores'
+/// gradients (taken on the tensor cores; poisoned with NaN first, so that an unmasked read of
+/// what the key gradients did not write shows).
 #[test]
 fn f16_precision_matches_reference_within_f16_rounding() {
     let g = gpu();
     let tensor_cores = hesper_kernels::linear::coop::subgroup_size(g).is_some();
     let within = |what: &str, got: &[f32], want: &[f64]| {
         let largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
-        let worst = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (*g as f64 - w).abs())
-            .fold(0f64, |a, e| if e.is_nan() { f64::NAN } else { a.max(e) });
+        let worst = worst(got.iter().zip(want).map(|(g, w)| (*g as f64 - w).abs()));
         eprintln!(
             "{what}: within {:.1e} of the largest value",
             worst / largest
@@ -156,17 +156,26 @@ fn f16_precision_matches_reference_within_f16_rounding() {
         let (want_o, want_lse) = reference_forward(&c, &d);
         within(&format!("O {what}"), &o, &want_o);
         assert_close(&format!("lse {what}"), &lse, &want_lse, 0.0, 2e-3);
-        let (dq, dk, dv) = backward_on_gpu(g, &c, &d);
         let (want_dq, want_dk, want_dv) = reference_backward(&c, &d);
-        within(&format!("dQ {what}"), &dq, &want_dq);
-        within(&format!("dK {what}"), &dk, &want_dk);
-        within(&format!("dV {what}"), &dv, &want_dv);
+        for keep_scores in [false, true] {
+            let (dq, dk, dv) = backward_on_gpu(g, &c, &d, keep_scores);
+            let what = format!("{what}, scores' gradients kept: {keep_scores}");
+            within(&format!("dQ {what}"), &dq, &want_dq);
+            within(&format!("dK {what}"), &dk, &want_dk);
+            within(&format!("dV {what}"), &dv, &want_dv);
+        }
     }
 }
 
 /// The backward given the reference's `O` and `lse` (rounded to f32), so that it is checked on
-/// its own.
-fn backward_on_gpu(g: &Gpu, c: &Case, d: &Data) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+/// its own; with `keep_scores`, a NaN-poisoned workspace for the scores' gradients where the
+/// device takes one.
+fn backward_on_gpu(
+    g: &Gpu,
+    c: &Case,
+    d: &Data,
+    keep_scores: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let shape = c.shape;
     let (o, lse) = ar::attention_forward(
         &shape,
@@ -182,6 +191,9 @@ fn backward_on_gpu(g: &Gpu, c: &Case, d: &Data) -> (Vec<f32>, Vec<f32>, Vec<f32>
     let nan = |n: usize| -> GpuBuffer<f32> { g.filled(n, f32::NAN).unwrap() };
     let mut stats = nan(2 * shape.tokens() * shape.heads);
     let (mut dq, mut dk, mut dv) = (nan(shape.q_len()), nan(shape.kv_len()), nan(shape.kv_len()));
+    let mut scores = attention::scores_workspace_len(g, &shape)
+        .filter(|_| keep_scores)
+        .map(|n| g.filled(n, f16::NAN).unwrap());
     let saved = SeqSaved {
         inputs: SeqInputs {
             q: &qb,
@@ -194,6 +206,7 @@ fn backward_on_gpu(g: &Gpu, c: &Case, d: &Data) -> (Vec<f32>, Vec<f32>, Vec<f32>
     };
     let grads = SeqGrads {
         stats: &mut stats,
+        scores: scores.as_mut(),
         d_q: &mut dq,
         d_k: &mut dk,
         d_v: &mut dv,
@@ -222,7 +235,7 @@ fn backward_matches_reference() {
     let g = gpu();
     for (seed, c) in cases().into_iter().enumerate() {
         let d = data(&c.shape, 800 + seed as u64);
-        let (dq, dk, dv) = backward_on_gpu(g, &c, &d);
+        let (dq, dk, dv) = backward_on_gpu(g, &c, &d, false);
         let (want_dq, want_dk, want_dv) = reference_backward(&c, &d);
         let what = format!("{:?} lens {:?}", c.shape, c.lens);
         assert_close(&format!("dQ {what}"), &dq, &want_dq, 2e-4, 1e-4);
@@ -239,7 +252,7 @@ fn dropped_contributions_are_told_apart() {
     let g = gpu();
     let c = case(1, 70, (6, 2, 64), None);
     let d = data(&c.shape, 900);
-    let (_, dk, dv) = backward_on_gpu(g, &c, &d);
+    let (_, dk, dv) = backward_on_gpu(g, &c, &d, false);
     let (_, want_dk, want_dv) = reference_backward(&c, &d);
     assert_close("dK", &dk, &want_dk, 2e-4, 1e-4);
     assert_close("dV", &dv, &want_dv, 2e-4, 1e-4);
@@ -456,6 +469,7 @@ fn a_backward_past_the_device_loop_limit_is_an_error() {
     };
     let grads = SeqGrads {
         stats: &mut s,
+        scores: None,
         d_q: &mut dq,
         d_k: &mut dk,
         d_v: &mut dv,
@@ -465,5 +479,52 @@ fn a_backward_past_the_device_loop_limit_is_an_error() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("stops loops after 65535 iterations"), "{err}");
+    assert!(rec.is_empty());
+}
+
+/// A workspace for the scores' gradients of another length is an error that names it, on any
+/// device (whether or not its kernels would take it), before anything is recorded.
+#[test]
+fn a_scores_workspace_of_the_wrong_length_is_an_error() {
+    let g = gpu();
+    let shape = SeqShape::new(2, 40, 4, 2, 16).with_precision(Precision::F16);
+    let want = shape.scores_len().unwrap();
+    assert_eq!(want, 2 * 4 * 64 * 64, "S' = 40 rounded up to 64");
+    let zeros = |n: usize| g.zeros::<f32>(n).unwrap();
+    let (q, kv) = (zeros(shape.q_len()), zeros(shape.kv_len()));
+    let rows = shape.tokens() * shape.heads;
+    let (o, lse, d_out) = (zeros(shape.q_len()), zeros(rows), zeros(shape.q_len()));
+    let mut stats = zeros(2 * rows);
+    let (mut dq, mut dk, mut dv) = (
+        zeros(shape.q_len()),
+        zeros(shape.kv_len()),
+        zeros(shape.kv_len()),
+    );
+    let mut scores = g.zeros::<f16>(want - 1).unwrap();
+    let saved = SeqSaved {
+        inputs: SeqInputs {
+            q: &q,
+            k: &kv,
+            v: &kv,
+            lens: None,
+        },
+        o: &o,
+        lse: &lse,
+    };
+    let grads = SeqGrads {
+        stats: &mut stats,
+        scores: Some(&mut scores),
+        d_q: &mut dq,
+        d_k: &mut dk,
+        d_v: &mut dv,
+    };
+    let mut rec = g.recorder();
+    let err = attention::execute_attention_backward(&mut rec, shape, saved, &d_out, grads)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("scores") && err.contains(&want.to_string()),
+        "{err}"
+    );
     assert!(rec.is_empty());
 }

@@ -11,7 +11,7 @@ use hesper_dsl::ty::{Access, Scalar, Ty};
 use hesper_exec::half::f16;
 use hesper_exec::{Args, Gpu, GpuBuffer, Grid};
 use hesper_kernels::catalog;
-use hesper_kernels::testing::{Rng, gpu_without_subgroups};
+use hesper_kernels::testing::{Rng, gpu_without_subgroups, worst};
 
 /// Elements each binding gets (of its element type): enough for every kernel's reads at the
 /// runtime values below.
@@ -575,10 +575,15 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
         max_workgroup_storage_bytes: 48 * 1024,
         ..hesper_dsl::Limits::default()
     };
-    let build = |name: &str| {
+    // `changed`: parameters set anew or added.
+    let build_with = |name: &str, changed: &[(&str, String)]| {
         let entry = catalog::find(name).unwrap();
+        let mut params = params.clone();
+        params.retain(|(k, _)| changed.iter().all(|(c, _)| c != k));
+        params.extend(changed.iter().map(|(k, v)| (k.to_string(), v.clone())));
         entry.build_with_limits(&params, &limits).unwrap()
     };
+    let build = |name: &str| build_with(name, &[]);
     let mut rng = Rng::new(77);
     let q: Vec<f32> = (0..shape.q_len()).map(|_| rng.next_f32()).collect();
     let k: Vec<f32> = (0..shape.kv_len()).map(|_| rng.next_f32()).collect();
@@ -605,11 +610,7 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
     let check = |what: &str, got: &[f32], want: &[f64], tol: f64| {
         let largest = want.iter().fold(0f64, |a, w| a.max(w.abs()));
         assert!(largest > 0.0, "{what}: a reference of zeros tests nothing");
-        let worst = got
-            .iter()
-            .zip(want)
-            .map(|(g, w)| (*g as f64 - w).abs())
-            .fold(0f64, |a, e| if e.is_nan() { f64::NAN } else { a.max(e) });
+        let worst = worst(got.iter().zip(want).map(|(g, w)| (*g as f64 - w).abs()));
         println!(
             "{what}: within {:.2e} of its largest value",
             worst / largest
@@ -629,11 +630,11 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
     let o: Vec<f32> = run.read("o").unwrap();
     let lse: Vec<f32> = run.read("lse").unwrap();
     check("O", &o, &want_o, 2e-3);
-    let worst_lse = lse
-        .iter()
-        .zip(&want_lse)
-        .map(|(g, w)| (*g as f64 - w).abs())
-        .fold(0f64, f64::max);
+    let worst_lse = worst(
+        lse.iter()
+            .zip(&want_lse)
+            .map(|(g, w)| (*g as f64 - w).abs()),
+    );
     assert!(worst_lse < 2e-3, "lse off by {worst_lse:e}");
 
     // The backward's statistics from the f64 forward: (lse, D = rowsum(dO ⊙ O)), 0 when padded.
@@ -663,4 +664,48 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
         grad(base([blocks, heads as u32, batch as u32])).buffer("d_q", &nan(shape.q_len()));
     interpret(&build("coop_attention_backward_q"), &mut run).unwrap();
     check("dQ", &run.read::<f32>("d_q").unwrap(), &want_dq, 2e-3);
+
+    // The scores' gradients kept: the key gradients also write `dSᵀ` into a workspace poisoned
+    // with NaN, and `dQ` is one product over it, which must mask what was never written: with
+    // this tile, and with the executor's 4 × 32 (blocks of 64 queries over key blocks of 32).
+    let side = seq.next_multiple_of(64);
+    let scores = vec![f16::NAN; batch * heads * side * side];
+    let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
+        .buffer("d_k", &nan(shape.kv_len()))
+        .buffer("d_v", &nan(shape.kv_len()))
+        .buffer("d_scores", &scores);
+    let write = [("write_scores", "true".to_string())];
+    interpret(&build_with("coop_attention_backward_kv", &write), &mut run).unwrap();
+    check(
+        "dK (writing dS)",
+        &run.read::<f32>("d_k").unwrap(),
+        &want_dk,
+        2e-3,
+    );
+    check(
+        "dV (writing dS)",
+        &run.read::<f32>("d_v").unwrap(),
+        &want_dv,
+        2e-3,
+    );
+    let scores: Vec<f16> = run.read("d_scores").unwrap();
+    for (q_tiles, q_step) in [(row_tiles, step), (4, 32)] {
+        let q_blocks = seq.div_ceil(16 * q_tiles) as u32;
+        let mut run = Run::new([q_blocks, heads as u32, batch as u32])
+            .buffer("k", &k)
+            .buffer("d_scores", &scores)
+            .buffer("lens", &lens32)
+            .buffer("d_q", &nan(shape.q_len()))
+            .param("seq_len", ScalarValue::U32(seq as u32))
+            .param("grad_unscale", ScalarValue::F32(1.0 / 1024.0));
+        run.subgroup_size = subgroup;
+        let tile = [
+            ("row_tiles", q_tiles.to_string()),
+            ("step", q_step.to_string()),
+        ];
+        let kernel = build_with("coop_attention_backward_q_from_scores", &tile);
+        interpret(&kernel, &mut run).unwrap();
+        let what = format!("dQ (from dS, {q_tiles} × {q_step})");
+        check(&what, &run.read::<f32>("d_q").unwrap(), &want_dq, 2e-3);
+    }
 }

@@ -1014,6 +1014,7 @@ fn attention_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
     let outcome = judge(g, &expect, "attention", |rec| {
         let grads = SeqGrads {
             stats: &mut stats,
+            scores: None,
             d_q: &mut d_q,
             d_k: &mut d_k,
             d_v: &mut d_v,

@@ -12,7 +12,7 @@ use hesper_kernels::linear::coop::{self, CoopTile};
 use hesper_kernels::linear::{
     self, Gemm, GemmPath, Operand, OutputBuffer, Precision, Product, Weights, reference,
 };
-use hesper_kernels::testing::{Rng, compare, gpu};
+use hesper_kernels::testing::{Rng, compare, gpu, worst};
 
 /// Not a power of two, so that a kernel that drops it cannot pass by luck.
 const SCALE: f32 = 0.37;
@@ -159,11 +159,11 @@ fn check_with(gemm: &Gemm, halves: Halves, seed: u64, split: bool) -> Option<Gem
     match halves.output {
         false => assert!(sum_error < bound, "{what}: {c} (bound {bound:.1e})"),
         true => {
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (*g as f64 - w).abs() / (w.abs() * 4.9e-4 + bound * c.scale))
-                .fold(0.0f64, f64::max);
+            let worst = worst(
+                got.iter()
+                    .zip(&want)
+                    .map(|(g, w)| (*g as f64 - w).abs() / (w.abs() * 4.9e-4 + bound * c.scale)),
+            );
             assert!(
                 worst <= 1.0,
                 "{what}: {c} (f16 output: {worst:.2} of its bound)"

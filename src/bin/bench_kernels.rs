@@ -16,6 +16,7 @@
 
 use std::time::Duration;
 
+use hesper::exec::half::f16;
 use hesper::exec::profile::{BenchConfig, Measurement, bench};
 use hesper::exec::{ExecError, Gpu, GpuBuffer, Recorder};
 use hesper::kernels::linear::{Gemm, Product, Tile, Weights};
@@ -437,24 +438,35 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     o: &o,
                     lse: &lse,
                 };
-                let backward = bench(&gpu, "attention_backward", config, |rec| {
-                    let grads = SeqGrads {
-                        stats: &mut stats,
-                        d_q: &mut dq,
-                        d_k: &mut dk,
-                        d_v: &mut dv,
+                // The backward as it recomputes the scores for dQ, and (where the tensor cores
+                // take one) with the workspace that keeps the scores' gradients instead.
+                let mut scores = match attention::scores_workspace_len(&gpu, &shape) {
+                    Some(n) => vec![None, Some(gpu.zeros::<f16>(n)?)],
+                    None => vec![None],
+                };
+                let mut backward = Vec::new();
+                for scores in scores.iter_mut() {
+                    let name = match scores {
+                        Some(_) => "attention_backward, scores' gradients kept",
+                        None => "attention_backward",
                     };
-                    attention::execute_attention_backward(rec, shape, saved, &d_out, grads)
-                })?;
+                    let m = bench(&gpu, name, config, |rec| {
+                        let grads = SeqGrads {
+                            stats: &mut stats,
+                            scores: scores.as_mut(),
+                            d_q: &mut dq,
+                            d_k: &mut dk,
+                            d_v: &mut dv,
+                        };
+                        attention::execute_attention_backward(rec, shape, saved, &d_out, grads)
+                    })?;
+                    backward.push((name, m));
+                }
                 // PyTorch's count for causal attention: half the square.
                 let flops = 4.0 * (b * h * s * s * hd) as f64 / 2.0;
-                for (i, (name, m, flops)) in [
-                    ("attention_forward", forward, flops),
-                    ("attention_backward", backward, 2.5 * flops),
-                ]
-                .into_iter()
-                .enumerate()
-                {
+                let forward = [(0, "attention_forward", forward, flops)];
+                let backward = backward.into_iter().map(|(n, m)| (1, n, m, 2.5 * flops));
+                for (i, name, m, flops) in forward.into_iter().chain(backward) {
                     let tf = m.tflop_per_s(flops);
                     rows.push(Row {
                         bytes: 0.0,

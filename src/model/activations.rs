@@ -13,7 +13,7 @@
 
 use hesper_exec::half::f16;
 use hesper_exec::{Gpu, GpuBuffer};
-use hesper_kernels::attention::ValidLengths;
+use hesper_kernels::attention::{SeqShape, ValidLengths, scores_workspace_len};
 use hesper_kernels::linear::split::gemm_split_scratch_len;
 use hesper_kernels::linear::{GemmPath, HalfBuffers, Precision, Product, gemm_path};
 use hesper_kernels::lora::lora_scratch_len;
@@ -56,6 +56,13 @@ impl StepShape {
     /// `T = B·S`: the tokens of one micro-batch.
     pub fn tokens(&self) -> usize {
         self.batch * self.seq_len
+    }
+
+    /// The attention's shape in a step of this shape for a model of `config` at `precision`.
+    pub(crate) fn attention(&self, config: &ModelConfig, precision: Precision) -> SeqShape {
+        let c = config;
+        SeqShape::new(self.batch, self.seq_len, c.heads, c.kv_heads, c.head_dim)
+            .with_precision(precision)
     }
 
     fn check(&self, config: &ModelConfig) -> Result<(), ModelError> {
@@ -309,6 +316,9 @@ pub(crate) struct Workspace {
     pub(crate) d_o: GpuBuffer<f32>,
     pub(crate) d_o_attn: Option<GpuBuffer<f32>>,
     pub(crate) stats: GpuBuffer<f32>,
+    /// The tensor-core attention backward's scores' gradients (`SeqGrads::scores`), where it
+    /// takes them.
+    pub(crate) scores: Option<GpuBuffer<f16>>,
     pub(crate) d_q: GpuBuffer<f32>,
     pub(crate) d_k: GpuBuffer<f32>,
     pub(crate) d_v: GpuBuffer<f32>,
@@ -477,6 +487,9 @@ impl StepBuffers {
             d_o: buf(t * hq)?,
             d_o_attn: opt(bitnet, t * hq)?,
             stats: buf(2 * t * c.heads)?,
+            scores: scores_workspace_len(gpu, &shape.attention(c, model.precision()))
+                .map(|n| gpu.zeros::<f16>(n))
+                .transpose()?,
             d_q,
             d_k,
             d_v,
@@ -680,6 +693,7 @@ impl StepBuffers {
             + self.x_out.bytes()
             + sum(&mut work.into_iter().map(Some))
             + w.d_gate_up.bytes()
+            + w.scores.as_ref().map_or(0, GpuBuffer::bytes)
             + sum(&mut work_extra.into_iter().map(Option::as_ref))
             + sum(&mut loss.into_iter().map(Some))
             + l.labels_chunk.bytes()

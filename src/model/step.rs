@@ -640,6 +640,7 @@ impl Ctx<'_> {
             d_o,
             d_o_attn,
             stats,
+            scores,
             d_q,
             d_k,
             d_v,
@@ -740,6 +741,7 @@ impl Ctx<'_> {
         };
         let grads = SeqGrads {
             stats,
+            scores: scores.as_mut(),
             d_q,
             d_k,
             d_v,
@@ -898,8 +900,8 @@ fn context<'a>(model: &'a GpuModel, adapters: &GpuAdapters, buffers: &StepBuffer
     Ctx {
         model,
         tokens: shape.tokens(),
-        attention: SeqShape::new(shape.batch, shape.seq_len, c.heads, c.kv_heads, c.head_dim)
-            .with_precision(model.precision())
+        attention: shape
+            .attention(c, model.precision())
             .with_grad_exponent(grad_exponent),
         positions: Positions {
             seq_len: shape.seq_len as u32,

@@ -32,6 +32,16 @@
 //! - Backward: `lse` is known, so `P` needs no rescaling either. The gradients of a mean loss
 //!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
 //!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
+//!
+//! ## The scores' gradients kept
+//! The query gradients need the same `P` and `dS` as the key gradients: computed again, that
+//! is two more products and the softmax a second time. Given a workspace for them
+//! ([`SCORES_ALIGN`]), the key gradients' kernel also writes its `dS` (f16, scaled as above) as
+//! `dSᵀ [batch, heads, S', S']` (`S'` = `S` rounded up to [`SCORES_ALIGN`]: every block's
+//! writes land inside without guards), and `dQ = dS·K` is one product over it
+//! (`coop_attention_backward_q_from_scores`). That kernel stages each step's `dSᵀ` with the
+//! causal mask applied, so what the key gradients never wrote (above the diagonal) is never
+//! read as a value into a row that is stored.
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{Kernel, Limits, ReadBuffer, RwBuffer, Var, WorkgroupArray};
@@ -71,6 +81,14 @@ fn query_grads_staged(rows: u32, step: u32, ahead: bool) -> u32 {
     }
 }
 
+/// Whether `which` writes or reads the scores' gradients.
+fn writes_or_reads_scores(which: Which) -> bool {
+    matches!(
+        which,
+        Which::KeyGrads { write_scores: true } | Which::QueryGradsFromScores
+    )
+}
+
 /// A tensor-core attention kernel's blocking: `subgroups` subgroups of 16 rows each, the other
 /// side stepped `step` rows at a time.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -79,20 +97,31 @@ pub struct CoopSeqTile {
     pub step: u32,
 }
 
-/// The three kernels.
+/// The scores' gradients' workspace rows and columns are the sequence rounded up to this
+/// ([`SeqShape::scores_len`]); it is a multiple of every block and step the kernels that
+/// write and read it take ([`CoopSeqTile::scores_fit`]).
+pub const SCORES_ALIGN: u32 = 64;
+
+/// The kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Which {
     Forward,
-    KeyGrads,
+    /// `dK`, `dV`; with `write_scores`, the scores' gradients too (the module doc).
+    KeyGrads {
+        write_scores: bool,
+    },
     QueryGrads,
+    /// `dQ` from the scores' gradients the key gradients wrote.
+    QueryGradsFromScores,
 }
 
 impl Which {
     pub(crate) fn name(self) -> &'static str {
         match self {
             Which::Forward => "coop_attention_forward",
-            Which::KeyGrads => "coop_attention_backward_kv",
+            Which::KeyGrads { .. } => "coop_attention_backward_kv",
             Which::QueryGrads => "coop_attention_backward_q",
+            Which::QueryGradsFromScores => "coop_attention_backward_q_from_scores",
         }
     }
 
@@ -100,8 +129,9 @@ impl Which {
     pub(crate) fn body(self) -> fn(&mut KernelBuilder) {
         match self {
             Which::Forward => forward_body,
-            Which::KeyGrads => key_grads_body,
+            Which::KeyGrads { .. } => key_grads_body,
             Which::QueryGrads => query_grads_body,
+            Which::QueryGradsFromScores => query_grads_from_scores_body,
         }
     }
 }
@@ -120,12 +150,21 @@ impl CoopSeqTile {
         let probs = 2 * 16 * (step + PAD) * self.subgroups;
         match which {
             Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
-            Which::KeyGrads => 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step,
+            Which::KeyGrads { .. } => {
+                2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step
+            }
             Which::QueryGrads => {
                 let ahead = ahead_fits(head_dim, step, self.subgroups * subgroup, 2);
                 query_grads_staged(block.max(step), step, ahead) * row + 2 * scratch + probs
             }
+            Which::QueryGradsFromScores => step * (row + 2 * (block + PAD)) + scratch,
         }
+    }
+
+    /// Whether the tile's blocks and steps divide [`SCORES_ALIGN`], as the kernels that write
+    /// and read the scores' gradients need.
+    pub(crate) fn scores_fit(&self) -> bool {
+        SCORES_ALIGN.is_multiple_of(self.block()) && SCORES_ALIGN.is_multiple_of(self.step)
     }
 
     /// The first of `which`'s standard tiles ([`CoopSeqTile::standard`]) that a device with
@@ -144,6 +183,7 @@ impl CoopSeqTile {
                     && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
                     // Each invocation of a scratch row handles whole vec4s of it.
                     && t.step.is_multiple_of(4 * (subgroup / 16))
+                    && (!writes_or_reads_scores(which) || t.scores_fit())
             })
     }
 
@@ -155,12 +195,15 @@ impl CoopSeqTile {
     /// - key gradients: 2 subgroups stepping 32 queries (hd 64: 171 µs against 188 with 4;
     ///   2 stepping 16 measured 2.7–5× slower);
     /// - query gradients: 4 subgroups stepping 32 keys, else 16 (hd 128: 278 µs against 611
-    ///   with 2 subgroups stepping 32).
+    ///   with 2 subgroups stepping 32);
+    /// - query gradients from the scores' gradients: 4 subgroups stepping 32 keys (not swept).
     fn standard(which: Which) -> &'static [(u32, u32)] {
         match which {
             Which::Forward => &[(4, 16), (2, 16), (1, 16)],
-            Which::KeyGrads => &[(2, 32), (1, 16)],
-            Which::QueryGrads => &[(4, 32), (4, 16), (2, 16), (1, 16)],
+            Which::KeyGrads { .. } => &[(2, 32), (1, 16)],
+            Which::QueryGrads | Which::QueryGradsFromScores => {
+                &[(4, 32), (4, 16), (2, 16), (1, 16)]
+            }
         }
     }
 }
@@ -174,8 +217,12 @@ pub(crate) fn key(
     subgroup: u32,
     padded: bool,
 ) -> KernelKey {
-    KernelKey::new(which.name())
-        .workgroup_size(tile.subgroups * subgroup)
+    let key = KernelKey::new(which.name());
+    let key = match which {
+        Which::KeyGrads { write_scores } => key.shape("write_scores", write_scores),
+        _ => key,
+    };
+    key.workgroup_size(tile.subgroups * subgroup)
         .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
         .shape("head_dim", shape.head_dim as u32)
         .shape("heads", shape.heads as u32)
@@ -207,6 +254,7 @@ struct Place {
     last: Expr<u32>,
     len: Expr<u32>,
     origin: Expr<u32>,
+    seq: Expr<u32>,
     token0: Expr<u32>,
     head: Expr<u32>,
     lid: Expr<u32>,
@@ -256,6 +304,7 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
         last,
         len,
         origin,
+        seq,
         token0,
         head,
     } = seq_place(k, queries, 16 * subgroups);
@@ -282,6 +331,7 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
         last,
         len,
         origin,
+        seq,
         token0,
         head,
         lid,
@@ -500,13 +550,29 @@ fn accumulate(
     p: &Place,
     tile: &WorkgroupArray<Vec4<F16>>,
     stage: &WorkgroupArray<Vec4<F16>>,
-    (at, shift): (u32, Option<&Expr<u32>>),
+    at: (u32, Option<&Expr<u32>>),
     acc: &[Var<Acc>],
 ) {
     let base = k.let_("tile_at", &p.sg * (p.probs_len() / 4));
+    let row4 = p.probs_row() / 4;
+    let left = |k: &mut KernelBuilder, kk: u32| {
+        k.coop_load::<TileA, _>(tile, offset(&base, kk * 4), row4, Major::Row)
+    };
+    accumulate_from(k, p, &left, stage, at, acc);
+}
+
+/// `acc[j] += left · staged[at .. at + step]`, `left(kk)` the left operand's `kk`-th 16
+/// columns (of `step`).
+fn accumulate_from(
+    k: &mut KernelBuilder,
+    p: &Place,
+    left: &dyn Fn(&mut KernelBuilder, u32) -> Expr<TileA>,
+    stage: &WorkgroupArray<Vec4<F16>>,
+    (at, shift): (u32, Option<&Expr<u32>>),
+    acc: &[Var<Acc>],
+) {
     for kk in 0..p.step / 16 {
-        let row4 = p.probs_row() / 4;
-        let a = k.coop_load::<TileA, _>(tile, offset(&base, kk * 4), row4, Major::Row);
+        let a = left(k, kk);
         for (j, c) in acc.iter().enumerate() {
             let idx = shifted((at + kk * 16) * p.row_vec4s() + j as u32 * 4, shift);
             let b = k.coop_load::<TileB, _>(stage, idx, p.row_vec4s(), Major::Row);
@@ -622,6 +688,18 @@ fn accumulators(k: &mut KernelBuilder, p: &Place, hint: &str) -> Vec<Var<Acc>> {
     (0..p.hd / 16)
         .map(|_| k.var(hint, Expr::<Acc>::zero()))
         .collect()
+}
+
+/// Head `head`'s square of the scores' gradients `dSᵀ [batch, heads, S', S']` (f16 read as
+/// vec4s; the module doc): its first vec4, and `S'/4`, the vec4s a row.
+fn scores_square(k: &mut KernelBuilder, p: &Place, head: &Expr<u32>) -> (Expr<u32>, Expr<u32>) {
+    let side = (&p.seq_len + (SCORES_ALIGN - 1)) / SCORES_ALIGN * SCORES_ALIGN;
+    let side4 = k.let_("scores_row4", side / 4u32);
+    let square = k.let_(
+        "scores_at",
+        (&p.seq * p.heads + head) * &side4 * 4u32 * &side4,
+    );
+    (square, side4)
 }
 
 /// Key blocks of `step` up to the owned block's last real row (none for a block of padding).
@@ -841,6 +919,10 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let r = reads(k);
     let d_k = k.storage_rw::<f32>("d_k");
     let d_v = k.storage_rw::<f32>("d_v");
+    let d_scores = match k.shape::<bool>("write_scores") {
+        true => Some(k.storage_rw::<Vec4<F16>>("d_scores")),
+        false => None,
+    };
     let tau = k.param::<f32>("scale");
     let (up, down) = grad_scales(k);
     let subgroup: u32 = k.shape("subgroup");
@@ -875,6 +957,11 @@ fn key_grads_body(k: &mut KernelBuilder) {
         let h = k.let_("h", &kv * p.group + &g);
         let q_rows = rows_of(k, &r.q, &p, p.heads, &h);
         let do_rows = rows_of(k, &r.d_out, &p, p.heads, &h);
+        // This invocation's row of `dSᵀ` (its key's), where the scores' gradients are written.
+        let scores_row = d_scores.as_ref().map(|_| {
+            let (square, row4) = scores_square(k, &p, &h);
+            k.let_("scores_row", square + &my_key * row4)
+        });
         k.for_range("q_step", &first, &steps, |k, qs| {
             let q0 = k.let_("q0", &qs * p.step);
             k.workgroup_barrier();
@@ -918,7 +1005,16 @@ fn key_grads_body(k: &mut KernelBuilder) {
                     (prob, k.let_("ds", ds))
                 })
                 .collect();
-            let (prob, ds) = values.into_iter().unzip();
+            let (prob, ds): (Vec<_>, Vec<_>) = values.into_iter().unzip();
+            if let (Some(out), Some(row)) = (&d_scores, &scores_row) {
+                // The run of queries `my_columns` holds, four a store (whole vec4s of the row).
+                let run4 = p.step / p.per_row / 4;
+                let at = k.let_("scores_at", row + &q0 / 4u32 + &p.part * run4);
+                for (i, quad) in ds.chunks(4).enumerate() {
+                    let v = vec4_of(quad.iter().map(|v| v.clone().cast::<F16>()).collect());
+                    k.store(out, offset(&at, i as u32), v);
+                }
+            }
             tile_stores(k, &p, &probs, prob);
             tile_stores(k, &p, &grads, ds);
             k.workgroup_barrier();
@@ -1063,18 +1159,101 @@ fn query_grads_body(k: &mut KernelBuilder) {
     );
 }
 
+/// `dQ = Σ dS·K` for a block of query rows of one head, over the keys up to its last row, from
+/// the scores' gradients the key gradients wrote (`d_scores`: `dSᵀ` in f16, `τ` and
+/// `2^grad_exponent` in it; the module doc). Each step stages its keys (f16) and the block's
+/// columns of its `dSᵀ` rows, masked: a key past the query contributes 0, whatever the
+/// workspace holds there. (For a query row inside the sequence's length that is every key the
+/// key gradients did not write; rows past it are stored as zeros whatever they sum.)
+fn query_grads_from_scores_body(k: &mut KernelBuilder) {
+    let keys = k.storage::<Vec4<f32>>("k");
+    let d_scores = k.storage::<Vec4<F16>>("d_scores");
+    let d_q = k.storage_rw::<f32>("d_q");
+    let down = k.param::<f32>("grad_unscale");
+    let subgroup: u32 = k.shape("subgroup");
+    let p = place(k, true);
+    let block = 16 * p.subgroups;
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", p.step * p.row_vec4s());
+    // A staged `dSᵀ` row: the block's queries, padded as the staged keys are.
+    let ds_row4 = (block + PAD) / 4;
+    let ds_stage = k.workgroup_array::<Vec4<F16>>("ds_stage", p.step * ds_row4);
+    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
+    let kv = k.let_("kv", &p.head / p.group);
+    let k_rows = rows_of(k, &keys, &p, p.kv_heads, &kv);
+    let (square, row4) = scores_square(k, &p, &p.head);
+    let block_at = k.let_("block_at", &square + &p.origin / 4u32);
+    let dq = accumulators(k, &p, "dq_acc");
+    let steps = key_steps(k, &p);
+    // `dS` is the left operand: the subgroup's 16 queries are 16 columns of the staged `dSᵀ`.
+    let own_at = k.let_("own_at", &p.sg * 4u32);
+    let left = |k: &mut KernelBuilder, kk: u32| {
+        let at = offset(&own_at, kk * 16 * ds_row4);
+        k.coop_load::<TileA, _>(&ds_stage, at, ds_row4, Major::Column)
+    };
+    let quads = block / 4;
+    let slots = p.step * quads;
+    let zero = Expr::<F16>::lit(0.0);
+    k.for_range("key_step", 0u32, &steps, |k, ks| {
+        let c0 = k.let_("c0", &ks * p.step);
+        k.workgroup_barrier();
+        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+        for i in 0..slots.div_ceil(p.invocations) {
+            let s = k.let_("slot", offset(&p.lid, i * p.invocations));
+            let body = |k: &mut KernelBuilder| {
+                let r = k.let_("r", &s / quads);
+                let c4 = k.let_("c4", &s % quads);
+                let key = k.let_("key", &c0 + &r);
+                let v = k.let_("ds", d_scores.at(&block_at + &key * &row4 + &c4));
+                let query = k.let_("query", &p.origin + &c4 * 4u32);
+                let lanes = (0..4)
+                    .map(|q| select(key.le(offset(&query, q)), lane(&v, q), zero.clone()))
+                    .collect();
+                k.store(&ds_stage, &r * ds_row4 + &c4, vec4_of(lanes));
+            };
+            if (i + 1) * p.invocations > slots {
+                k.if_(s.lt(slots), body);
+            } else {
+                body(k);
+            }
+        }
+        k.workgroup_barrier();
+        accumulate_from(k, &p, &left, &stage, (0, None), &dq);
+    });
+    let unscale = |_: &Expr<u32>| down.clone();
+    store_own(
+        k,
+        &p,
+        &dq,
+        &scratch,
+        &d_q,
+        (p.heads, &p.head),
+        &unscale,
+        subgroup,
+    );
+}
+
 /// The WGSL of this module's kernels at a representative shape (SmolLM2's heads, padded
-/// batches, 2 subgroups of 32 stepping 32 rows: within the default limits' workgroup memory).
+/// batches, 2 subgroups of 32 stepping 32 rows: within the default limits' workgroup memory):
+/// the forward, the key gradients, the query gradients, then the key gradients that write the
+/// scores' gradients and the query gradients from them.
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let shape = SeqShape::new(2, 128, 9, 3, 64);
     let tile = CoopSeqTile {
         subgroups: 2,
         step: 32,
     };
-    [Which::Forward, Which::KeyGrads, Which::QueryGrads]
-        .into_iter()
-        .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
-        .collect()
+    [
+        Which::Forward,
+        Which::KeyGrads {
+            write_scores: false,
+        },
+        Which::QueryGrads,
+        Which::KeyGrads { write_scores: true },
+        Which::QueryGradsFromScores,
+    ]
+    .into_iter()
+    .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
+    .collect()
 }
 
 /// Each kernel of this module at any shape and tile, within `limits`, for [`crate::catalog`].
@@ -1082,8 +1261,8 @@ pub(crate) mod build {
     use super::*;
     use crate::catalog::Failure;
 
-    /// `coop_attention_forward`, `coop_attention_backward_kv` or `coop_attention_backward_q`,
-    /// the shape and tile checked first.
+    /// `coop_attention_forward`, `coop_attention_backward_kv`, `coop_attention_backward_q` or
+    /// `coop_attention_backward_q_from_scores`, the shape and tile checked first.
     pub(crate) fn kernel(
         which: Which,
         (head_dim, heads, kv_heads): (u32, u32, u32),
@@ -1116,6 +1295,12 @@ pub(crate) mod build {
             return rule(
                 "the step must share out in whole vec4s among a row's subgroup/16 invocations",
             );
+        }
+        if writes_or_reads_scores(which) && !tile.scores_fit() {
+            return rule(&format!(
+                "the scores' gradients take blocks (16·row_tiles) and steps that divide \
+                 {SCORES_ALIGN}"
+            ));
         }
         let key = key(which, &shape, tile, subgroup, padded);
         Ok(Kernel::build_with_limits(&key, limits, which.body())?)

@@ -12,7 +12,9 @@
 //! - backward ([`execute_attention_backward`]): a pre-pass writes `(lse, D = rowsum(dO ⊙ O))`
 //!   per row into one packed `stats [T, H, 2]` buffer, then one kernel per KV block writes `dK`
 //!   and `dV` (looping over the `G` query heads of its KV head and over the query blocks at or
-//!   after it) and one kernel per query block writes `dQ`, both recomputing `P = exp(τ·S − lse)`.
+//!   after it) and one kernel per query block writes `dQ`, both recomputing `P = exp(τ·S − lse)`
+//!   (on the tensor cores, with a workspace for them, the second takes the first's `dS` instead:
+//!   [`SeqGrads::scores`]).
 //!   Packing `lse` and `D` keeps the dK/dV kernel at 8 storage buffers, what WebGPU guarantees.
 //!
 //! ## Tiling
@@ -55,7 +57,17 @@
 //!     gpu.zeros::<f32>(shape.kv_len())?,
 //! );
 //! let saved = SeqSaved { inputs, o: &o, lse: &lse };
-//! let grads = SeqGrads { stats: &mut stats, d_q: &mut d_q, d_k: &mut d_k, d_v: &mut d_v };
+//! // Where the tensor cores run the backward, a workspace keeps the scores' gradients for dQ.
+//! let mut scores = attention::scores_workspace_len(&gpu, &shape)
+//!     .map(|n| gpu.zeros(n))
+//!     .transpose()?;
+//! let grads = SeqGrads {
+//!     stats: &mut stats,
+//!     scores: scores.as_mut(),
+//!     d_q: &mut d_q,
+//!     d_k: &mut d_k,
+//!     d_v: &mut d_v,
+//! };
 //! attention::execute_attention_backward(&mut rec, shape, saved, &d_out, grads)?;
 //! rec.submit()?;
 //! # Ok::<(), hesper_exec::ExecError>(())
@@ -63,6 +75,7 @@
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{Limits, LocalArray, ReadBuffer, Var, WorkgroupArray};
+use hesper_exec::half::f16;
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
 use super::coop::{self, CoopSeqTile, Which};
@@ -147,6 +160,18 @@ impl SeqShape {
     /// Elements of `K` and `V` (`[T, KV·hd]`).
     pub fn kv_len(&self) -> usize {
         self.tokens() * self.kv_heads * self.head_dim
+    }
+
+    /// Elements of the tensor-core backward's workspace for the scores' gradients,
+    /// `dSᵀ [B, H, S', S']` with `S'` the sequence rounded up to [`coop::SCORES_ALIGN`]
+    /// ([`SeqGrads::scores`]); `None` where the count overflows.
+    pub fn scores_len(&self) -> Option<usize> {
+        let side = self
+            .seq_len
+            .checked_next_multiple_of(coop::SCORES_ALIGN as usize)?;
+        (self.batch.checked_mul(self.heads)?)
+            .checked_mul(side)?
+            .checked_mul(side)
     }
 
     /// `Ok` when the kernels take this shape; else an error naming `kernel` and the rule.
@@ -432,6 +457,8 @@ pub(crate) struct SeqPlace {
     /// `len_b` (or `S` without valid lengths).
     pub len: Expr<u32>,
     pub origin: Expr<u32>,
+    /// The sequence (`b`) and its first token (`b·S`).
+    pub seq: Expr<u32>,
     pub token0: Expr<u32>,
     pub head: Expr<u32>,
 }
@@ -464,6 +491,7 @@ pub(crate) fn seq_place(k: &mut KernelBuilder, queries: bool, block: u32) -> Seq
         last,
         len,
         origin,
+        seq: b,
         token0,
         head,
     }
@@ -480,6 +508,7 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
         origin,
         token0,
         head,
+        ..
     } = seq_place(k, queries, dims.block);
     let lid = k.let_("lid", k.local_index());
     let tx = k.let_("tx", &lid % dims.tx_n);
@@ -1619,11 +1648,39 @@ pub struct SeqSaved<'a> {
 pub struct SeqGrads<'a> {
     /// Workspace of `[T, H, 2]`: each row's `(lse, rowsum(dO ⊙ O))`.
     pub stats: &'a mut GpuBuffer<f32>,
+    /// Workspace of [`SeqShape::scores_len`] f16 values for the scores' gradients, or `None`.
+    /// Where the tensor-core kernels take it ([`scores_workspace_len`] says `Some`), the key
+    /// gradients write `dS` there and `dQ` is one product over it, where it would otherwise
+    /// recompute the scores and the softmax ([`super::coop`], "The scores' gradients kept");
+    /// elsewhere it is left untouched.
+    pub scores: Option<&'a mut GpuBuffer<f16>>,
     /// `dQ [T, H·hd]` and `dK`, `dV [T, KV·hd]`, overwritten (w.r.t. the rotated `Q`, `K`);
     /// zeros on padded rows.
     pub d_q: &'a mut GpuBuffer<f32>,
     pub d_k: &'a mut GpuBuffer<f32>,
     pub d_v: &'a mut GpuBuffer<f32>,
+}
+
+/// The length of the workspace [`SeqGrads::scores`] where [`execute_attention_backward`] takes
+/// one at `shape` on `gpu`: the tensor-core kernels run there (see [`coop_tile`]'s rules), and
+/// the workspace fits one storage binding and the key gradients' nine storage buffers fit the
+/// device. `None`: the backward recomputes the scores for `dQ` (no workspace needed).
+pub fn scores_workspace_len(gpu: &Gpu, shape: &SeqShape) -> Option<usize> {
+    scores_tiles(gpu, shape)?;
+    let len = shape.scores_len()?;
+    let limits = gpu.wgpu_limits();
+    let fits = (len as u64).checked_mul(2)? <= limits.max_storage_buffer_binding_size
+        && limits.max_storage_buffers_per_shader_stage >= 9;
+    fits.then_some(len)
+}
+
+/// The tensor-core tiles of the key gradients that write the scores' gradients and of the query
+/// gradients from them, with the subgroup size.
+fn scores_tiles(gpu: &Gpu, shape: &SeqShape) -> Option<(CoopSeqTile, CoopSeqTile, u32)> {
+    let kv = Which::KeyGrads { write_scores: true };
+    let (kv_tile, subgroup) = coop_tile(gpu, shape, kv)?;
+    let (q_tile, _) = coop_tile(gpu, shape, Which::QueryGradsFromScores)?;
+    Some((kv_tile, q_tile, subgroup))
 }
 
 /// The backward of [`execute_attention_forward`] given `dO [T, H·hd]`: three launches (the row
@@ -1656,6 +1713,20 @@ pub fn execute_attention_backward(
     expect_len(name, "d_q", grads.d_q, shape.q_len(), q_shape)?;
     expect_len(name, "d_k", grads.d_k, shape.kv_len(), kv_shape)?;
     expect_len(name, "d_v", grads.d_v, shape.kv_len(), kv_shape)?;
+    if let Some(scores) = &grads.scores {
+        let len = shape.scores_len().ok_or_else(|| ExecError::Dispatch {
+            kernel: name.into(),
+            what: format!("{shape:?}"),
+            why: "the scores' workspace's length overflows".into(),
+        })?;
+        expect_len(
+            name,
+            "scores",
+            scores,
+            len,
+            "[batch, heads, S', S'] (scores_len)",
+        )?;
+    }
     if shape.tokens() == 0 {
         return Ok(());
     }
@@ -1663,22 +1734,47 @@ pub fn execute_attention_backward(
     let gpu = rec.gpu();
     let stats_kernel = gpu.kernel(&stats_key(&shape, padded), stats_body)?;
     // Every kernel is compiled before anything is recorded: an error leaves the recorder as it
-    // was. The blocked kernels are the tensor-core ones where `coop_tile` says so.
-    let coop_kv = coop_tile(gpu, &shape, Which::KeyGrads);
-    let coop_q = coop_tile(gpu, &shape, Which::QueryGrads);
-    let (kv_kernel, q_kernel, kv_grid, q_grid, coop) = match (coop_kv, coop_q) {
-        (Some((kv_tile, subgroup)), Some((q_tile, _))) => {
-            let kv_key = coop::key(Which::KeyGrads, &shape, kv_tile, subgroup, padded);
-            let q_key = coop::key(Which::QueryGrads, &shape, q_tile, subgroup, padded);
+    // was. The blocked kernels are the tensor-core ones where `coop_tile` says so, and those
+    // that keep the scores' gradients where there is a workspace for them.
+    let keep_scores = grads.scores.is_some() && scores_workspace_len(gpu, &shape).is_some();
+    let coop_tiles = match keep_scores {
+        true => scores_tiles(gpu, &shape).map(|(kv, q, subgroup)| {
+            let kv = (Which::KeyGrads { write_scores: true }, kv);
+            (kv, (Which::QueryGradsFromScores, q), subgroup)
+        }),
+        false => {
+            let kv = coop_tile(
+                gpu,
+                &shape,
+                Which::KeyGrads {
+                    write_scores: false,
+                },
+            );
+            let q = coop_tile(gpu, &shape, Which::QueryGrads);
+            kv.zip(q).map(|((kv, subgroup), (q, _))| {
+                let kv = (
+                    Which::KeyGrads {
+                        write_scores: false,
+                    },
+                    kv,
+                );
+                (kv, (Which::QueryGrads, q), subgroup)
+            })
+        }
+    };
+    let (kv_kernel, q_kernel, kv_grid, q_grid, coop) = match coop_tiles {
+        Some(((kv_which, kv_tile), (q_which, q_tile), subgroup)) => {
+            let kv_key = coop::key(kv_which, &shape, kv_tile, subgroup, padded);
+            let q_key = coop::key(q_which, &shape, q_tile, subgroup, padded);
             (
-                gpu.kernel(&kv_key, Which::KeyGrads.body())?,
-                gpu.kernel(&q_key, Which::QueryGrads.body())?,
+                gpu.kernel(&kv_key, kv_which.body())?,
+                gpu.kernel(&q_key, q_which.body())?,
                 coop_grid(&shape, kv_tile, shape.kv_heads),
                 coop_grid(&shape, q_tile, shape.heads),
                 true,
             )
         }
-        _ => (
+        None => (
             gpu.kernel(&seq_key(KEY_GRADS, &shape, tile, padded), key_grads_body)?,
             gpu.kernel(
                 &seq_key(QUERY_GRADS, &shape, tile, padded),
@@ -1725,7 +1821,21 @@ pub fn execute_attention_backward(
     }
     let args = out(shared()?, "d_k", &*grads.d_k, coop);
     let args = out(args, "d_v", &*grads.d_v, coop);
-    rec.launch(&kv_kernel, &args, kv_grid)?;
-    let args = out(shared()?, "d_q", &*grads.d_q, coop);
+    let Some(scores) = grads.scores.filter(|_| keep_scores) else {
+        rec.launch(&kv_kernel, &args, kv_grid)?;
+        let args = out(shared()?, "d_q", &*grads.d_q, coop);
+        return rec.launch(&q_kernel, &args, q_grid);
+    };
+    rec.launch(&kv_kernel, &args.buffer_vec4("d_scores", &*scores), kv_grid)?;
+    let args = Args::new()
+        .buffer_vec4("k", saved.inputs.k)
+        .buffer_vec4("d_scores", &*scores)
+        .buffer("d_q", &*grads.d_q)
+        .param("seq_len", seq_len)
+        .param("grad_unscale", 2f32.powi(-shape.grad_exponent));
+    let args = match saved.inputs.lens {
+        Some(lens) => args.buffer("lens", &lens.buffer),
+        None => args,
+    };
     rec.launch(&q_kernel, &args, q_grid)
 }
