@@ -99,7 +99,7 @@ pub struct CoopSeqTile {
 
 /// The scores' gradients' workspace rows and columns are the sequence rounded up to this
 /// ([`SeqShape::scores_len`]); it is a multiple of every block and step the kernels that
-/// write and read it take ([`CoopSeqTile::scores_fit`]).
+/// write and read it take (their tiles are chosen so).
 pub const SCORES_ALIGN: u32 = 64;
 
 /// The kernels.

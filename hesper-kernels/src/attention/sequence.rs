@@ -1662,8 +1662,9 @@ pub struct SeqGrads<'a> {
 }
 
 /// The length of the workspace [`SeqGrads::scores`] where [`execute_attention_backward`] takes
-/// one at `shape` on `gpu`: the tensor-core kernels run there (see [`coop_tile`]'s rules), and
-/// the workspace fits one storage binding and the key gradients' nine storage buffers fit the
+/// one at `shape` on `gpu`: the tensor-core kernels run there (`Precision::F16`, 16×16 f16
+/// cooperative matrices, `head_dim` a multiple of 16, a tile within the workgroup memory), the
+/// workspace fits one storage binding, and the key gradients' nine storage buffers fit the
 /// device. `None`: the backward recomputes the scores for `dQ` (no workspace needed).
 pub fn scores_workspace_len(gpu: &Gpu, shape: &SeqShape) -> Option<usize> {
     scores_tiles(gpu, shape)?;
