@@ -157,7 +157,7 @@ impl CoopSeqTile {
                 let ahead = ahead_fits(head_dim, step, self.subgroups * subgroup, 2);
                 query_grads_staged(block.max(step), step, ahead) * row + 2 * scratch + probs
             }
-            Which::QueryGradsFromScores => 2 * step * (row + 2 * (block + PAD)) + scratch,
+            Which::QueryGradsFromScores => step * (row + 2 * (block + PAD)) + scratch,
         }
     }
 
@@ -401,34 +401,21 @@ fn stage_rows(
 /// these registers before the current step's products and stage them after (as the
 /// tensor-core GEMM does, `linear::coop`): nothing waits for a read until it is staged.
 struct Ahead {
-    slots: Vec<AheadSlot<Vec4<f32>>>,
+    slots: Vec<AheadSlot>,
 }
 
 /// One vec4 of [`Ahead`]: row `r` of the step, vec4 `c4` along it.
-struct AheadSlot<T> {
+struct AheadSlot {
     r: Expr<u32>,
     c4: Expr<u32>,
     /// Where the last round of slots passes the rows: whether this slot is one of them.
     inside: Option<Expr<bool>>,
-    next: Var<T>,
+    next: Var<Vec4<f32>>,
 }
 
-/// The slots of `rows` rows of `hd` (their registers named after `name`).
+/// The slots of `rows` rows (their registers named after `name`).
 fn ahead(k: &mut KernelBuilder, p: &Place, rows: u32, name: &str) -> Ahead {
-    let zero = Expr::<Vec4<f32>>::splat(lit(0.0f32));
-    let slots = ahead_slots(k, p, (rows, p.hd / 4), name, zero);
-    Ahead { slots }
-}
-
-/// This invocation's slots of `rows` rows of `per_row` vec4s, shared out over the workgroup's
-/// invocations a round at a time, each with a register (named after `name`, set to `zero`).
-fn ahead_slots<T: hesper_dsl::ty::WgslType>(
-    k: &mut KernelBuilder,
-    p: &Place,
-    (rows, per_row): (u32, u32),
-    name: &str,
-    zero: Expr<T>,
-) -> Vec<AheadSlot<T>> {
+    let per_row = p.hd / 4;
     let slots = rows * per_row;
     // Invocations covering whole rows per round: every slot is the first's rows later.
     let first = p.invocations.is_multiple_of(per_row).then(|| {
@@ -437,7 +424,7 @@ fn ahead_slots<T: hesper_dsl::ty::WgslType>(
             k.let_(&format!("{name}_c4"), &p.lid % per_row),
         )
     });
-    (0..slots.div_ceil(p.invocations))
+    let slots = (0..slots.div_ceil(p.invocations))
         .map(|i| {
             let partial = (i + 1) * p.invocations > slots;
             let (r, c4, inside) = match (&first, partial) {
@@ -454,7 +441,7 @@ fn ahead_slots<T: hesper_dsl::ty::WgslType>(
                     (r, c4, inside)
                 }
             };
-            let next = k.var(name, zero.clone());
+            let next = k.var(name, Expr::<Vec4<f32>>::splat(lit(0.0f32)));
             AheadSlot {
                 r,
                 c4,
@@ -462,7 +449,8 @@ fn ahead_slots<T: hesper_dsl::ty::WgslType>(
                 next,
             }
         })
-        .collect()
+        .collect();
+    Ahead { slots }
 }
 
 impl Ahead {
@@ -1173,12 +1161,10 @@ fn query_grads_body(k: &mut KernelBuilder) {
 
 /// `dQ = Σ dS·K` for a block of query rows of one head, over the keys up to its last row, from
 /// the scores' gradients the key gradients wrote (`d_scores`: `dSᵀ` in f16, `τ` and
-/// `2^grad_exponent` in it; the module doc). Each step's keys and the block's columns of its
-/// `dSᵀ` rows are read a step ahead into registers and staged (f16; `dSᵀ` masked: a key past the
-/// query contributes 0, whatever the workspace holds there) after the step's products, into
-/// the other of two buffers: one barrier a step. (For a query row inside the sequence's length
-/// the mask covers every key the key gradients did not write; rows past it are stored as zeros
-/// whatever they sum.)
+/// `2^grad_exponent` in it; the module doc). Each step stages its keys (f16) and the block's
+/// columns of its `dSᵀ` rows, masked: a key past the query contributes 0, whatever the
+/// workspace holds there. (For a query row inside the sequence's length that is every key the
+/// key gradients did not write; rows past it are stored as zeros whatever they sum.)
 fn query_grads_from_scores_body(k: &mut KernelBuilder) {
     let keys = k.storage::<Vec4<f32>>("k");
     let d_scores = k.storage::<Vec4<F16>>("d_scores");
@@ -1187,12 +1173,10 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
     let subgroup: u32 = k.shape("subgroup");
     let p = place(k, true);
     let block = 16 * p.subgroups;
-    let k_len = p.step * p.row_vec4s();
-    let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * k_len);
+    let stage = k.workgroup_array::<Vec4<F16>>("stage", p.step * p.row_vec4s());
     // A staged `dSᵀ` row: the block's queries, padded as the staged keys are.
     let ds_row4 = (block + PAD) / 4;
-    let ds_len = p.step * ds_row4;
-    let ds_stage = k.workgroup_array::<Vec4<F16>>("ds_stage", 2 * ds_len);
+    let ds_stage = k.workgroup_array::<Vec4<F16>>("ds_stage", p.step * ds_row4);
     let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
     let kv = k.let_("kv", &p.head / p.group);
     let k_rows = rows_of(k, &keys, &p, p.kv_heads, &kv);
@@ -1200,64 +1184,40 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
     let block_at = k.let_("block_at", &square + &p.origin / 4u32);
     let dq = accumulators(k, &p, "dq_acc");
     let steps = key_steps(k, &p);
-    let k_next = ahead(k, &p, p.step, "k_next");
-    let zero = Expr::<F16>::lit(0.0);
-    let ds_next = ahead_slots(
-        k,
-        &p,
-        (p.step, block / 4),
-        "ds_next",
-        Expr::splat(zero.clone()),
-    );
-    let fetch = |k: &mut KernelBuilder, c: &Expr<u32>| {
-        k_next.fetch(k, &p, &k_rows, c);
-        for slot in &ds_next {
-            let at = &block_at + (c + &slot.r) * &row4 + &slot.c4;
-            k.assign(&slot.next, d_scores.at(at));
-        }
-    };
-    // Stage the rows read from key `c` into buffer `buf` (0 or 1).
-    let stage_step = |k: &mut KernelBuilder, c: &Expr<u32>, buf: &Expr<u32>| {
-        let k_shift = k.let_("k_shift", buf * k_len);
-        k_next.stage(k, &p, (&stage, 0, Some(&k_shift)), None);
-        let ds_at = k.let_("ds_shift", buf * ds_len);
-        for slot in &ds_next {
-            let key = k.let_("key", c + &slot.r);
-            let query = k.let_("query", &p.origin + &slot.c4 * 4u32);
-            let v = slot.next.get();
-            let lanes = (0..4)
-                .map(|q| select(key.le(offset(&query, q)), lane(&v, q), zero.clone()))
-                .collect();
-            let dst = &ds_at + &slot.r * ds_row4 + &slot.c4;
-            match &slot.inside {
-                Some(inside) => k.if_(inside, |k| k.store(&ds_stage, dst, vec4_of(lanes))),
-                None => k.store(&ds_stage, dst, vec4_of(lanes)),
-            }
-        }
-    };
     // `dS` is the left operand: the subgroup's 16 queries are 16 columns of the staged `dSᵀ`.
     let own_at = k.let_("own_at", &p.sg * 4u32);
-    k.if_(lit(0u32).lt(&steps), |k| {
-        fetch(k, &lit(0u32));
-        stage_step(k, &lit(0u32), &lit(0u32));
-        k.if_(lit(1u32).lt(&steps), |k| fetch(k, &lit(p.step)));
-    });
-    k.workgroup_barrier();
+    let left = |k: &mut KernelBuilder, kk: u32| {
+        let at = offset(&own_at, kk * 16 * ds_row4);
+        k.coop_load::<TileA, _>(&ds_stage, at, ds_row4, Major::Column)
+    };
+    let quads = block / 4;
+    let slots = p.step * quads;
+    let zero = Expr::<F16>::lit(0.0);
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
-        let buf = k.let_("buf", &ks % 2u32);
-        let k_shift = k.let_("k_at", &buf * k_len);
-        let ds_shift = k.let_("ds_at", &own_at + &buf * ds_len);
-        let left = |k: &mut KernelBuilder, kk: u32| {
-            let at = offset(&ds_shift, kk * 16 * ds_row4);
-            k.coop_load::<TileA, _>(&ds_stage, at, ds_row4, Major::Column)
-        };
-        accumulate_from(k, &p, &left, &stage, (0, Some(&k_shift)), &dq);
-        k.if_((&ks + 1u32).lt(&steps), |k| {
-            stage_step(k, &(&c0 + p.step), &(lit(1u32) - &buf));
-        });
         k.workgroup_barrier();
-        k.if_((&ks + 2u32).lt(&steps), |k| fetch(k, &(&c0 + 2 * p.step)));
+        stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+        for i in 0..slots.div_ceil(p.invocations) {
+            let s = k.let_("slot", offset(&p.lid, i * p.invocations));
+            let body = |k: &mut KernelBuilder| {
+                let r = k.let_("r", &s / quads);
+                let c4 = k.let_("c4", &s % quads);
+                let key = k.let_("key", &c0 + &r);
+                let v = k.let_("ds", d_scores.at(&block_at + &key * &row4 + &c4));
+                let query = k.let_("query", &p.origin + &c4 * 4u32);
+                let lanes = (0..4)
+                    .map(|q| select(key.le(offset(&query, q)), lane(&v, q), zero.clone()))
+                    .collect();
+                k.store(&ds_stage, &r * ds_row4 + &c4, vec4_of(lanes));
+            };
+            if (i + 1) * p.invocations > slots {
+                k.if_(s.lt(slots), body);
+            } else {
+                body(k);
+            }
+        }
+        k.workgroup_barrier();
+        accumulate_from(k, &p, &left, &stage, (0, None), &dq);
     });
     let unscale = |_: &Expr<u32>| down.clone();
     store_own(
