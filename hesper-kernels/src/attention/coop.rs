@@ -42,6 +42,8 @@
 //! (`coop_attention_backward_q_from_scores`). That kernel stages each step's `dSᵀ` with the
 //! causal mask applied, so what the key gradients never wrote (above the diagonal) is never
 //! read as a value into a row that is stored.
+//! [`super::sequence::execute_attention_backward`] takes this path up to a head dimension of
+//! [`super::sequence::SCORES_MAX_HEAD_DIM`] (where it measured faster).
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{Kernel, Limits, ReadBuffer, RwBuffer, Var, WorkgroupArray};

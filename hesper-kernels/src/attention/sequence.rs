@@ -1661,12 +1661,23 @@ pub struct SeqGrads<'a> {
     pub d_v: &'a mut GpuBuffer<f32>,
 }
 
+/// The largest head dimension at which the backward keeps the scores' gradients. On an H100
+/// (BENCHMARKS.md, "The attention backward keeps its scores' gradients") keeping them took
+/// SmolLM2's backward (hd 64) from 222 to 201 µs at B = 8 and from 636–642 to 552–555 µs at
+/// B = 32; at hd 128 (B = 8, H = 20 and B = 2, S = 2048) it was 0.6–1.3% slower: the key
+/// gradients' writes cost there what the query gradients save.
+pub const SCORES_MAX_HEAD_DIM: usize = 64;
+
 /// The length of the workspace [`SeqGrads::scores`] where [`execute_attention_backward`] takes
 /// one at `shape` on `gpu`: the tensor-core kernels run there (`Precision::F16`, 16×16 f16
 /// cooperative matrices, `head_dim` a multiple of 16, a tile within the workgroup memory), the
-/// workspace fits one storage binding, and the key gradients' nine storage buffers fit the
-/// device. `None`: the backward recomputes the scores for `dQ` (no workspace needed).
+/// head dimension is at most [`SCORES_MAX_HEAD_DIM`], the workspace fits one storage binding,
+/// and the key gradients' nine storage buffers fit the device. `None`: the backward recomputes
+/// the scores for `dQ` (no workspace needed).
 pub fn scores_workspace_len(gpu: &Gpu, shape: &SeqShape) -> Option<usize> {
+    if shape.head_dim > SCORES_MAX_HEAD_DIM {
+        return None;
+    }
     scores_tiles(gpu, shape)?;
     let len = shape.scores_len()?;
     let limits = gpu.wgpu_limits();
