@@ -363,6 +363,24 @@ fn rows_of<'a>(
     }
 }
 
+/// `body(slot)` for each of `slots` slots, shared out over the workgroup's invocations a round
+/// at a time (the last round guarded where it passes the slots).
+fn for_each_slot(
+    k: &mut KernelBuilder,
+    p: &Place,
+    slots: u32,
+    body: impl Fn(&mut KernelBuilder, &Expr<u32>),
+) {
+    for i in 0..slots.div_ceil(p.invocations) {
+        let s = k.let_("slot", offset(&p.lid, i * p.invocations));
+        if (i + 1) * p.invocations > slots {
+            k.if_(s.lt(slots), |k| body(k, &s));
+        } else {
+            body(k, &s);
+        }
+    }
+}
+
 /// Stage `rows` rows of `src` from sequence row `first` (clamped into the sequence) as f16 into
 /// `stage` from its row `at`, each multiplied by `scale` first where there is one.
 fn stage_rows(
@@ -374,27 +392,18 @@ fn stage_rows(
     scale: Option<&Expr<f32>>,
 ) {
     let per_row = p.hd / 4;
-    let slots = rows * per_row;
-    for i in 0..slots.div_ceil(p.invocations) {
-        let s = k.let_("slot", offset(&p.lid, i * p.invocations));
-        let body = |k: &mut KernelBuilder| {
-            let r = k.let_("r", &s / per_row);
-            let c4 = k.let_("c4", &s % per_row);
-            let token = &p.token0 + (first + &r).min(&p.last);
-            let v = src.buf.at(token * src.stride4 + &src.head4 + &c4);
-            let v = match scale {
-                Some(f) => v * Expr::<Vec4<f32>>::splat(f.clone()),
-                None => v,
-            };
-            let dst = (&r + at) * p.row_vec4s() + &c4;
-            k.store(stage, dst, v.cast::<Vec4<F16>>());
+    for_each_slot(k, p, rows * per_row, |k, s| {
+        let r = k.let_("r", s / per_row);
+        let c4 = k.let_("c4", s % per_row);
+        let token = &p.token0 + (first + &r).min(&p.last);
+        let v = src.buf.at(token * src.stride4 + &src.head4 + &c4);
+        let v = match scale {
+            Some(f) => v * Expr::<Vec4<f32>>::splat(f.clone()),
+            None => v,
         };
-        if (i + 1) * p.invocations > slots {
-            k.if_(s.lt(slots), body);
-        } else {
-            body(k);
-        }
-    }
+        let dst = (&r + at) * p.row_vec4s() + &c4;
+        k.store(stage, dst, v.cast::<Vec4<F16>>());
+    });
 }
 
 /// One operand's `rows` rows of a step as this invocation stages them: each slot's row and vec4
@@ -1193,31 +1202,22 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
         k.coop_load::<TileA, _>(&ds_stage, at, ds_row4, Major::Column)
     };
     let quads = block / 4;
-    let slots = p.step * quads;
     let zero = Expr::<F16>::lit(0.0);
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
         k.workgroup_barrier();
         stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
-        for i in 0..slots.div_ceil(p.invocations) {
-            let s = k.let_("slot", offset(&p.lid, i * p.invocations));
-            let body = |k: &mut KernelBuilder| {
-                let r = k.let_("r", &s / quads);
-                let c4 = k.let_("c4", &s % quads);
-                let key = k.let_("key", &c0 + &r);
-                let v = k.let_("ds", d_scores.at(&block_at + &key * &row4 + &c4));
-                let query = k.let_("query", &p.origin + &c4 * 4u32);
-                let lanes = (0..4)
-                    .map(|q| select(key.le(offset(&query, q)), lane(&v, q), zero.clone()))
-                    .collect();
-                k.store(&ds_stage, &r * ds_row4 + &c4, vec4_of(lanes));
-            };
-            if (i + 1) * p.invocations > slots {
-                k.if_(s.lt(slots), body);
-            } else {
-                body(k);
-            }
-        }
+        for_each_slot(k, &p, p.step * quads, |k, s| {
+            let r = k.let_("r", s / quads);
+            let c4 = k.let_("c4", s % quads);
+            let key = k.let_("key", &c0 + &r);
+            let v = k.let_("ds", d_scores.at(&block_at + &key * &row4 + &c4));
+            let query = k.let_("query", &p.origin + &c4 * 4u32);
+            let lanes = (0..4)
+                .map(|q| select(key.le(offset(&query, q)), lane(&v, q), zero.clone()))
+                .collect();
+            k.store(&ds_stage, &r * ds_row4 + &c4, vec4_of(lanes));
+        });
         k.workgroup_barrier();
         accumulate_from(k, &p, &left, &stage, (0, None), &dq);
     });
@@ -1306,5 +1306,42 @@ pub(crate) mod build {
         }
         let key = key(which, &shape, tile, subgroup, padded);
         Ok(Kernel::build_with_limits(&key, limits, which.body())?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every standard tile of every kernel builds, at hd 64 and 128 with subgroups of 32,
+    /// within the workgroup memory `workgroup_bytes` says (what `for_device` chooses by).
+    #[test]
+    fn standard_tiles_use_the_workgroup_memory_they_say() {
+        let limits = Limits {
+            max_workgroup_storage_bytes: 64 * 1024,
+            ..Limits::default()
+        };
+        let kinds = [
+            Which::Forward,
+            Which::KeyGrads {
+                write_scores: false,
+            },
+            Which::KeyGrads { write_scores: true },
+            Which::QueryGrads,
+            Which::QueryGradsFromScores,
+        ];
+        for which in kinds {
+            for hd in [64, 128] {
+                let shape = SeqShape::new(1, 128, 4, 2, hd as usize);
+                for &(subgroups, step) in CoopSeqTile::standard(which) {
+                    let tile = CoopSeqTile { subgroups, step };
+                    let key = key(which, &shape, tile, 32, true);
+                    let kernel = Kernel::build_with_limits(&key, &limits, which.body()).unwrap();
+                    let used = kernel.workgroup_memory_bytes();
+                    let said = tile.workgroup_bytes(which, hd, 32);
+                    assert!(used <= said, "{key}: {used} bytes, {said} said");
+                }
+            }
+        }
     }
 }
