@@ -1675,24 +1675,36 @@ pub const SCORES_MAX_HEAD_DIM: usize = 64;
 /// and the key gradients' nine storage buffers fit the device. `None`: the backward recomputes
 /// the scores for `dQ` (no workspace needed).
 pub fn scores_workspace_len(gpu: &Gpu, shape: &SeqShape) -> Option<usize> {
+    scores_plan(gpu, shape).map(|plan| plan.len)
+}
+
+/// Where the backward keeps the scores' gradients ([`scores_workspace_len`]'s rules): the
+/// tensor-core tiles of the key gradients that write them and of the query gradients from them,
+/// the subgroup size, and the workspace's length.
+struct ScoresPlan {
+    kv_tile: CoopSeqTile,
+    q_tile: CoopSeqTile,
+    subgroup: u32,
+    len: usize,
+}
+
+fn scores_plan(gpu: &Gpu, shape: &SeqShape) -> Option<ScoresPlan> {
     if shape.head_dim > SCORES_MAX_HEAD_DIM {
         return None;
     }
-    scores_tiles(gpu, shape)?;
+    let kv = Which::KeyGrads { write_scores: true };
+    let (kv_tile, subgroup) = coop_tile(gpu, shape, kv)?;
+    let (q_tile, _) = coop_tile(gpu, shape, Which::QueryGradsFromScores)?;
     let len = shape.scores_len()?;
     let limits = gpu.wgpu_limits();
     let fits = (len as u64).checked_mul(2)? <= limits.max_storage_buffer_binding_size
         && limits.max_storage_buffers_per_shader_stage >= 9;
-    fits.then_some(len)
-}
-
-/// The tensor-core tiles of the key gradients that write the scores' gradients and of the query
-/// gradients from them, with the subgroup size.
-fn scores_tiles(gpu: &Gpu, shape: &SeqShape) -> Option<(CoopSeqTile, CoopSeqTile, u32)> {
-    let kv = Which::KeyGrads { write_scores: true };
-    let (kv_tile, subgroup) = coop_tile(gpu, shape, kv)?;
-    let (q_tile, _) = coop_tile(gpu, shape, Which::QueryGradsFromScores)?;
-    Some((kv_tile, q_tile, subgroup))
+    fits.then_some(ScoresPlan {
+        kv_tile,
+        q_tile,
+        subgroup,
+        len,
+    })
 }
 
 /// The backward of [`execute_attention_forward`] given `dO [T, H·hd]`: three launches (the row
@@ -1748,30 +1760,25 @@ pub fn execute_attention_backward(
     // Every kernel is compiled before anything is recorded: an error leaves the recorder as it
     // was. The blocked kernels are the tensor-core ones where `coop_tile` says so, and those
     // that keep the scores' gradients where there is a workspace for them.
-    let keep_scores = grads.scores.is_some() && scores_workspace_len(gpu, &shape).is_some();
-    let coop_tiles = match keep_scores {
-        true => scores_tiles(gpu, &shape).map(|(kv, q, subgroup)| {
-            let kv = (Which::KeyGrads { write_scores: true }, kv);
-            (kv, (Which::QueryGradsFromScores, q), subgroup)
-        }),
-        false => {
-            let kv = coop_tile(
-                gpu,
-                &shape,
-                Which::KeyGrads {
-                    write_scores: false,
-                },
-            );
+    let plan = grads.scores.as_ref().and_then(|_| scores_plan(gpu, &shape));
+    let keep_scores = plan.is_some();
+    let coop_tiles = match plan {
+        Some(plan) => {
+            let kv = (Which::KeyGrads { write_scores: true }, plan.kv_tile);
+            Some((
+                kv,
+                (Which::QueryGradsFromScores, plan.q_tile),
+                plan.subgroup,
+            ))
+        }
+        None => {
+            let kv_which = Which::KeyGrads {
+                write_scores: false,
+            };
+            let kv = coop_tile(gpu, &shape, kv_which);
             let q = coop_tile(gpu, &shape, Which::QueryGrads);
-            kv.zip(q).map(|((kv, subgroup), (q, _))| {
-                let kv = (
-                    Which::KeyGrads {
-                        write_scores: false,
-                    },
-                    kv,
-                );
-                (kv, (Which::QueryGrads, q), subgroup)
-            })
+            kv.zip(q)
+                .map(|((kv, subgroup), (q, _))| ((kv_which, kv), (Which::QueryGrads, q), subgroup))
         }
     };
     let (kv_kernel, q_kernel, kv_grid, q_grid, coop) = match coop_tiles {
