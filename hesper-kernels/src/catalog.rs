@@ -821,7 +821,7 @@ const RANK_MINOR: Param = bool_param(
     "the weight is rank-minor, [n, r] (B); false: rank-major, [r, n] (A)",
 );
 
-static ENTRIES: [Entry; 55] = [
+static ENTRIES: [Entry; 56] = [
     // argmax
     Entry {
         name: "argmax",
@@ -1444,7 +1444,13 @@ static ENTRIES: [Entry; 55] = [
         ],
         build: |s| {
             let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
-            loss::build::cross_entropy_rows(true, vocab, wg, s.features(), s.limits())
+            loss::build::cross_entropy_rows(
+                loss::RowOutput::Grad,
+                vocab,
+                wg,
+                s.features(),
+                s.limits(),
+            )
         },
     },
     Entry {
@@ -1480,7 +1486,13 @@ static ENTRIES: [Entry; 55] = [
         ],
         build: |s| {
             let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
-            loss::build::cross_entropy_rows(false, vocab, wg, s.features(), s.limits())
+            loss::build::cross_entropy_rows(
+                loss::RowOutput::Loss,
+                vocab,
+                wg,
+                s.features(),
+                s.limits(),
+            )
         },
     },
     Entry {
@@ -1493,6 +1505,36 @@ static ENTRIES: [Entry; 55] = [
             "invocations per workgroup (the executor's: 1024, or the device's most)",
         )],
         build: |s| loss::build::cross_entropy_mean(s.u32("wg"), s.limits()),
+    },
+    Entry {
+        name: "cross_entropy_stats",
+        module: "loss",
+        summary: "cross-entropy rows, one workgroup per token: its loss and its row's (log-sum-exp, \
+                  1/N), from which the lm-head's backward GEMM computes dz as it reads the \
+                  logits (loss::CrossEntropyGrad)",
+        params: &[
+            u32_param(
+                "vocab",
+                "2000",
+                "the vocabulary V (a multiple of 4 goes as vec4s)",
+            ),
+            u32_param(
+                "wg",
+                "256",
+                "invocations per workgroup (the executor's: 1024, or the device's most)",
+            ),
+            SUBGROUPS,
+        ],
+        build: |s| {
+            let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
+            loss::build::cross_entropy_rows(
+                loss::RowOutput::Stats,
+                vocab,
+                wg,
+                s.features(),
+                s.limits(),
+            )
+        },
     },
     // norm
     Entry {

@@ -29,6 +29,16 @@
 //! [`execute_cross_entropy_rows`] for each chunk, every one dividing by that one global `N`, and
 //! [`execute_cross_entropy_mean`] over the `[T]` token losses of all chunks.
 //!
+//! ## The gradient where the lm-head's backward reads it
+//! The only reader of `dz` in a training step is the GEMM `dn = dz·E` through the lm-head. Written
+//! out it costs a `[C, V]` buffer, its write and the GEMM's reads of it. Instead,
+//! [`execute_cross_entropy_stats`] reads each row once and writes, besides the loss, the two
+//! numbers of the row that `dz` is made from: `(lse, c)`, the log-sum-exp and `1/N` (`(0, 0)` on a
+//! masked row). [`CrossEntropyGrad`] is the prologue ([`crate::linear::fusion`]) with which that
+//! GEMM reads the logits themselves and multiplies `dz = exp(min(z − lse, 0))·c − [col = y]·c`,
+//! computed as it stages each element (`z ≤ lse` on a class row, so the `min` only keeps a masked
+//! row's `exp` finite, where `c = 0`).
+//!
 //! The vocabulary is a shape (fixed per model; it keys the pipeline); the token count is a
 //! runtime value (the last batch may be shorter).
 
@@ -36,6 +46,7 @@ use hesper_dsl::Var;
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
+use crate::linear::fusion::{ElementFn, GemmFusion};
 use crate::{Columns, expect_len, expect_u32};
 
 /// The label of a masked token (any label outside `0..vocab` is masked as well).
@@ -81,9 +92,36 @@ fn cross_entropy_count(
     }
 }
 
-/// The row kernels' names: with the gradient, and the loss alone.
+/// The row kernels' names: with the gradient, the loss alone, and the loss with the row's
+/// statistics.
 const ROW: &str = "cross_entropy";
 const ROW_FORWARD: &str = "cross_entropy_forward";
+const ROW_STATS: &str = "cross_entropy_stats";
+
+/// What a row kernel writes besides each token's loss.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RowOutput {
+    /// Nothing more.
+    Loss,
+    /// The row of `dz`.
+    Grad,
+    /// The row's `(lse, 1/N)`, `(0, 0)` when masked ([`CrossEntropyGrad`]).
+    Stats,
+}
+
+impl RowOutput {
+    /// The kernel's name and body.
+    fn kernel(self) -> (&'static str, fn(&mut KernelBuilder)) {
+        match self {
+            RowOutput::Loss => (ROW_FORWARD, row_loss_only),
+            RowOutput::Grad => (ROW, row_with_grad),
+            RowOutput::Stats => (ROW_STATS, row_with_stats),
+        }
+    }
+}
+
+/// Floats of the statistics [`execute_cross_entropy_stats`] writes for each token.
+pub const STATS_PER_TOKEN: usize = 2;
 /// Wide elements each invocation reads before using them, in each pass over the row (on the
 /// H200 at 4096 × 49152 with 1024 invocations: 583, 575 and 547 µs for 2, 4 and 8; 256 and 512
 /// invocations were slower than 1024 at each).
@@ -103,29 +141,35 @@ fn row_key(name: &str, vocab: u32, wg: u32, features: Features) -> KernelKey {
 /// One workgroup per token: its loss, and with the gradient its row of `dz` (reading `N` from
 /// `count`).
 fn row_with_grad(k: &mut KernelBuilder) {
-    row_body(k, true)
+    row_body(k, RowOutput::Grad)
 }
 
 /// One workgroup per token: its loss only.
 fn row_loss_only(k: &mut KernelBuilder) {
-    row_body(k, false)
+    row_body(k, RowOutput::Loss)
 }
 
-fn row_body(k: &mut KernelBuilder, grad: bool) {
+/// One workgroup per token: its loss and its row's `(lse, 1/N)` (reading `N` from `count`).
+fn row_with_stats(k: &mut KernelBuilder) {
+    row_body(k, RowOutput::Stats)
+}
+
+fn row_body(k: &mut KernelBuilder, output: RowOutput) {
     if k.shape::<u32>("vocab").is_multiple_of(4) {
-        row_lanes::<Vec4<f32>>(k, grad)
+        row_lanes::<Vec4<f32>>(k, output)
     } else {
-        row_lanes::<f32>(k, grad)
+        row_lanes::<f32>(k, output)
     }
 }
 
-fn row_lanes<E: Columns>(k: &mut KernelBuilder, grad: bool) {
+fn row_lanes<E: Columns>(k: &mut KernelBuilder, output: RowOutput) {
     let vocab = k.shape::<u32>("vocab");
     let width = vocab / E::N;
     let logits = k.storage::<E>("logits");
     let labels = k.storage::<i32>("labels");
-    let count = grad.then(|| k.storage::<u32>("count"));
-    let d_logits = grad.then(|| k.storage_rw::<E>("d_logits"));
+    let count = (output != RowOutput::Loss).then(|| k.storage::<u32>("count"));
+    let d_logits = (output == RowOutput::Grad).then(|| k.storage_rw::<E>("d_logits"));
+    let stats = (output == RowOutput::Stats).then(|| k.storage_rw::<f32>("stats"));
     let token_loss = k.storage_rw::<f32>("token_loss");
     let tokens = k.param::<u32>("tokens");
     // Past 65535 tokens the workgroups are laid out 2-D.
@@ -157,7 +201,16 @@ fn row_lanes<E: Columns>(k: &mut KernelBuilder, grad: bool) {
                 let z = E::lane(&logits.at(&base + &target / E::N), &(&target % E::N));
                 // `row_max − z_y` first: exact for nearby values, where `logsumexp − z_y` would
                 // cancel.
-                k.store(&token_loss, &row, &row_max - z + sum.log());
+                let log_sum = match stats {
+                    Some(_) => k.let_("log_sum", sum.log()),
+                    None => sum.log(),
+                };
+                k.store(&token_loss, &row, &row_max - z + &log_sum);
+                if let (Some(count), Some(stats)) = (&count, &stats) {
+                    let inv_n = 1.0f32 / count.at(0u32).cast::<f32>();
+                    k.store(stats, &row * 2u32, &row_max + &log_sum);
+                    k.store(stats, &row * 2u32 + 1u32, inv_n);
+                }
             });
             if let (Some(count), Some(d_logits)) = (&count, &d_logits) {
                 let inv_n = k.let_("inv_n", 1.0f32 / count.at(0u32).cast::<f32>());
@@ -182,7 +235,13 @@ fn row_lanes<E: Columns>(k: &mut KernelBuilder, grad: bool) {
             }
         },
         |k| {
-            k.if_(lid.eq(0u32), |k| k.store(&token_loss, &row, 0.0f32));
+            k.if_(lid.eq(0u32), |k| {
+                k.store(&token_loss, &row, 0.0f32);
+                if let Some(stats) = &stats {
+                    k.store(stats, &row * 2u32, 0.0f32);
+                    k.store(stats, &row * 2u32 + 1u32, 0.0f32);
+                }
+            });
             if let Some(d_logits) = &d_logits {
                 stride_row(
                     k,
@@ -288,6 +347,10 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
             &row_key(ROW_FORWARD, SNAPSHOT_VOCAB, SNAPSHOT_WG, SNAPSHOT_FEATURES),
             row_loss_only,
         )?,
+        Kernel::build(
+            &row_key(ROW_STATS, SNAPSHOT_VOCAB, SNAPSHOT_WG, SNAPSHOT_FEATURES),
+            row_with_stats,
+        )?,
         // A vocabulary that is not a multiple of 4 (as GPT-2's 50257 is not): scalar rows.
         Kernel::build(
             &row_key(ROW, 1_001, SNAPSHOT_WG, SNAPSHOT_FEATURES),
@@ -327,20 +390,17 @@ pub(crate) mod build {
         )?)
     }
 
-    /// The row kernel with the gradient (`cross_entropy`) or the loss alone
-    /// (`cross_entropy_forward`).
+    /// The row kernel that writes `output`: `cross_entropy`, `cross_entropy_forward` or
+    /// `cross_entropy_stats`.
     pub(crate) fn cross_entropy_rows(
-        grad: bool,
+        output: RowOutput,
         vocab: u32,
         wg: u32,
         features: Features,
         limits: &Limits,
     ) -> Result<Kernel, Failure> {
         check_wg(wg)?;
-        let (name, body): (_, fn(&mut KernelBuilder)) = match grad {
-            true => (ROW, row_with_grad),
-            false => (ROW_FORWARD, row_loss_only),
-        };
+        let (name, body) = output.kernel();
         Ok(Kernel::build_with_limits(
             &row_key(name, vocab, wg, features),
             limits,
@@ -556,6 +616,125 @@ pub fn execute_cross_entropy_rows(
         .buffer("token_loss", token_loss)
         .param("tokens", sizes.tokens);
     rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))
+}
+
+/// The rows of one chunk as [`execute_cross_entropy_rows`] does them, without writing their
+/// gradient: `token_loss` `[C]` and `stats` `[C, 2]`, each row's `(lse, 1/N)` (`(0, 0)` where
+/// masked), with `N` read from `count`. Each row is read once (twice with the gradient). The
+/// gradient is then computed where it is multiplied: [`CrossEntropyGrad`] (the module doc).
+pub fn execute_cross_entropy_stats(
+    rec: &mut Recorder<'_>,
+    logits: &GpuBuffer<f32>,
+    labels: &GpuBuffer<i32>,
+    vocab: usize,
+    count: &GpuBuffer<u32>,
+    stats: &mut GpuBuffer<f32>,
+    token_loss: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
+    let sizes = row_sizes(rec.gpu(), ROW_STATS, logits, labels, vocab, token_loss)?;
+    let want = labels.len().saturating_mul(STATS_PER_TOKEN);
+    expect_len(ROW_STATS, "stats", stats, want, "(lse, 1/N) per label")?;
+    expect_len(ROW_STATS, "count", count, 1, "N")?;
+    if sizes.tokens == 0 {
+        return Ok(());
+    }
+    let key = row_key(
+        ROW_STATS,
+        sizes.vocab,
+        sizes.wg,
+        rec.gpu().kernel_features(),
+    );
+    let kernel = rec.gpu().kernel(&key, row_with_stats)?;
+    let args = bind_rows(Args::new(), "logits", logits, &sizes)
+        .buffer("labels", labels)
+        .buffer("count", count)
+        .buffer("stats", stats)
+        .buffer("token_loss", token_loss)
+        .param("tokens", sizes.tokens);
+    rec.launch(&kernel, &args, one_workgroup_per_token(&sizes))
+}
+
+/// The cross-entropy's gradient as a GEMM prologue ([`crate::linear::fusion`]): the GEMM
+/// `dn = dz·E` through the lm-head takes the logits `[C, V]` as its input, and each element
+/// `z` (row `t`, column `v`) becomes `dz = exp(min(z − lse, 0))·c − [v = y_t]·c` as it is
+/// staged, with `(lse, c)` row `t` of [`execute_cross_entropy_stats`]'s `stats` and `y_t` its
+/// label: `(softmax(z) − onehot(y)) / N` on a class row, 0 on a masked one (`c = 0`). No `[C, V]`
+/// gradient is written or read.
+///
+/// ```
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use hesper_exec::Gpu;
+/// use hesper_kernels::linear::fusion::Fusion;
+/// use hesper_kernels::linear::{Gemm, Product, Weights, execute_gemm_fused};
+/// use hesper_kernels::loss::{self, CrossEntropyGrad, STATS_PER_TOKEN};
+///
+/// let gpu = Gpu::new()?;
+/// // Two tokens over a vocabulary of 4, an lm-head E [4, 2]: dn = dz·E.
+/// let (tokens, vocab, dim) = (2, 4, 2);
+/// let logits = gpu.upload(&[0.5f32, 1.0, -1.0, 2.0, 0.0, 0.0, 0.0, 0.0])?;
+/// let labels = gpu.upload(&[3i32, loss::IGNORE_INDEX])?;
+/// let e = gpu.upload(&[1.0f32, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0])?;
+/// let mut count = gpu.zeros::<u32>(1)?;
+/// let mut stats = gpu.zeros::<f32>(tokens * STATS_PER_TOKEN)?;
+/// let mut token_loss = gpu.zeros::<f32>(tokens)?;
+/// let mut dn = gpu.zeros::<f32>(tokens * dim)?;
+/// let mut rec = gpu.recorder();
+/// loss::execute_cross_entropy_count(&mut rec, &labels, vocab, &mut count)?;
+/// loss::execute_cross_entropy_stats(
+///     &mut rec, &logits, &labels, vocab, &count, &mut stats, &mut token_loss,
+/// )?;
+/// let grad = CrossEntropyGrad { stats: &stats, labels: &labels };
+/// let fusion = Fusion { prologue: Some(&grad), epilogues: &[] };
+/// let gemm = Gemm::new(Product::Nn, (tokens, vocab, dim), false);
+/// execute_gemm_fused(&mut rec, &gemm, &fusion, &logits, Weights::Dense(&e), &mut dn)?;
+/// rec.submit()?;
+/// // The masked token's row of dn is 0; the other's is softmax(z)·E − E[3] (N = 1).
+/// let dn = dn.read(&gpu)?;
+/// let z = [0.5f64, 1.0, -1.0, 2.0];
+/// let sum: f64 = z.iter().map(|v| v.exp()).sum();
+/// let p: Vec<f64> = z.iter().map(|v| v.exp() / sum).collect();
+/// assert!((dn[0] as f64 - (p[0] + p[2])).abs() < 1e-6);
+/// assert!((dn[1] as f64 - (p[1] + p[2])).abs() < 1e-6);
+/// assert_eq!(&dn[2..], [0.0, 0.0]);
+/// # Ok(())
+/// # }
+/// ```
+pub struct CrossEntropyGrad<'a> {
+    /// `[C, 2]`: each row's `(lse, 1/N)` ([`execute_cross_entropy_stats`]).
+    pub stats: &'a GpuBuffer<f32>,
+    /// `[C]`: the rows' labels, as [`execute_cross_entropy_stats`] read them.
+    pub labels: &'a GpuBuffer<i32>,
+}
+
+impl GemmFusion for CrossEntropyGrad<'_> {
+    fn name(&self) -> &'static str {
+        "cross_entropy_grad"
+    }
+    fn build(&self, k: &mut KernelBuilder, _width: u32) -> ElementFn {
+        let stats = k.storage::<f32>("ce_stats");
+        let labels = k.storage::<i32>("ce_labels");
+        Box::new(move |_, row, col, z| {
+            let (lse, c) = (stats.at(row * 2u32), stats.at(row * 2u32 + 1u32));
+            // A masked label is no column (and its row's `c` is 0).
+            let onehot = select(labels.at(row).cast::<u32>().eq(col), c.clone(), 0.0f32);
+            (z - lse).min(0.0f32).exp() * c - onehot
+        })
+    }
+    fn check(&self, kernel: &str, rows: usize, _width: usize) -> Result<(), ExecError> {
+        let want = rows.saturating_mul(STATS_PER_TOKEN);
+        expect_len(
+            kernel,
+            "ce_stats",
+            self.stats,
+            want,
+            "(lse, 1/N) per row, from execute_cross_entropy_stats",
+        )?;
+        expect_len(kernel, "ce_labels", self.labels, rows, "one label per row")
+    }
+    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
+        args.buffer("ce_stats", self.stats)
+            .buffer("ce_labels", self.labels)
+    }
 }
 
 /// `loss[0] = Σ token_loss / max(N, 1)` with `N` read from `count`: the mean over the

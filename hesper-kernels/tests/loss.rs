@@ -470,6 +470,250 @@ fn chunks_with_one_global_count_match_the_whole_batch() {
     }
 }
 
+/// `cross_entropy_stats`: each row's `(lse, 1/N)` against the f64 reference (`(0, 0)` exactly on
+/// masked rows) and the same token losses as the row kernel, into poisoned buffers.
+#[test]
+fn stats_match_reference() {
+    let g = gpu();
+    for (seed, (t, v)) in SHAPES.into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 500);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        let (z, y) = (g.upload(&logits).unwrap(), g.upload(&labels).unwrap());
+        let mut count = g.filled(1, u32::MAX).unwrap();
+        let mut stats = g.filled(t * loss::STATS_PER_TOKEN, f32::NAN).unwrap();
+        let mut token_loss = g.filled(t, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        loss::execute_cross_entropy_count(&mut rec, &y, v, &mut count).unwrap();
+        loss::execute_cross_entropy_stats(&mut rec, &z, &y, v, &count, &mut stats, &mut token_loss)
+            .unwrap();
+        rec.submit().unwrap();
+
+        let what = format!("cross_entropy_stats T={t} V={v}");
+        let z = f64s(&logits);
+        let (want_token, _, n) = reference::cross_entropy_forward(&z, &labels, v);
+        let want_stats: Vec<f64> = (0..t)
+            .flat_map(|r| match reference::is_target(labels[r], v) {
+                true => [
+                    want_token[r] + z[r * v + labels[r] as usize],
+                    1.0 / n as f64,
+                ],
+                false => [0.0, 0.0],
+            })
+            .collect();
+        let (stats, token_loss) = (stats.read(g).unwrap(), token_loss.read(g).unwrap());
+        assert_close(
+            &format!("{what} stats"),
+            &stats,
+            &want_stats,
+            RTOL,
+            LOSS_ATOL,
+        );
+        assert_close(
+            &format!("{what} token_loss"),
+            &token_loss,
+            &want_token,
+            RTOL,
+            LOSS_ATOL,
+        );
+        for r in (0..t).filter(|&r| !reference::is_target(labels[r], v)) {
+            assert_eq!(
+                stats[2 * r..2 * r + 2],
+                [0.0, 0.0],
+                "{what}: masked row {r}"
+            );
+        }
+    }
+}
+
+/// `dn = dz·E` with `dz` computed from the logits as the GEMM reads them
+/// (`loss::CrossEntropyGrad` as a prologue), against the f64 product of the reference's `dz`:
+/// on the test device (lavapipe: the f32 GEMM, whole and ragged vocabularies) and on the DSL's
+/// interpreter's tensor cores (CI: lavapipe has none), where the depth is split into four parts
+/// (each part's prologue sees its own columns: the one-hot lands in one of them) and `dz` is
+/// multiplied by `2^e` and rounded to f16 as it is staged, as in the step. Labels masked in both
+/// ways, `E` f16-exact. The tolerance is the rounding's: `dz` to f16 (2⁻¹¹ relative, or 2⁻²⁵
+/// absolute where subnormal, before `2^e`) on the tensor cores, f32's elsewhere.
+#[test]
+fn the_gradient_as_a_gemm_prologue_matches_reference() {
+    use hesper_exec::half::f16;
+    use hesper_kernels::linear::coop::CoopTile;
+    use hesper_kernels::linear::fusion::Fusion;
+    use hesper_kernels::linear::split::{execute_gemm_split_fused, gemm_split_scratch_len};
+    use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
+    let interpreter = Gpu::with_options(GpuOptions {
+        interpreter: true,
+        cooperative_matrix: true,
+        ..GpuOptions::default()
+    })
+    .unwrap();
+    let small = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 32,
+        wm: 32,
+        wn: 32,
+    };
+    // (device, tokens, vocab, dim, tile, parts the interpreter splits the depth into)
+    type Case<'a> = (&'a Gpu, usize, usize, usize, Option<CoopTile>, usize);
+    let cases: [Case; 3] = [
+        (gpu(), 40, 4096, 48, None, 0),
+        (gpu(), 7, 1001, 24, None, 0),
+        (&interpreter, 40, 4096, 48, Some(small), 4),
+    ];
+    for (i, (g, t, v, d, tile, parts)) in cases.into_iter().enumerate() {
+        let mut rng = Rng::new(600 + i as u64);
+        let logits = rng.vec(t * v, 4.0);
+        let labels = labels(&mut rng, t, v);
+        let e: Vec<f32> = rng
+            .vec(v * d, 1.0)
+            .iter()
+            .map(|x| f16::from_f32(*x).to_f32())
+            .collect();
+        let n = labels
+            .iter()
+            .filter(|&&y| reference::is_target(y, v))
+            .count();
+        let exponent = n.max(1).ilog2() as i32;
+        let gemm = Gemm {
+            coop_tile: tile,
+            ..Gemm::new(Product::Nn, (t, v, d), false)
+                .with_precision(Precision::F16)
+                .with_input_exponent(exponent)
+        };
+        let scratch_len = gemm_split_scratch_len(g, &gemm);
+        let tensor_cores = hesper_kernels::linear::coop::subgroup_size(g).is_some();
+        if tile.is_some() {
+            assert_eq!(
+                scratch_len,
+                parts * t * d,
+                "the interpreter splits the depth"
+            );
+        }
+        let (z, y, w) = (
+            g.upload(&logits).unwrap(),
+            g.upload(&labels).unwrap(),
+            g.upload(&e).unwrap(),
+        );
+        let mut count = g.filled(1, u32::MAX).unwrap();
+        let mut stats = g.filled(t * loss::STATS_PER_TOKEN, f32::NAN).unwrap();
+        let mut token_loss = g.filled(t, f32::NAN).unwrap();
+        let mut dn = g.filled(t * d, f32::NAN).unwrap();
+        let mut scratch = g.filled(scratch_len.max(1), f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        loss::execute_cross_entropy_count(&mut rec, &y, v, &mut count).unwrap();
+        loss::execute_cross_entropy_stats(&mut rec, &z, &y, v, &count, &mut stats, &mut token_loss)
+            .unwrap();
+        let grad = loss::CrossEntropyGrad {
+            stats: &stats,
+            labels: &y,
+        };
+        let fusion = Fusion {
+            prologue: Some(&grad),
+            epilogues: &[],
+        };
+        let weights = Weights::Dense(&w);
+        execute_gemm_split_fused(&mut rec, &gemm, &fusion, &z, weights, &mut dn, &mut scratch)
+            .unwrap();
+        rec.submit().unwrap();
+
+        let dz = reference::cross_entropy_backward(&f64s(&logits), &labels, v);
+        let (mut want, mut tol) = (vec![0f64; t * d], vec![0f64; t * d]);
+        let unscale = 2f64.powi(-exponent);
+        for r in 0..t {
+            for c in 0..d {
+                let (mut sum, mut bound, mut weight) = (0.0, 0.0, 0.0);
+                for k in 0..v {
+                    let (a, b) = (dz[r * v + k], e[k * d + c] as f64);
+                    sum += a * b;
+                    bound += (a * b).abs();
+                    weight += b.abs();
+                }
+                want[r * d + c] = sum;
+                tol[r * d + c] = match tensor_cores {
+                    true => 2f64.powi(-11) * bound + 2f64.powi(-25) * unscale * weight,
+                    false => 0.0,
+                } + 1e-5 * bound
+                    + 1e-9;
+            }
+        }
+        let got = dn.read(g).unwrap();
+        let what = format!("dz·E by the prologue, T={t} V={v} D={d} (case {i})");
+        for (j, ((got, want), tol)) in got.iter().zip(&want).zip(&tol).enumerate() {
+            let err = (*got as f64 - want).abs();
+            assert!(
+                err <= *tol,
+                "{what}: element {j} is {got} where {want} is expected (tolerance {tol:.1e})"
+            );
+        }
+    }
+}
+
+/// A split GEMM takes a prologue only, and `CrossEntropyGrad` checks its buffers: errors that
+/// name the kernel and binding, before anything is recorded.
+#[test]
+fn the_gradient_prologue_checks_its_buffers() {
+    use hesper_kernels::linear::fusion::{Fusion, GemmFusion, Residual};
+    use hesper_kernels::linear::split::execute_gemm_split_fused;
+    use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
+    let g = gpu();
+    let (t, v, d) = (4, 12, 8);
+    let logits = g.zeros::<f32>(t * v).unwrap();
+    let labels = g.zeros::<i32>(t).unwrap();
+    let w = g.zeros::<f32>(v * d).unwrap();
+    let short = g.zeros::<f32>(2 * t - 1).unwrap();
+    let mut dn = g.zeros::<f32>(t * d).unwrap();
+    let mut scratch = g.zeros::<f32>(1).unwrap();
+    let gemm = Gemm::new(Product::Nn, (t, v, d), false).with_precision(Precision::F16);
+    let grad = loss::CrossEntropyGrad {
+        stats: &short,
+        labels: &labels,
+    };
+    let fusion = Fusion {
+        prologue: Some(&grad),
+        epilogues: &[],
+    };
+    let mut rec = g.recorder();
+    let err = execute_gemm_split_fused(
+        &mut rec,
+        &gemm,
+        &fusion,
+        &logits,
+        Weights::Dense(&w),
+        &mut dn,
+        &mut scratch,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("`ce_stats`")
+            && err.contains("expected 8 elements")
+            && err.contains("given 7"),
+        "{err}"
+    );
+    let residual = g.zeros::<f32>(t * d).unwrap();
+    let residual = Residual {
+        residual: &residual,
+    };
+    let epilogues: [&dyn GemmFusion; 1] = [&residual];
+    let fusion = Fusion {
+        prologue: None,
+        epilogues: &epilogues,
+    };
+    let err = execute_gemm_split_fused(
+        &mut rec,
+        &gemm,
+        &fusion,
+        &logits,
+        Weights::Dense(&w),
+        &mut dn,
+        &mut scratch,
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("prologue only"), "{err}");
+    assert!(rec.is_empty());
+}
+
 fn bits(x: &[f32]) -> Vec<u32> {
     x.iter().map(|v| v.to_bits()).collect()
 }
@@ -538,6 +782,7 @@ fn wgsl_snapshots() {
         "cross_entropy_count_vocab2000_wg256",
         "cross_entropy_vocab2000_wg256_subgroups",
         "cross_entropy_forward_vocab2000_wg256_subgroups",
+        "cross_entropy_stats_vocab2000_wg256_subgroups",
         "cross_entropy_vocab1001_wg256_subgroups",
         "cross_entropy_mean_wg256",
     ];

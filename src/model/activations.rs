@@ -17,6 +17,7 @@ use hesper_kernels::attention::{SeqShape, ValidLengths, scores_workspace_len};
 use hesper_kernels::linear::split::gemm_split_scratch_len;
 use hesper_kernels::linear::{GemmPath, HalfBuffers, Precision, Product, gemm_path};
 use hesper_kernels::lora::lora_scratch_len;
+use hesper_kernels::loss::STATS_PER_TOKEN;
 use hesper_kernels::optim::grad_norm_partials_len;
 
 use super::config::{Family, LoraConfig, ModelConfig, ModelError, Projection};
@@ -345,11 +346,13 @@ pub(crate) struct LossBuffers {
     /// `RMSNorm(x_L)` `[T, D]` and its `rstd`.
     pub(crate) n: GpuBuffer<f32>,
     pub(crate) rstd: GpuBuffer<f32>,
-    /// One chunk: its rows of `n` `[C, D]`, logits and their gradient `[C, V]`, the gradient of
-    /// its rows of `n`, its labels (`−100` past the batch's end) and per-token losses.
+    /// One chunk: its rows of `n` `[C, D]`, logits `[C, V]` and their rows' `(lse, 1/N)` `[C, 2]`
+    /// (the lm-head's backward computes their gradient as it reads them:
+    /// `loss::CrossEntropyGrad`), the gradient of its rows of `n`, its labels (`−100` past the
+    /// batch's end) and per-token losses.
     pub(crate) n_chunk: GpuBuffer<f32>,
     pub(crate) logits: GpuBuffer<f32>,
-    pub(crate) d_logits: GpuBuffer<f32>,
+    pub(crate) logit_stats: GpuBuffer<f32>,
     pub(crate) d_n_chunk: GpuBuffer<f32>,
     /// The lm-head backward's split-K parts (`linear::split`; one float where it is not split).
     pub(crate) d_n_split: GpuBuffer<f32>,
@@ -510,7 +513,7 @@ impl StepBuffers {
             rstd: buf(t)?,
             n_chunk: buf(chunk * d)?,
             logits: buf(chunk * c.vocab)?,
-            d_logits: buf(chunk * c.vocab)?,
+            logit_stats: buf(chunk * STATS_PER_TOKEN)?,
             d_n_chunk: buf(chunk * d)?,
             d_n_split: buf(gemm_split_scratch_len(gpu, &lm_head_backward).max(1))?,
             labels_chunk: gpu.filled(chunk, IGNORE_INDEX as i32)?,
@@ -681,7 +684,7 @@ impl StepBuffers {
             &l.rstd,
             &l.n_chunk,
             &l.logits,
-            &l.d_logits,
+            &l.logit_stats,
             &l.d_n_chunk,
             &l.d_n_split,
             &l.token_loss_chunk,

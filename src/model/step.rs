@@ -21,7 +21,7 @@ use hesper_kernels::ffn::{
     execute_swiglu_packed_forward_half,
 };
 use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
-use hesper_kernels::linear::split::execute_gemm_split;
+use hesper_kernels::linear::split::execute_gemm_split_fused;
 use hesper_kernels::linear::{
     Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, execute_gemm,
     execute_gemm_blocks, execute_gemm_fused, gemm_blocks_path, gemm_path,
@@ -32,8 +32,8 @@ use hesper_kernels::lora::{
     execute_lora_weight_backward, execute_lora_weight_backward_pair,
 };
 use hesper_kernels::loss::{
-    IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
-    execute_cross_entropy_rows,
+    CrossEntropyGrad, IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
+    execute_cross_entropy_stats,
 };
 use hesper_kernels::norm::{execute_rms_norm_backward, execute_rms_norm_forward};
 use hesper_kernels::optim::{AdamW, Clip, Step, execute_adamw, execute_global_grad_norm};
@@ -842,13 +842,13 @@ impl Ctx<'_> {
             rec.copy_range(labels, self.micro * t + first, &loss.labels_chunk, 0, rows)?;
             let gemm = self.model.gemm(Product::Nt, (chunk, vocab, d), false);
             execute_gemm(rec, &gemm, &loss.n_chunk, head, &mut loss.logits)?;
-            execute_cross_entropy_rows(
+            execute_cross_entropy_stats(
                 rec,
                 &loss.logits,
                 &loss.labels_chunk,
                 vocab,
                 &loss.count,
-                &mut loss.d_logits,
+                &mut loss.logit_stats,
                 &mut loss.token_loss_chunk,
             )?;
             if let Some(dn) = dn.as_deref_mut() {
@@ -856,10 +856,20 @@ impl Ctx<'_> {
                     .model
                     .gemm(Product::Nn, (chunk, vocab, d), false)
                     .with_input_exponent(self.grad_exponent);
+                // `dz` computed from the logits as the GEMM reads them: never written.
+                let grad = CrossEntropyGrad {
+                    stats: &loss.logit_stats,
+                    labels: &loss.labels_chunk,
+                };
+                let fusion = Fusion {
+                    prologue: Some(&grad),
+                    epilogues: &[],
+                };
                 // Split-K: 24 tiles of the output over a depth of the vocabulary leave most
                 // of the GPU idle (BENCHMARKS.md, "Split-K for the lm-head's backward").
-                let (d_logits, scratch) = (&loss.d_logits, &mut loss.d_n_split);
-                execute_gemm_split(rec, &gemm, d_logits, head, &mut loss.d_n_chunk, scratch)?;
+                let (logits, scratch) = (&loss.logits, &mut loss.d_n_split);
+                let out = &mut loss.d_n_chunk;
+                execute_gemm_split_fused(rec, &gemm, &fusion, logits, head, out, scratch)?;
                 rec.copy_range(&loss.d_n_chunk, 0, dn, first * d, rows * d)?;
             }
             let at = self.micro * t + first;

@@ -686,10 +686,11 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         });
         return;
     }
-    if splits > 1 && !fusion.is_empty() {
+    if splits > 1 && !fusion.epilogues.is_empty() {
         k.error(hesper_dsl::ErrorKind::TypeMismatch {
             item: "shape `splits`".into(),
-            expected: "1 for a fused GEMM (a part of the depth has no whole output)".into(),
+            expected: "1 for a GEMM with epilogues (a part of the depth has no whole output)"
+                .into(),
             found: splits.to_string(),
         });
         return;
@@ -986,7 +987,7 @@ struct Epilogue<'a> {
     fused: Option<&'a ElementFn>,
     /// The accumulators hold `s·Σ` already (and the low-rank products).
     scaled: bool,
-    /// A split GEMM's slice of `out` (its first element): it neither accumulates nor fuses.
+    /// A split GEMM's slice of `out` (its first element): it neither accumulates nor has epilogues.
     slice: Option<&'a Expr<u32>>,
 }
 

@@ -5,7 +5,7 @@
 //! parts ([`coop::splits_for`]): layer `z` of the grid sums part `z` into slice `z` of a scratch
 //! buffer, and `gemm_split_sum` adds the slices into the output (or to it, accumulating). Where
 //! a split does not pay (enough tiles, a short depth, no tensor cores, an f16 output) it is
-//! [`execute_gemm`].
+//! [`execute_gemm`](super::execute_gemm).
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -34,7 +34,9 @@ use hesper_dsl::Limits;
 use hesper_dsl::prelude::*;
 use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
-use super::{Gemm, Operand, OutputBuffer, Precision, Weights, check_gemm, coop, execute_gemm};
+use super::{
+    Fusion, Gemm, Operand, OutputBuffer, Precision, Weights, check_gemm, coop, execute_gemm_fused,
+};
 use crate::{Len, expect_len, expect_u32};
 
 /// The split `execute_gemm_split` runs for `gemm` on `gpu`: its tensor-core tile, subgroup size
@@ -56,10 +58,10 @@ pub fn gemm_split_scratch_len(gpu: &Gpu, gemm: &Gemm) -> usize {
     })
 }
 
-/// [`execute_gemm`], its depth split into parts where that pays (the module doc): the parts'
+/// [`execute_gemm`](super::execute_gemm), its depth split into parts where that pays (the module doc): the parts'
 /// sums go to `scratch` (at least [`gemm_split_scratch_len`] floats; untouched where the GEMM is
 /// not split), then into `output`, added to it with `gemm.accumulate`. An f16 output or
-/// ternary weights are never split. Buffers are checked as [`execute_gemm`] checks them,
+/// ternary weights are never split. Buffers are checked as [`execute_gemm`](super::execute_gemm) checks them,
 /// `scratch` too, before anything is recorded.
 pub fn execute_gemm_split<'a>(
     rec: &mut Recorder<'_>,
@@ -69,14 +71,40 @@ pub fn execute_gemm_split<'a>(
     output: impl Into<OutputBuffer<'a>>,
     scratch: &mut GpuBuffer<f32>,
 ) -> Result<(), ExecError> {
+    let none = Fusion::NONE;
+    execute_gemm_split_fused(rec, gemm, &none, input, weights, output, scratch)
+}
+
+/// [`execute_gemm_split`] with a prologue ([`super::fusion`]) on each element of the input as
+/// it is staged (every part sees its elements' own columns of the depth): the lm-head's
+/// backward computes the cross-entropy's gradient so ([`crate::loss::CrossEntropyGrad`]).
+/// Epilogues are refused with an error: a part's sum is not the output they would see. Where
+/// the GEMM is not split it is [`super::execute_gemm_fused`].
+pub fn execute_gemm_split_fused<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    fusion: &Fusion<'a>,
+    input: impl Into<Operand<'a>>,
+    weights: Weights<'a>,
+    output: impl Into<OutputBuffer<'a>>,
+    scratch: &mut GpuBuffer<f32>,
+) -> Result<(), ExecError> {
     let (input, output) = (input.into(), output.into());
+    if !fusion.epilogues.is_empty() {
+        return Err(ExecError::Dispatch {
+            kernel: coop::kernel_name(gemm.product).into(),
+            what: format!("a split GEMM with {} epilogues", fusion.epilogues.len()),
+            why: "a split GEMM takes a prologue only (each part sums a part of the depth, not \
+                  the output an epilogue would see): run execute_gemm_fused"
+                .into(),
+        });
+    }
     let dense = !matches!(weights, Weights::Ternary { .. });
     let plan = plan(rec.gpu(), gemm).filter(|_| dense);
     let (Some((tile, subgroup, parts)), OutputBuffer::F32(out)) = (plan, &output) else {
-        return execute_gemm(rec, gemm, input, weights, output);
+        return execute_gemm_fused(rec, gemm, fusion, input, weights, output);
     };
-    let none = super::Fusion::NONE;
-    let (scale, half) = check_gemm(rec.gpu(), gemm, &none, (&input, &weights, &output))?;
+    let (scale, half) = check_gemm(rec.gpu(), gemm, fusion, (&input, &weights, &output))?;
     let name = coop::kernel_name(gemm.product);
     let (cols, depth) = gemm.cols_depth();
     let slice = (gemm.m * cols).next_multiple_of(4);
@@ -117,7 +145,7 @@ pub fn execute_gemm_split<'a>(
         input,
         w,
         OutputBuffer::F32(&mut *scratch),
-        &none,
+        fusion,
     )?;
     let n4 = (slice / 4) as u32;
     let args = Args::new()
