@@ -961,10 +961,21 @@ static ENTRIES: [Entry; 56] = [
         name: "attention_backward_stats",
         module: "attention::sequence",
         summary: "the attention backward's pre-pass: (lse, D = rowsum(dO ⊙ O)) per row, packed",
-        params: &[SEQ_HEAD_DIM, SEQ_HEADS, PADDED],
+        params: &[
+            SEQ_HEAD_DIM,
+            SEQ_HEADS,
+            PADDED,
+            u32_param(
+                "lanes",
+                "1",
+                "invocations a row, a power of two dividing head_dim / 4 (more than 1: their \
+                 sums added by subgroup shuffles; the executor takes up to 16 where the device \
+                 has subgroups)",
+            ),
+        ],
         build: |s| {
             let dims = (s.u32("head_dim"), s.u32("heads"));
-            attention::sequence::build::stats(dims, s.bool("padded"), s.limits())
+            attention::sequence::build::stats(dims, s.bool("padded"), s.u32("lanes"), s.limits())
         },
     },
     Entry {
