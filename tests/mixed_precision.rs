@@ -5,8 +5,8 @@
 //! (the GEMMs' inputs are rounded too). Also its memory, its decoding, and the weights it
 //! refuses.
 
+use hesper::exec::Gpu;
 use hesper::exec::half::f16;
-use hesper::exec::{Gpu, GpuOptions};
 use hesper::kernels::linear::{
     Gemm, GemmPath, HalfBuffers, Precision, Product, gemm_blocks_fit, gemm_path,
 };
@@ -223,12 +223,7 @@ fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
 /// three adapted) on the DSL's interpreter's tensor cores, against the f64 model.
 #[test]
 fn the_merged_qkv_backward_matches_the_f64_model_on_the_interpreters_tensor_cores() {
-    let g = Gpu::with_options(GpuOptions {
-        interpreter: true,
-        cooperative_matrix: true,
-        ..GpuOptions::default()
-    })
-    .unwrap();
+    let g = hesper::kernels::testing::interpreter_with_tensor_cores();
     let cases = [
         (Family::Qwen2, lora(&[Projection::Q, Projection::V])),
         (Family::Llama, lora(&[Projection::O, Projection::Down])),
@@ -247,13 +242,13 @@ fn the_merged_qkv_backward_matches_the_f64_model_on_the_interpreters_tensor_core
         let gemm = Gemm::new(Product::Nn, dims, false).with_precision(Precision::F16);
         let widths = [hq, hkv, hkv];
         assert!(gemm_blocks_fit(
-            &g,
+            g,
             &gemm,
             &widths,
             &weights,
             HalfBuffers::NONE
         ));
-        check_step(&g, config, lora, (8, &[8, 5]), 3, 2e-2);
+        check_step(g, config, lora, (8, &[8, 5]), 3, 2e-2);
     }
 }
 

@@ -683,6 +683,20 @@ const SUBGROUPS: Param = bool_param(
     "subgroup operations (Features::SUBGROUPS; the executor sets it where the device has \
      subgroups)",
 );
+/// The cross-entropy row kernels' parameters.
+const CROSS_ENTROPY_ROW_PARAMS: &[Param] = &[
+    u32_param(
+        "vocab",
+        "2000",
+        "the vocabulary V (a multiple of 4 goes as vec4s)",
+    ),
+    u32_param(
+        "wg",
+        "256",
+        "invocations per workgroup (the executor's: 1024, or the device's most)",
+    ),
+    SUBGROUPS,
+];
 const TAU: Param = Param {
     name: "tau",
     kind: Kind::Text("an f32, or `auto` for 1/√head_dim"),
@@ -1440,19 +1454,7 @@ static ENTRIES: [Entry; 56] = [
         module: "loss",
         summary: "cross-entropy rows, one workgroup per token: its loss and its row of dz = \
                   (softmax(z) − onehot(y)) / N",
-        params: &[
-            u32_param(
-                "vocab",
-                "2000",
-                "the vocabulary V (a multiple of 4 goes as vec4s)",
-            ),
-            u32_param(
-                "wg",
-                "256",
-                "invocations per workgroup (the executor's: 1024, or the device's most)",
-            ),
-            SUBGROUPS,
-        ],
+        params: CROSS_ENTROPY_ROW_PARAMS,
         build: |s| {
             let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
             loss::build::cross_entropy_rows(
@@ -1482,19 +1484,7 @@ static ENTRIES: [Entry; 56] = [
         name: "cross_entropy_forward",
         module: "loss",
         summary: "cross-entropy rows without the gradient: each token's loss",
-        params: &[
-            u32_param(
-                "vocab",
-                "2000",
-                "the vocabulary V (a multiple of 4 goes as vec4s)",
-            ),
-            u32_param(
-                "wg",
-                "256",
-                "invocations per workgroup (the executor's: 1024, or the device's most)",
-            ),
-            SUBGROUPS,
-        ],
+        params: CROSS_ENTROPY_ROW_PARAMS,
         build: |s| {
             let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
             loss::build::cross_entropy_rows(
@@ -1523,19 +1513,7 @@ static ENTRIES: [Entry; 56] = [
         summary: "cross-entropy rows, one workgroup per token: its loss and its row's (log-sum-exp, \
                   1/N), from which the lm-head's backward GEMM computes dz as it reads the \
                   logits (loss::CrossEntropyGrad)",
-        params: &[
-            u32_param(
-                "vocab",
-                "2000",
-                "the vocabulary V (a multiple of 4 goes as vec4s)",
-            ),
-            u32_param(
-                "wg",
-                "256",
-                "invocations per workgroup (the executor's: 1024, or the device's most)",
-            ),
-            SUBGROUPS,
-        ],
+        params: CROSS_ENTROPY_ROW_PARAMS,
         build: |s| {
             let (vocab, wg) = (s.u32("vocab"), s.u32("wg"));
             loss::build::cross_entropy_rows(

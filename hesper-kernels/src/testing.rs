@@ -58,6 +58,22 @@ fn open(options: GpuOptions) -> Gpu {
     }
 }
 
+/// The DSL's interpreter as a device with tensor cores
+/// ([`GpuOptions::interpreter`](hesper_exec::GpuOptions::interpreter) with cooperative
+/// matrices): the cooperative-matrix kernels, which lavapipe cannot run, checked in CI.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn interpreter_with_tensor_cores() -> &'static Gpu {
+    static GPU: OnceLock<Gpu> = OnceLock::new();
+    GPU.get_or_init(|| {
+        let options = GpuOptions {
+            interpreter: true,
+            cooperative_matrix: true,
+            ..GpuOptions::default()
+        };
+        Gpu::with_options(options).expect("the interpreter needs no adapter")
+    })
+}
+
 /// A second device on the same adapter without subgroups, for the paths of devices that lack
 /// them.
 #[cfg(not(target_arch = "wasm32"))]

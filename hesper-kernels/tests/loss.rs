@@ -540,12 +540,7 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
     use hesper_kernels::linear::fusion::Fusion;
     use hesper_kernels::linear::split::{execute_gemm_split_fused, gemm_split_scratch_len};
     use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
-    let interpreter = Gpu::with_options(GpuOptions {
-        interpreter: true,
-        cooperative_matrix: true,
-        ..GpuOptions::default()
-    })
-    .unwrap();
+    let interpreter = hesper_kernels::testing::interpreter_with_tensor_cores();
     let small = CoopTile {
         bm: 32,
         bn: 32,
@@ -558,7 +553,7 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
     let cases: [Case; 3] = [
         (gpu(), 40, 4096, 48, None, 0),
         (gpu(), 7, 1001, 24, None, 0),
-        (&interpreter, 40, 4096, 48, Some(small), 4),
+        (interpreter, 40, 4096, 48, Some(small), 4),
     ];
     for (i, (g, t, v, d, tile, parts)) in cases.into_iter().enumerate() {
         let mut rng = Rng::new(600 + i as u64);
@@ -673,17 +668,21 @@ fn the_gradient_prologue_checks_its_buffers() {
         epilogues: &[],
     };
     let mut rec = g.recorder();
-    let err = execute_gemm_split_fused(
-        &mut rec,
-        &gemm,
-        &fusion,
-        &logits,
-        Weights::Dense(&w),
-        &mut dn,
-        &mut scratch,
-    )
-    .unwrap_err()
-    .to_string();
+    let mut error_of = |fusion: &Fusion| {
+        let weights = Weights::Dense(&w);
+        execute_gemm_split_fused(
+            &mut rec,
+            &gemm,
+            fusion,
+            &logits,
+            weights,
+            &mut dn,
+            &mut scratch,
+        )
+        .unwrap_err()
+        .to_string()
+    };
+    let err = error_of(&fusion);
     assert!(
         err.contains("`ce_stats`")
             && err.contains("expected 8 elements")
@@ -695,21 +694,10 @@ fn the_gradient_prologue_checks_its_buffers() {
         residual: &residual,
     };
     let epilogues: [&dyn GemmFusion; 1] = [&residual];
-    let fusion = Fusion {
+    let err = error_of(&Fusion {
         prologue: None,
         epilogues: &epilogues,
-    };
-    let err = execute_gemm_split_fused(
-        &mut rec,
-        &gemm,
-        &fusion,
-        &logits,
-        Weights::Dense(&w),
-        &mut dn,
-        &mut scratch,
-    )
-    .unwrap_err()
-    .to_string();
+    });
     assert!(err.contains("prologue only"), "{err}");
     assert!(rec.is_empty());
 }

@@ -508,15 +508,10 @@ fn refusals() {
 /// where it has them; elsewhere, and for widths no tile's step divides, refused with an error.
 #[test]
 fn block_major_inputs_match_reference() {
-    use hesper_exec::{Gpu, GpuOptions};
+    use hesper_exec::Gpu;
     use hesper_kernels::linear::fusion::Fusion;
     use hesper_kernels::lora::{LoraUp, UpWeight};
-    let interpreter = Gpu::with_options(GpuOptions {
-        interpreter: true,
-        cooperative_matrix: true,
-        ..GpuOptions::default()
-    })
-    .unwrap();
+    let interpreter = hesper_kernels::testing::interpreter_with_tensor_cores();
     let small = CoopTile {
         bm: 32,
         bn: 32,
@@ -537,8 +532,8 @@ fn block_major_inputs_match_reference() {
         usize,
     );
     let cases: [Case; 4] = [
-        (&interpreter, 45, &[48, 16, 32], 64, Some(small), false, 0),
-        (&interpreter, 70, &[32, 16, 16], 48, Some(small), true, 4),
+        (interpreter, 45, &[48, 16, 32], 64, Some(small), false, 0),
+        (interpreter, 70, &[32, 16, 16], 48, Some(small), true, 4),
         (gpu(), 300, &[576, 192, 192], 576, None, true, 8),
         (gpu(), 77, &[64, 64], 96, None, false, 8),
     ];
@@ -647,7 +642,7 @@ fn block_major_inputs_match_reference() {
         );
     }
     // Widths that no standard tile's step divides: refused, nothing recorded.
-    let g = &interpreter;
+    let g = interpreter;
     let gemm = Gemm::new(Product::Nn, (64, 56, 64), false).with_precision(Precision::F16);
     let (x, w) = (
         g.zeros::<f32>(64 * 56).unwrap(),
