@@ -24,11 +24,12 @@
 //! staged as they are read (four barriers a step): reading ahead measured slower there on the
 //! H200 (BENCHMARKS.md, "Attention on the tensor cores, reading ahead").
 //!
-//! - Forward: two passes over the keys. The first finds each row's maximum and sum (online,
-//!   per invocation, then across the row's invocations); the second multiplies the normalized
-//!   `P = exp(τ·S − m)/l` by `V` into accumulators that never need rescaling (cooperative
-//!   matrices offer no element-wise scaling). `Q·Kᵀ` is computed twice: 1.5× the forward's
-//!   products, in exchange for no round trip of the output through memory per key block.
+//! - Forward: two passes over the keys. The first finds each row's maximum `m` (per
+//!   invocation, then across the row's invocations: no `exp`); the second multiplies
+//!   `P = exp(τ·S − m)` by `V` into accumulators that never need rescaling (cooperative
+//!   matrices offer no element-wise scaling), summing `l = Σ P` on the way, and stores each
+//!   row times `1/l`. `Q·Kᵀ` is computed twice: 1.5× the forward's products, in exchange for
+//!   no round trip of the output through memory per key block.
 //! - Backward: `lse` is known, so `P` needs no rescaling either. The gradients of a mean loss
 //!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
 //!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
@@ -757,9 +758,8 @@ fn forward_body(k: &mut KernelBuilder) {
         k.let_("valid", key.le(&my_row).and(key.lt(&p.len)))
     };
 
-    k.comment("First pass: the row's maximum and sum, per invocation, online.");
+    k.comment("First pass: the row's maximum, per invocation.");
     let m = k.var("m", lit(NEG_BIG));
-    let l = k.var("l", lit(0.0f32));
     // Keys and values read a step ahead, where the registers allow it.
     let k_next = reads_ahead(&p, 2).then(|| ahead(k, &p, p.step, "k_next"));
     if let Some(k_next) = &k_next {
@@ -794,15 +794,8 @@ fn forward_body(k: &mut KernelBuilder) {
                 k.let_("ts", select(ok, s * &tau, lit(NEG_BIG)))
             })
             .collect();
-        let top = scores.iter().fold(lit(NEG_BIG), |a, s| a.max(s.clone()));
-        let m_new = k.let_("m_new", m.get().max(top));
-        let sum = scores
-            .iter()
-            .map(|s| select(s.gt(NEG_BIG), (s.clone() - &m_new).exp(), lit(0.0f32)))
-            .reduce(|a, b| a + b)
-            .unwrap_or(lit(0.0f32));
-        k.assign(&l, l.get() * (m.get() - &m_new).exp() + sum);
-        k.assign(&m, m_new);
+        let top = scores.iter().fold(m.get(), |a, s| a.max(s.clone()));
+        k.assign(&m, top);
         if let (Some(k_next), Some(more)) = (&k_next, &more) {
             k.workgroup_barrier();
             k.if_(more, |k| k_next.stage(k, &p, (&stage, 0, None), None));
@@ -813,27 +806,13 @@ fn forward_body(k: &mut KernelBuilder) {
     let mut mask = 1;
     while mask < p.per_row {
         let m_other = k.subgroup_shuffle_xor(m.get(), mask);
-        let l_other = k.subgroup_shuffle_xor(l.get(), mask);
-        let m_new = k.let_("m_new", m.get().max(&m_other));
-        k.assign(
-            &l,
-            l.get() * (m.get() - &m_new).exp() + l_other * (m_other - &m_new).exp(),
-        );
-        k.assign(&m, m_new);
+        k.assign(&m, m.get().max(m_other));
         mask *= 2;
     }
-    let real = k.let_("real", l.get().gt(0.0f32).and(my_row.lt(&p.len)));
-    k.if_(p.part.eq(0u32), |k| {
-        let inv_l = select(real.clone(), 1.0f32 / l.get(), lit(0.0f32));
-        k.store(&row_scale, &p.sg * 16u32 + &p.row, inv_l);
-        k.if_(my_row.lt(&p.seq_len), |k| {
-            let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
-            k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
-        });
-    });
 
     k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m), at most 1 (f16 keeps its digits);");
-    k.comment("no rescaling; each row times 1/l when stored.");
+    k.comment("no rescaling; the sum l = Σ P on the way, each row times 1/l when stored.");
+    let l = k.var("l", lit(0.0f32));
     let acc = accumulators(k, &p, "o_acc");
     let kv_next = k_next.map(|k_next| (k_next, ahead(k, &p, p.step, "v_next")));
     let stage_next = |k: &mut KernelBuilder, (k_next, v_next): &(Ahead, Ahead)| {
@@ -877,6 +856,8 @@ fn forward_body(k: &mut KernelBuilder) {
                 k.let_("p", select(ok, (s * &tau - m.get()).exp(), lit(0.0f32)))
             })
             .collect();
+        let sum = probs_of.iter().cloned().reduce(|a, b| a + b);
+        k.assign(&l, l.get() + sum.unwrap_or(lit(0.0f32)));
         tile_stores(k, &p, &probs, probs_of);
         k.workgroup_barrier();
         accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
@@ -885,6 +866,21 @@ fn forward_body(k: &mut KernelBuilder) {
             k.if_(more, |k| stage_next(k, next));
             k.workgroup_barrier();
         }
+    });
+    let mut mask = 1;
+    while mask < p.per_row {
+        let l_other = k.subgroup_shuffle_xor(l.get(), mask);
+        k.assign(&l, l.get() + l_other);
+        mask *= 2;
+    }
+    let real = k.let_("real", l.get().gt(0.0f32).and(my_row.lt(&p.len)));
+    k.if_(p.part.eq(0u32), |k| {
+        let inv_l = select(real.clone(), 1.0f32 / l.get(), lit(0.0f32));
+        k.store(&row_scale, &p.sg * 16u32 + &p.row, inv_l);
+        k.if_(my_row.lt(&p.seq_len), |k| {
+            let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
+            k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
+        });
     });
     let inv_l = |r: &Expr<u32>| row_scale.at(&p.sg * 16u32 + r);
     store_own(
