@@ -35,7 +35,8 @@
 //! ## Long depths
 //! A product with few output tiles over a long depth (the lm-head's backward) leaves most of the
 //! GPU idle: [`split::execute_gemm_split`] cuts the depth into parts on the tensor cores, each
-//! summed into a scratch slice, and adds the slices.
+//! summed into a scratch slice, and adds the slices ([`split::execute_gemm_split_fused`] with a
+//! prologue).
 
 use hesper_dsl::prelude::*;
 use hesper_dsl::{LocalArray, ReadBuffer, RwBuffer, Var, WorkgroupArray};

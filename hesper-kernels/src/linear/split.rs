@@ -5,7 +5,10 @@
 //! parts ([`coop::splits_for`]): layer `z` of the grid sums part `z` into slice `z` of a scratch
 //! buffer, and `gemm_split_sum` adds the slices into the output (or to it, accumulating). Where
 //! a split does not pay (enough tiles, a short depth, no tensor cores, an f16 output) it is
-//! [`execute_gemm`](super::execute_gemm).
+//! [`execute_gemm`](super::execute_gemm). [`execute_gemm_split_fused`] takes a prologue (each
+//! part stages its own columns of the depth through it): the step's lm-head backward reads the
+//! logits so and computes the cross-entropy's gradient on the way in
+//! ([`crate::loss::CrossEntropyGrad`]).
 //!
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
