@@ -1032,15 +1032,19 @@ fn forward_body(k: &mut KernelBuilder) {
 /// Pairs of vec4s of `O` and `dO` the statistics kernel reads before it sums them.
 const STATS_BATCH: u32 = 8;
 
-/// Invocations that share a row of the statistics kernel where the device has subgroups: the
-/// largest power of two that divides the row's vec4s, at most 16 and at most the subgroup (1
-/// elsewhere: each invocation walks its row alone). One invocation a row left a 4096-token
-/// batch of SmolLM2 with 36 864 invocations, each reading 256 scattered bytes of `O` and `dO`;
-/// with 16 a row, a subgroup's reads are whole runs of rows.
+/// Invocations that share a row of the statistics kernel where the device has subgroups of one
+/// size, a power of two: the largest power of two that divides the row's vec4s, at most 16 and
+/// at most the subgroup, so that a row's lanes lie in one subgroup (1 elsewhere: each
+/// invocation walks its row alone). One invocation a row left a 4096-token batch of SmolLM2
+/// with 36 864 invocations, each reading 256 scattered bytes of `O` and `dO`; with 16 a row, a
+/// subgroup's reads are whole runs of rows.
 fn stats_lanes(head_dim: u32, subgroup: Option<u32>) -> u32 {
     let vec4s = head_dim / 4;
     let pow2 = 1 << vec4s.trailing_zeros().min(4);
-    subgroup.map_or(1, |size| pow2.min(size))
+    match subgroup {
+        Some(size) if size.is_power_of_two() => pow2.min(size),
+        _ => 1,
+    }
 }
 
 /// The backward's pre-pass: `stats[t, h] = (lse, D = Σ_d dO·O)`, zeros on padded rows. `lanes`
@@ -1878,11 +1882,8 @@ pub fn execute_attention_backward(
     if let Some(lens) = saved.inputs.lens {
         args = args.buffer("lens", &lens.buffer);
     }
-    rec.launch(
-        &stats_kernel,
-        &args,
-        Grid::Threads(rows as u64 * u64::from(lanes)),
-    )?;
+    let invocations = expect_u32(name, "rows × lanes", rows.saturating_mul(lanes as usize))?;
+    rec.launch(&stats_kernel, &args, Grid::Threads(u64::from(invocations)))?;
 
     let stats: &GpuBuffer<f32> = grads.stats;
     // The f32 kernels read `dO` as scalars and write vec4s; the tensor-core ones the other way
@@ -1923,4 +1924,32 @@ pub fn execute_attention_backward(
         None => args,
     };
     rec.launch(&q_kernel, &args, q_grid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A row's lanes are a power of two that divides its vec4s and its subgroup: 1 without
+    /// subgroups of one power-of-two size, at most 16.
+    #[test]
+    fn statistics_lanes_divide_the_row_and_the_subgroup() {
+        assert_eq!(stats_lanes(64, Some(32)), 16);
+        assert_eq!(stats_lanes(128, Some(32)), 16);
+        assert_eq!(stats_lanes(64, Some(8)), 8);
+        assert_eq!(stats_lanes(96, Some(32)), 8);
+        assert_eq!(stats_lanes(12, Some(32)), 1);
+        assert_eq!(stats_lanes(64, Some(24)), 1);
+        assert_eq!(stats_lanes(64, None), 1);
+        for hd in (4..=256).step_by(4) {
+            for size in [4, 8, 16, 32, 64, 128] {
+                let lanes = stats_lanes(hd, Some(size));
+                assert!(
+                    lanes.is_power_of_two() && lanes <= 16,
+                    "{hd}, {size}: {lanes}"
+                );
+                assert!((hd / 4).is_multiple_of(lanes) && size.is_multiple_of(lanes));
+            }
+        }
+    }
 }
