@@ -757,6 +757,97 @@ async fn cross_entropy_matches_reference() {
     }
 }
 
+/// The lm-head's backward as the step runs it (`tests/loss.rs`): `cross_entropy_stats` (each
+/// row's `(lse, 1/N)`, masked rows exactly `(0, 0)`, and the token losses) and `dn = dz·E` by
+/// the f32 GEMM with `dz` computed from the logits as it reads them (`loss::CrossEntropyGrad`),
+/// against the f64 product of the reference's `dz`.
+#[wasm_bindgen_test]
+async fn cross_entropy_gradient_prologue_matches_reference() {
+    use linear::fusion::Fusion;
+    use linear::{Gemm, Product, Weights};
+    let g = gpu().await;
+    for (seed, (t, v, d)) in [(7, 1001, 24), (5, 4096, 16)].into_iter().enumerate() {
+        let mut rng = Rng::new(seed as u64 + 50);
+        let (logits, labels) = (rng.vec(t * v, 4.0), labels(&mut rng, t, v));
+        let e = rng.vec(v * d, 1.0);
+        let (zb, yb, eb) = (
+            g.upload(&logits).unwrap(),
+            g.upload(&labels).unwrap(),
+            g.upload(&e).unwrap(),
+        );
+        let mut count = g.filled(1, u32::MAX).unwrap();
+        let mut stats = g.filled(t * loss::STATS_PER_TOKEN, f32::NAN).unwrap();
+        let mut token_loss = g.filled(t, f32::NAN).unwrap();
+        let mut dn = g.filled(t * d, f32::NAN).unwrap();
+        let mut rec = g.recorder();
+        loss::execute_cross_entropy_count(&mut rec, &yb, v, &mut count).unwrap();
+        loss::execute_cross_entropy_stats(
+            &mut rec,
+            &zb,
+            &yb,
+            v,
+            &count,
+            &mut stats,
+            &mut token_loss,
+        )
+        .unwrap();
+        let grad = loss::CrossEntropyGrad {
+            stats: &stats,
+            labels: &yb,
+        };
+        let fusion = Fusion {
+            prologue: Some(&grad),
+            epilogues: &[],
+        };
+        let gemm = Gemm::new(Product::Nn, (t, v, d), false);
+        linear::execute_gemm_fused(&mut rec, &gemm, &fusion, &zb, Weights::Dense(&eb), &mut dn)
+            .unwrap();
+        rec.submit().unwrap();
+
+        let what = format!("the lm-head's backward T={t} V={v} D={d}");
+        let z = f64s(&logits);
+        let (want_token, _, n) = loss::reference::cross_entropy_forward(&z, &labels, v);
+        let want_stats: Vec<f64> = (0..t)
+            .flat_map(|r| match loss::reference::is_target(labels[r], v) {
+                true => [
+                    want_token[r] + z[r * v + labels[r] as usize],
+                    1.0 / n as f64,
+                ],
+                false => [0.0, 0.0],
+            })
+            .collect();
+        let got_stats = read(&g, &stats).await;
+        assert_close(
+            &format!("{what} stats"),
+            &got_stats,
+            &want_stats,
+            1e-5,
+            1e-6,
+        );
+        let got_token = read(&g, &token_loss).await;
+        assert_close(
+            &format!("{what} token_loss"),
+            &got_token,
+            &want_token,
+            1e-5,
+            1e-6,
+        );
+        let dz = loss::reference::cross_entropy_backward(&z, &labels, v);
+        let got = read(&g, &dn).await;
+        for r in 0..t {
+            for c in 0..d {
+                let terms = (0..v).map(|k| dz[r * v + k] * e[k * d + c] as f64);
+                let (want, bound) = terms.fold((0.0, 0.0), |(s, b), x| (s + x, b + x.abs()));
+                let got = got[r * d + c] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-5 * bound + 1e-9,
+                    "{what}: dn[{r}, {c}] is {got} where {want} is expected"
+                );
+            }
+        }
+    }
+}
+
 /// RoPE forward and backward in place (`tests/rope.rs`): batches of sequences, one decoded
 /// token far into its sequence, a head_dim whose half is not a power of two.
 #[wasm_bindgen_test]
