@@ -61,11 +61,11 @@ pub fn gemm_split_scratch_len(gpu: &Gpu, gemm: &Gemm) -> usize {
     })
 }
 
-/// [`execute_gemm`](super::execute_gemm), its depth split into parts where that pays (the module doc): the parts'
-/// sums go to `scratch` (at least [`gemm_split_scratch_len`] floats; untouched where the GEMM is
-/// not split), then into `output`, added to it with `gemm.accumulate`. An f16 output or
-/// ternary weights are never split. Buffers are checked as [`execute_gemm`](super::execute_gemm) checks them,
-/// `scratch` too, before anything is recorded.
+/// [`execute_gemm`](super::execute_gemm), its depth split into parts where that pays (the
+/// module doc): the parts' sums go to `scratch` (at least [`gemm_split_scratch_len`] floats;
+/// untouched where the GEMM is not split), then into `output`, added to it with
+/// `gemm.accumulate`. An f16 output or ternary weights are never split. Buffers are checked as
+/// `execute_gemm` checks them, `scratch` too, before anything is recorded.
 pub fn execute_gemm_split<'a>(
     rec: &mut Recorder<'_>,
     gemm: &Gemm,
