@@ -2,7 +2,9 @@
 //! GEMM: TFLOP/s (GPU time from timestamp queries, medians) at 8192³ and at the SmolLM2-135M
 //! step's shapes (T = 4096 tokens), `·Wᵀ` (NT) and `·W` (NN), at the tile autotuning chooses
 //! and at each standard and extra tile. f16 input and weight buffers, f32 output; one row also with
-//! the f32 input rounded as it is loaded. Prints markdown for BENCHMARKS.md; PyTorch's figures
+//! the f32 input rounded as it is loaded. Where a product splits its depth (the lm-head chunk's
+//! `·W`), the split with an f16 input, an f32 one, and f32 logits read through the
+//! cross-entropy's gradient as a prologue (`loss::CrossEntropyGrad`, as the step does). Prints markdown for BENCHMARKS.md; PyTorch's figures
 //! for the same products come from `scripts/bench-matmul-torch.py` in the same device run.
 //!
 //! ```sh
@@ -20,11 +22,13 @@ use hesper::exec::half::f16;
 use hesper::exec::profile::{BenchConfig, bench};
 use hesper::exec::{Gpu, GpuBuffer, GpuOptions};
 use hesper::kernels::linear::coop::{self, CoopTile};
-use hesper::kernels::linear::split::{execute_gemm_split, gemm_split_scratch_len};
+use hesper::kernels::linear::fusion::{Fusion, GemmFusion};
+use hesper::kernels::linear::split::{execute_gemm_split_fused, gemm_split_scratch_len};
 use hesper::kernels::linear::{
     Gemm, GemmPath, HalfBuffers, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm,
     gemm_path,
 };
+use hesper::kernels::loss::{self, CrossEntropyGrad};
 use hesper::kernels::testing::Rng;
 
 fn main() {
@@ -51,6 +55,39 @@ const EXTRA_TILES: [CoopTile; 2] = [
         wn: 32,
     },
 ];
+
+/// The `(lse, 1/N)` rows and labels of `logits` `[rows, vocab]` (random labels, one in eight
+/// masked), for the cross-entropy's gradient as a prologue.
+fn cross_entropy_stats(
+    gpu: &Gpu,
+    logits: &GpuBuffer<f32>,
+    (rows, vocab): (usize, usize),
+    rng: &mut Rng,
+) -> Result<(GpuBuffer<f32>, GpuBuffer<i32>), Box<dyn std::error::Error>> {
+    let labels: Vec<i32> = (0..rows)
+        .map(|_| match rng.next_u32() % 8 {
+            0 => loss::IGNORE_INDEX,
+            _ => (rng.next_u32() as usize % vocab) as i32,
+        })
+        .collect();
+    let labels = gpu.upload(&labels)?;
+    let mut count = gpu.zeros::<u32>(1)?;
+    let mut stats = gpu.zeros::<f32>(rows * loss::STATS_PER_TOKEN)?;
+    let mut token_loss = gpu.zeros::<f32>(rows)?;
+    let mut rec = gpu.recorder();
+    loss::execute_cross_entropy_count(&mut rec, &labels, vocab, &mut count)?;
+    loss::execute_cross_entropy_stats(
+        &mut rec,
+        logits,
+        &labels,
+        vocab,
+        &count,
+        &mut stats,
+        &mut token_loss,
+    )?;
+    rec.submit()?;
+    Ok((stats, labels))
+}
 
 /// A tile written `bm×bn×bk/wm×wn` (`HESPER_BENCH_TILES`).
 fn parse_tile(text: &str) -> Result<CoopTile, String> {
@@ -217,16 +254,50 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     warmup: Duration::from_millis(800),
                     reps: 20,
                 };
-                let r = bench(&gpu, "matmul", config, |rec| {
-                    let out = OutputBuffer::F32(&mut y);
-                    execute_gemm_split(rec, &gemm, &x, weights, out, &mut scratch)
-                })?;
                 let parts = scratch_len / (m * gemm_cols(product, n, k)).next_multiple_of(4);
-                println!(
-                    "| {label} {product:?} | {m}×{n}×{k} | split-K: {parts} parts of 128×256×32, 64×64 (and their sum) | {:.1} | {:.1} |",
-                    r.median_ns() / 1e3,
-                    r.tflop_per_s(flops)
-                );
+                // f16 input; f32 input (the step's `dz` before 2026-12-07); the logits with the
+                // cross-entropy's gradient as the prologue (the step's lm-head backward since).
+                let (inputs, stats) = match product {
+                    Product::Nt => (vec![("f16 input", Operand::F16(&x))], None),
+                    Product::Nn => (
+                        vec![
+                            ("f16 input", Operand::F16(&x)),
+                            ("f32 input", Operand::F32(&x32)),
+                            (
+                                "f32 logits, the cross-entropy's gradient as prologue",
+                                Operand::F32(&x32),
+                            ),
+                        ],
+                        Some(cross_entropy_stats(&gpu, &x32, (m, n), &mut rng)?),
+                    ),
+                };
+                let grad = stats
+                    .as_ref()
+                    .map(|(stats, labels)| CrossEntropyGrad { stats, labels });
+                for (how, input) in inputs {
+                    let prologue = grad.as_ref().filter(|_| how.contains("prologue"));
+                    let fusion = Fusion {
+                        prologue: prologue.map(|g| g as &dyn GemmFusion),
+                        epilogues: &[],
+                    };
+                    let r = bench(&gpu, "matmul", config, |rec| {
+                        let out = OutputBuffer::F32(&mut y);
+                        execute_gemm_split_fused(
+                            rec,
+                            &gemm,
+                            &fusion,
+                            input,
+                            weights,
+                            out,
+                            &mut scratch,
+                        )
+                    })?;
+                    println!(
+                        "| {label} {product:?} | {m}×{n}×{k} | split-K: {parts} parts of 128×256×32, 64×64 (and their sum), {how} | {:.1} | {:.1} |",
+                        r.median_ns() / 1e3,
+                        r.tflop_per_s(flops)
+                    );
+                }
             }
         }
         // The f32 input rounded to f16 as it is loaded, and the f32 GEMM, at the chosen tiles.
