@@ -430,3 +430,90 @@ fn subgroup_operations() {
         subgroups.len()
     );
 }
+
+/// Each workgroup of 64 decides once whether its largest value passes `limit` (invocation 0
+/// reads them all and writes the decision); with `workgroupUniformLoad` every invocation gets
+/// that decision and branches on it around a barrier: if it passes, each output is its
+/// neighbour's value (`lid ^ 1`) halved, through workgroup memory; else the value itself.
+fn halve_swapped_if_over() -> Kernel {
+    let key = KernelKey::new("halve_swapped_if_over").workgroup_size(64);
+    Kernel::build(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let y = k.storage_rw::<f32>("y");
+        let limit = k.param::<f32>("limit");
+        let values = k.workgroup_array::<f32>("values", 64);
+        let decision = k.workgroup_array::<u32>("decision", 1);
+        let lid = k.let_("lid", k.local_index());
+        let global = k.global_index();
+        let i = k.let_("i", global);
+        let v = k.let_("v", x.at(&i));
+        k.store(&values, &lid, &v);
+        k.workgroup_barrier();
+        k.if_(lid.eq(0u32), |k| {
+            let top = k.var("top", f32::MIN);
+            k.for_range("j", 0u32, 64u32, |k, j| {
+                k.assign(&top, top.get().max(values.at(&j)));
+            });
+            k.store(
+                &decision,
+                0u32,
+                select(top.get().gt(&limit), lit(1u32), lit(0u32)),
+            );
+        });
+        let over = k.workgroup_uniform_load("over", &decision, 0u32);
+        let out = k.var("out", v.clone());
+        k.if_(over.eq(1u32), |k| {
+            k.store(&values, &lid, &v * 0.5f32);
+            k.workgroup_barrier();
+            k.assign(&out, values.at(&lid ^ 1u32));
+        });
+        k.store(&y, &i, out.get());
+    })
+    .expect("halve_swapped_if_over builds")
+}
+
+/// `workgroupUniformLoad` on the GPU and on the DSL's interpreter: workgroups on both sides
+/// of the limit, against the same computation in Rust.
+#[test]
+fn a_workgroup_uniform_decision_guards_a_barrier() {
+    let g = gpu();
+    let kernel = halve_swapped_if_over();
+    assert!(
+        kernel
+            .wgsl()
+            .contains("workgroupUniformLoad(&decision[0u])")
+    );
+    let groups = 6;
+    let mut rng = Rng::new(21);
+    let mut x = rng.vec(64 * groups, 1.0);
+    // Workgroups 1 and 4 pass the limit through one element each.
+    x[64 + 17] = 3.0;
+    x[4 * 64 + 63] = 2.5;
+    let limit = 2.0f32;
+    let want: Vec<f64> = (0..x.len())
+        .map(|i| {
+            let block = &x[i / 64 * 64..][..64];
+            match block.iter().any(|v| *v > limit) {
+                true => x[i ^ 1] as f64 * 0.5,
+                false => x[i] as f64,
+            }
+        })
+        .collect();
+    let xb = g.upload(&x).unwrap();
+    let y = g.filled(x.len(), f32::NAN).unwrap();
+    let args = Args::new()
+        .buffer("x", &xb)
+        .buffer("y", &y)
+        .param("limit", limit);
+    g.run(&kernel, &args, Grid::Workgroups([groups as u32, 1, 1]))
+        .unwrap();
+    assert_eq!(max_rel_err(&y.read(g).unwrap(), &want, 1.0), 0.0, "GPU");
+
+    let mut run = hesper::dsl::interp::Run::new([groups as u32, 1, 1])
+        .buffer("x", &x)
+        .buffer("y", &vec![f32::NAN; x.len()])
+        .param("limit", hesper::dsl::interp::ScalarValue::F32(limit));
+    hesper::dsl::interp::interpret(&kernel, &mut run).unwrap();
+    let got: Vec<f32> = run.read("y").unwrap();
+    assert_eq!(max_rel_err(&got, &want, 1.0), 0.0, "interpreter");
+}

@@ -1334,6 +1334,50 @@ impl KernelBuilder {
         self.push(Stmt::WorkgroupBarrier);
     }
 
+    /// `let <hint> = workgroupUniformLoad(&array[index]);`: a workgroup barrier, the element
+    /// read, another barrier. Every invocation gets the same value, and it counts as uniform: a
+    /// branch on it may hold barriers, subgroup and cooperative-matrix operations (a decision
+    /// one invocation wrote for the whole workgroup). Like a barrier it must be reached by the
+    /// whole workgroup, and `index` must be uniform; `finish` reports either as a `DslError`.
+    ///
+    /// ```
+    /// use hesper_dsl::prelude::*;
+    ///
+    /// let key = KernelKey::new("halve_if_any_over").workgroup_size(64);
+    /// let kernel = Kernel::build(&key, |k| {
+    ///     let x = k.storage_rw::<f32>("x");
+    ///     let over = k.workgroup_array::<u32>("over", 1);
+    ///     let i = k.global_index();
+    ///     let i = k.let_("i", i);
+    ///     k.if_(k.local_index().eq(0u32), |k| k.store(&over, 0u32, 0u32));
+    ///     k.workgroup_barrier();
+    ///     // Invocation 0 decides for the workgroup (every invocation writing would race).
+    ///     k.if_(k.local_index().eq(0u32), |k| {
+    ///         let any = select(x.at(&i).gt(1.0f32), lit(1u32), lit(0u32));
+    ///         k.store(&over, 0u32, any);
+    ///     });
+    ///     let decided = k.workgroup_uniform_load("decided", &over, 0u32);
+    ///     k.if_(decided.eq(1u32), |k| {
+    ///         k.workgroup_barrier(); // allowed: every invocation takes this branch or none
+    ///         k.store(&x, &i, x.at(&i) * 0.5f32);
+    ///     });
+    /// })
+    /// .unwrap();
+    /// assert!(kernel.wgsl().contains("let decided = workgroupUniformLoad(&over[0u]);"));
+    /// ```
+    #[track_caller]
+    pub fn workgroup_uniform_load<T: WgslType>(
+        &mut self,
+        hint: &str,
+        array: &WorkgroupArray<T>,
+        index: impl IntoExpr<u32>,
+    ) -> Expr<T> {
+        let place = array.at(index).node;
+        let id = self.new_local(hint, T::ty(), VarKind::Let);
+        self.push(Stmt::UniformLoad { id, place });
+        Expr::wrap(node(ExprKind::Local(id), T::ty()))
+    }
+
     /// `storageBarrier();`
     #[track_caller]
     pub fn storage_barrier(&mut self) {

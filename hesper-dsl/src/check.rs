@@ -113,6 +113,10 @@ impl Checker<'_> {
                 self.declare(*id);
                 self.lets.insert(*id, value.clone());
             }
+            Stmt::UniformLoad { id, place } => {
+                self.expr(place)?;
+                self.declare(*id);
+            }
             Stmt::Var { id, init } => {
                 if let Some(init) = init {
                     self.expr(init)?;

@@ -448,6 +448,12 @@ impl<'k> Flattener<'k> {
             Stmt::WorkgroupBarrier => {
                 self.push(Op::Barrier(true), at, &[])?;
             }
+            Stmt::UniformLoad { id, place } => {
+                // WGSL's definition: a barrier, the read, a barrier.
+                self.push(Op::Barrier(true), at, &[])?;
+                self.push(Op::Let(*id, place), at, &[place])?;
+                self.push(Op::Barrier(true), at, &[])?;
+            }
             Stmt::StorageBarrier => {
                 self.push(Op::Barrier(false), at, &[])?;
             }

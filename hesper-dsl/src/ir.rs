@@ -504,6 +504,12 @@ pub(crate) enum Stmt {
     Return,
     WorkgroupBarrier,
     StorageBarrier,
+    /// `let id = workgroupUniformLoad(&place);`: a workgroup barrier, the read of `place` (an
+    /// element of a workgroup array), another barrier; the value is uniform.
+    UniformLoad {
+        id: VarId,
+        place: Node,
+    },
     /// `coopStoreT(value, &place, stride);` (row-major) or `coopStore(…)` (column-major).
     CoopStore {
         value: Node,
@@ -525,6 +531,7 @@ impl Stmt {
     pub(crate) fn expressions(&self) -> Vec<&Node> {
         match self {
             Stmt::Let { value, .. } | Stmt::Debug { value, .. } => vec![value],
+            Stmt::UniformLoad { place, .. } => vec![place],
             Stmt::Var { init, .. } => init.iter().collect(),
             Stmt::Assign { target, value, .. } => vec![target, value],
             Stmt::If { cond, .. } | Stmt::While { cond, .. } => vec![cond],

@@ -10,7 +10,7 @@
 //! calls of memory-free functions built only from those. `var`s, workgroup memory, read-write
 //! buffers and per-invocation builtins are not.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::builder::KernelBuilder;
 use crate::error::{ErrorKind, Origin, PlacedError};
@@ -59,6 +59,7 @@ pub(crate) fn check(k: &KernelBuilder, body: &Block) -> Result<(), PlacedError> 
         pure,
         lets: HashMap::new(),
         conditions: vec![],
+        uniform_loads: HashSet::new(),
     };
     for f in &k.functions {
         // A function's barriers are judged as if it were called in uniform control flow with
@@ -82,6 +83,8 @@ struct Uniformity<'a> {
     /// being walked: what naga's own, stricter, analysis of cooperative operations reads.
     lets: HashMap<VarId, Node>,
     conditions: Vec<(Node, Origin)>,
+    /// The `let`s bound by `workgroupUniformLoad`.
+    uniform_loads: HashSet<VarId>,
 }
 
 impl Uniformity<'_> {
@@ -173,6 +176,24 @@ impl Uniformity<'_> {
                     "storageBarrier"
                 };
                 return Err(non_uniform(op, "workgroup", ctx));
+            }
+            Stmt::UniformLoad { id, place } => {
+                self.subgroup_ops(place, &ctx)?;
+                if ctx.is_some() {
+                    return Err(non_uniform("workgroupUniformLoad", "workgroup", ctx));
+                }
+                if let Some(c) = self.expr_index(place) {
+                    return Err(non_uniform(
+                        "workgroupUniformLoad",
+                        "workgroup",
+                        Some(format!(
+                            "its index depends on {c}, so the value would not be one for all"
+                        )),
+                    ));
+                }
+                // Uniform by definition, to this walk and to naga's.
+                self.cause.insert(*id, None);
+                self.uniform_loads.insert(*id);
             }
             Stmt::CoopStore {
                 value,
@@ -269,6 +290,7 @@ impl Uniformity<'_> {
             | ExprKind::Global(_) => None,
             ExprKind::Builtin(Builtin::WorkgroupId | Builtin::NumWorkgroups) => None,
             ExprKind::Builtin(b) => Some(format!("`{}`", b.info().1)),
+            ExprKind::Local(id) if self.uniform_loads.contains(id) => None,
             ExprKind::Local(id) => match self.k.locals[id.index as usize].kind {
                 VarKind::Let => match self.lets.get(id) {
                     Some(value) => self.varying_to_naga(value),
@@ -370,6 +392,15 @@ impl Uniformity<'_> {
             ExprKind::Binary(_, a, b) => all(&[a, b]),
             ExprKind::Select(a, b, c) => all(&[a, b, c]),
             ExprKind::Error(_) => culprit("an invalid expression".into()),
+        }
+    }
+
+    /// What makes the index of `place` (an element of a workgroup array) differ between
+    /// invocations.
+    fn expr_index(&self, place: &Node) -> Cause {
+        match &place.kind {
+            ExprKind::Index(_, index) => self.expr(index),
+            _ => None,
         }
     }
 
@@ -496,7 +527,7 @@ fn stmt_touches_memory(s: &Placed) -> bool {
         }
         Stmt::While { cond, body } => touches_memory(cond) || body.iter().any(stmt_touches_memory),
         Stmt::Loop { body } => body.iter().any(stmt_touches_memory),
-        Stmt::CoopStore { .. } => true,
+        Stmt::CoopStore { .. } | Stmt::UniformLoad { .. } => true,
         _ => false,
     }
 }

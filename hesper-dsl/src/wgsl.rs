@@ -324,6 +324,14 @@ impl<'a> Writer<'a> {
             Stmt::Continue => self.line("continue;"),
             Stmt::Return => self.line("return;"),
             Stmt::WorkgroupBarrier => self.line("workgroupBarrier();"),
+            Stmt::UniformLoad { id, place } => {
+                let text = format!(
+                    "let {} = workgroupUniformLoad(&{});",
+                    self.name(*id),
+                    self.expr(place)
+                );
+                self.line(&text);
+            }
             Stmt::StorageBarrier => self.line("storageBarrier();"),
             Stmt::CoopStore {
                 value,

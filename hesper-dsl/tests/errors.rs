@@ -326,6 +326,25 @@ fn barriers_in_non_uniform_control_flow() {
         });
     });
 
+    // `workgroupUniformLoad` is a barrier itself, and its index must be uniform.
+    non_uniform(&|k| {
+        let flags = k.workgroup_array::<u32>("flags", 64);
+        k.if_(k.local_index().lt(32u32), |k| {
+            let _ = k.workgroup_uniform_load("f", &flags, 0u32);
+        });
+    });
+    non_uniform(&|k| {
+        let flags = k.workgroup_array::<u32>("flags", 64);
+        let f = k.workgroup_uniform_load("f", &flags, k.local_index());
+        k.if_(f.eq(1u32), |k| k.workgroup_barrier());
+    });
+    // A branch on workgroup memory read as such is not uniform; read by
+    // `workgroupUniformLoad` it is (below).
+    non_uniform(&|k| {
+        let flags = k.workgroup_array::<u32>("flags", 1);
+        k.if_(flags.at(0u32).eq(1u32), |k| k.workgroup_barrier());
+    });
+
     // Uniform: conditions on workgroup ids, runtime scalars and read-only data at uniform
     // indices; loops with uniform bounds; exits every invocation takes together.
     let key = KernelKey::new("sync_ok").workgroup_size(64);
@@ -340,6 +359,10 @@ fn barriers_in_non_uniform_control_flow() {
             let s = k.workgroup_reduce(1.0f32, Reduce::Sum);
             k.store(&out, &row, s);
         });
+        let flags = k.workgroup_array::<u32>("flags", 4);
+        k.if_(k.local_index().eq(0u32), |k| k.store(&flags, 1u32, 1u32));
+        let f = k.workgroup_uniform_load("f", &flags, row.min(3u32));
+        k.if_(f.eq(1u32), |k| k.workgroup_barrier());
     })
     .unwrap();
 }
