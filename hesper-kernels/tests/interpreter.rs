@@ -771,6 +771,52 @@ fn tensor_core_attention_on_the_interpreter(
         2e-3,
     );
     let scores: Vec<f16> = run.read("d_scores").unwrap();
+
+    // A workgroup per query head: each writes its part of `[G, T, KV·hd]` (poisoned), the parts
+    // added here, and the same `dSᵀ` as above, bit for bit.
+    let group = heads / kv_heads;
+    let mut run = grad(base([blocks, heads as u32, batch as u32]))
+        .buffer("d_k", &nan(group * shape.kv_len()))
+        .buffer("d_v", &nan(group * shape.kv_len()))
+        .buffer("d_scores", &vec![f16::NAN; scores.len()]);
+    let per_head = [
+        ("write_scores", "true".to_string()),
+        ("per_head", "true".to_string()),
+    ];
+    interpret(
+        &build_with("coop_attention_backward_kv", &per_head),
+        &mut run,
+    )
+    .unwrap();
+    let summed = |name: &str| -> Vec<f32> {
+        let parts: Vec<f32> = run.read(name).unwrap();
+        let n = shape.kv_len();
+        (0..n)
+            .map(|i| (0..group).map(|g| parts[g * n + i]).sum())
+            .collect()
+    };
+    check(
+        "dK (a query head at a time)",
+        &summed("d_k"),
+        &want_dk,
+        2e-3,
+    );
+    check(
+        "dV (a query head at a time)",
+        &summed("d_v"),
+        &want_dv,
+        2e-3,
+    );
+    let again: Vec<f16> = run.read("d_scores").unwrap();
+    let same = scores
+        .iter()
+        .zip(&again)
+        .all(|(a, b)| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()));
+    assert!(
+        same,
+        "dSᵀ differs when the key gradients run a query head at a time"
+    );
+
     for (q_tiles, q_step) in [(row_tiles, step), (4, 32)] {
         let q_blocks = seq.div_ceil(16 * q_tiles) as u32;
         let mut run = Run::new([q_blocks, heads as u32, batch as u32])

@@ -95,7 +95,10 @@ fn query_grads_staged(rows: u32, step: u32, ahead: bool) -> u32 {
 fn writes_or_reads_scores(which: Which) -> bool {
     matches!(
         which,
-        Which::KeyGrads { write_scores: true } | Which::QueryGradsFromScores
+        Which::KeyGrads {
+            write_scores: true,
+            ..
+        } | Which::QueryGradsFromScores
     )
 }
 
@@ -116,9 +119,11 @@ pub const SCORES_ALIGN: u32 = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Which {
     Forward,
-    /// `dK`, `dV`; with `write_scores`, the scores' gradients too (the module doc).
+    /// `dK`, `dV`; with `write_scores`, the scores' gradients too; `per_head`: a workgroup
+    /// per query head, each writing its own part of `dK`, `dV` (the module doc).
     KeyGrads {
         write_scores: bool,
+        per_head: bool,
     },
     QueryGrads,
     /// `dQ` from the scores' gradients the key gradients wrote.
@@ -234,7 +239,12 @@ pub(crate) fn key(
 ) -> KernelKey {
     let key = KernelKey::new(which.name());
     let key = match which {
-        Which::KeyGrads { write_scores } => key.shape("write_scores", write_scores),
+        Which::KeyGrads {
+            write_scores,
+            per_head,
+        } => key
+            .shape("write_scores", write_scores)
+            .shape("per_head", per_head),
         _ => key,
     };
     key.workgroup_size(tile.subgroups * subgroup)
@@ -985,6 +995,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
         true => Some(k.storage_rw::<Vec4<F16>>("d_scores")),
         false => None,
     };
+    let per_head = k.shape::<bool>("per_head");
     let tau = k.param::<f32>("scale");
     let (up, down) = grad_scales(k);
     let subgroup: u32 = k.shape("subgroup");
@@ -998,7 +1009,11 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
     let grads = k.workgroup_array::<Vec4<F16>>("grads", p.subgroups * p.probs_len() / 4);
     let q_stats = k.workgroup_array::<f32>("q_stats", 2 * p.step);
-    let kv = p.head.clone();
+    // The workgroup's KV head; per query head, the workgroup's `y` is the query head.
+    let kv = match per_head {
+        true => k.let_("kv", &p.head / p.group),
+        false => p.head.clone(),
+    };
     let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
     let v_rows = rows_of(k, &r.v, &p, p.kv_heads, &kv);
 
@@ -1015,8 +1030,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
     k.comment("Query steps from the one holding the block's first key to the last real row.");
     let first = k.let_("first", &p.origin / p.step);
     let steps = k.let_("q_steps", (&p.len + (p.step - 1)) / p.step);
-    k.for_range("g", 0u32, p.group, |k, g| {
-        let h = k.let_("h", &kv * p.group + &g);
+    let query_head = |k: &mut KernelBuilder, h: Expr<u32>| {
         let q_rows = rows_of(k, &r.q, &p, p.heads, &h);
         let do_rows = rows_of(k, &r.d_out, &p, p.heads, &h);
         // This invocation's row of `dSᵀ` (its key's), where the scores' gradients are written.
@@ -1083,7 +1097,23 @@ fn key_grads_body(k: &mut KernelBuilder) {
             accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
             accumulate(k, &p, &grads, &stage, (0, None), &dk);
         });
-    });
+    };
+    match per_head {
+        true => query_head(k, p.head.clone()),
+        false => k.for_range("g", 0u32, p.group, |k, g| {
+            let h = k.let_("h", &kv * p.group + &g);
+            query_head(k, h)
+        }),
+    }
+    // Per query head, part `head mod G` of `[G, T, KV·hd]` (`T` the batch's tokens).
+    let p = match per_head {
+        true => {
+            let tokens = k.num_workgroups().z() * &p.seq_len;
+            let token0 = k.let_("part_token0", &p.token0 + &p.head % p.group * tokens);
+            Place { token0, ..p }
+        }
+        false => p,
+    };
     let unscale = |_: &Expr<u32>| down.clone();
     store_own(
         k,
@@ -1299,10 +1329,18 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         Which::Forward,
         Which::KeyGrads {
             write_scores: false,
+            per_head: false,
         },
         Which::QueryGrads,
-        Which::KeyGrads { write_scores: true },
+        Which::KeyGrads {
+            write_scores: true,
+            per_head: false,
+        },
         Which::QueryGradsFromScores,
+        Which::KeyGrads {
+            write_scores: true,
+            per_head: true,
+        },
     ]
     .into_iter()
     .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
@@ -1376,8 +1414,12 @@ mod tests {
             Which::Forward,
             Which::KeyGrads {
                 write_scores: false,
+                per_head: false,
             },
-            Which::KeyGrads { write_scores: true },
+            Which::KeyGrads {
+                write_scores: true,
+                per_head: true,
+            },
             Which::QueryGrads,
             Which::QueryGradsFromScores,
         ];
