@@ -769,12 +769,6 @@ const COOP_SEQ_KV_PARAMS: &[Param] = &[
         "also write the scores' gradients dSᵀ (f16, [B, H, S', S'], S' the sequence rounded up \
          to 64) for coop_attention_backward_q_from_scores",
     ),
-    bool_param(
-        "per_head",
-        "false",
-        "a workgroup per query head (not per KV head), writing its part of dK and dV: d_k and \
-         d_v are [heads / kv_heads, T, kv_heads·head_dim], the parts added by gemm_split_sum",
-    ),
 ];
 
 const GEMM_TILE: Param = Param {
@@ -856,18 +850,11 @@ static ENTRIES: [Entry; 56] = [
         module: "attention::coop",
         summary: "causal attention backward on tensor cores, one workgroup per KV block: dK and \
                   dV (f16 products, f32 sums), recomputing P = exp(τ·S − lse); with \
-                  write_scores, dS too; per_head, a workgroup per query head writing its part",
+                  write_scores, dS too",
         params: COOP_SEQ_KV_PARAMS,
         build: |s| {
             let write_scores = s.bool("write_scores");
-            let per_head = s.bool("per_head");
-            coop_attention(
-                s,
-                CoopWhich::KeyGrads {
-                    write_scores,
-                    per_head,
-                },
-            )
+            coop_attention(s, CoopWhich::KeyGrads { write_scores })
         },
     },
     Entry {

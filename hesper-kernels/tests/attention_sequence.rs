@@ -194,9 +194,6 @@ fn backward_on_gpu(
     let mut scores = attention::scores_workspace_len(g, &shape)
         .filter(|_| keep_scores)
         .map(|n| g.filled(n, f16::NAN).unwrap());
-    let mut key_parts = attention::key_parts_workspace_len(g, &shape)
-        .filter(|_| keep_scores)
-        .map(|n| [nan(n), nan(n)]);
     let saved = SeqSaved {
         inputs: SeqInputs {
             q: &qb,
@@ -210,7 +207,6 @@ fn backward_on_gpu(
     let grads = SeqGrads {
         stats: &mut stats,
         scores: scores.as_mut(),
-        key_parts: key_parts.as_mut().map(|[a, b]| [a, b]),
         d_q: &mut dq,
         d_k: &mut dk,
         d_v: &mut dv,
@@ -474,7 +470,6 @@ fn a_backward_past_the_device_loop_limit_is_an_error() {
     let grads = SeqGrads {
         stats: &mut s,
         scores: None,
-        key_parts: None,
         d_q: &mut dq,
         d_k: &mut dk,
         d_v: &mut dv,
@@ -519,7 +514,6 @@ fn a_scores_workspace_of_the_wrong_length_is_an_error() {
     let grads = SeqGrads {
         stats: &mut stats,
         scores: Some(&mut scores),
-        key_parts: None,
         d_q: &mut dq,
         d_k: &mut dk,
         d_v: &mut dv,

@@ -1015,7 +1015,6 @@ fn attention_case(g: &Gpu, rng: &mut Rng) -> Result<String, String> {
         let grads = SeqGrads {
             stats: &mut stats,
             scores: None,
-            key_parts: None,
             d_q: &mut d_q,
             d_k: &mut d_k,
             d_v: &mut d_v,

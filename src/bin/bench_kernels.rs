@@ -440,38 +440,20 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                 };
                 // The backward as it recomputes the scores for dQ, and (where the tensor cores
                 // take one) with the workspace that keeps the scores' gradients instead.
-                // … and, where the key gradients take it, with the workspace for them a query
-                // head at a time too.
                 let mut scores = match attention::scores_workspace_len(&gpu, &shape) {
                     Some(n) => vec![None, Some(gpu.zeros::<f16>(n)?)],
                     None => vec![None],
                 };
-                let mut key_parts = attention::key_parts_workspace_len(&gpu, &shape)
-                    .map(|n| Ok::<_, ExecError>([gpu.zeros::<f32>(n)?, gpu.zeros::<f32>(n)?]))
-                    .transpose()?;
-                let mut variants: Vec<(usize, bool)> =
-                    (0..scores.len()).map(|i| (i, false)).collect();
-                if key_parts.is_some() && scores.len() == 2 {
-                    variants.push((1, true));
-                }
                 let mut backward = Vec::new();
-                for (which, per_head) in variants {
-                    let scores = &mut scores[which];
-                    let name = match (&scores, per_head) {
-                        (Some(_), true) => {
-                            "attention_backward, scores kept, key gradients per head"
-                        }
-                        (Some(_), false) => "attention_backward, scores' gradients kept",
-                        (None, _) => "attention_backward",
+                for scores in scores.iter_mut() {
+                    let name = match scores {
+                        Some(_) => "attention_backward, scores' gradients kept",
+                        None => "attention_backward",
                     };
                     let m = bench(&gpu, name, config, |rec| {
                         let grads = SeqGrads {
                             stats: &mut stats,
                             scores: scores.as_mut(),
-                            key_parts: key_parts
-                                .as_mut()
-                                .filter(|_| per_head)
-                                .map(|[dk, dv]| [dk, dv]),
                             d_q: &mut dq,
                             d_k: &mut dk,
                             d_v: &mut dv,

@@ -13,9 +13,7 @@
 
 use hesper_exec::half::f16;
 use hesper_exec::{Gpu, GpuBuffer};
-use hesper_kernels::attention::{
-    SeqShape, ValidLengths, key_parts_workspace_len, scores_workspace_len,
-};
+use hesper_kernels::attention::{SeqShape, ValidLengths, scores_workspace_len};
 use hesper_kernels::linear::split::gemm_split_scratch_len;
 use hesper_kernels::linear::{GemmPath, HalfBuffers, Precision, Product, gemm_path};
 use hesper_kernels::lora::lora_scratch_len;
@@ -322,9 +320,6 @@ pub(crate) struct Workspace {
     /// The tensor-core attention backward's scores' gradients (`SeqGrads::scores`), where it
     /// takes them.
     pub(crate) scores: Option<GpuBuffer<f16>>,
-    /// The tensor-core key gradients' parts, a query head at a time (`SeqGrads::key_parts`),
-    /// where they run so.
-    pub(crate) key_parts: Option<[GpuBuffer<f32>; 2]>,
     pub(crate) d_q: GpuBuffer<f32>,
     pub(crate) d_k: GpuBuffer<f32>,
     pub(crate) d_v: GpuBuffer<f32>,
@@ -497,9 +492,6 @@ impl StepBuffers {
             stats: buf(2 * t * c.heads)?,
             scores: scores_workspace_len(gpu, &shape.attention(c, model.precision()))
                 .map(|n| gpu.zeros::<f16>(n))
-                .transpose()?,
-            key_parts: key_parts_workspace_len(gpu, &shape.attention(c, model.precision()))
-                .map(|n| Ok::<_, hesper_exec::ExecError>([buf(n)?, buf(n)?]))
                 .transpose()?,
             d_q,
             d_k,
@@ -705,11 +697,6 @@ impl StepBuffers {
             + sum(&mut work.into_iter().map(Some))
             + w.d_gate_up.bytes()
             + w.scores.as_ref().map_or(0, GpuBuffer::bytes)
-            + w.key_parts
-                .iter()
-                .flatten()
-                .map(GpuBuffer::bytes)
-                .sum::<u64>()
             + sum(&mut work_extra.into_iter().map(Option::as_ref))
             + sum(&mut loss.into_iter().map(Some))
             + l.labels_chunk.bytes()

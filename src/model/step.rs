@@ -641,7 +641,6 @@ impl Ctx<'_> {
             d_o_attn,
             stats,
             scores,
-            key_parts,
             d_q,
             d_k,
             d_v,
@@ -743,7 +742,6 @@ impl Ctx<'_> {
         let grads = SeqGrads {
             stats,
             scores: scores.as_mut(),
-            key_parts: key_parts.as_mut().map(|[dk, dv]| [dk, dv]),
             d_q,
             d_k,
             d_v,

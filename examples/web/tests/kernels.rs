@@ -992,7 +992,6 @@ async fn sequence_attention_matches_reference() {
         let grads = SeqGrads {
             stats: &mut stats,
             scores: None,
-            key_parts: None,
             d_q: &mut dq,
             d_k: &mut dk,
             d_v: &mut dv,

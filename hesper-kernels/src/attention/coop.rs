@@ -24,15 +24,12 @@
 //! staged as they are read (four barriers a step): reading ahead measured slower there on the
 //! H200 (BENCHMARKS.md, "Attention on the tensor cores, reading ahead").
 //!
-//! - Forward: one pass over the keys. Cooperative matrices offer no element-wise scaling, so
-//!   the accumulators of `P·V` are not rescaled at every new row maximum (as FlashAttention
-//!   does) but lazily: each row keeps a reference maximum `m` and `P = exp(τ·S − m)`, and `m` is
-//!   raised only when a step's row maximum passes it by [`RESCALE_AT`] (`P ≤ e⁸` otherwise: f16
-//!   keeps its digits). A raise over accumulated values rescales the accumulators through the
-//!   scratch, which takes barriers, so the decision is the workgroup's: each subgroup's wish, one
-//!   invocation's "any", and `workgroupUniformLoad` hands it to all. Scores that grow along the
-//!   sequence by more than `e⁸` take it; the step's random and real attention rarely do. The sum
-//!   `l = Σ P` is rescaled with the accumulators, and each row is stored times `1/l`.
+//! - Forward: two passes over the keys. The first finds each row's maximum `m` (per
+//!   invocation, then across the row's invocations: no `exp`); the second multiplies
+//!   `P = exp(τ·S − m)` by `V` into accumulators that never need rescaling (cooperative
+//!   matrices offer no element-wise scaling), summing `l = Σ P` on the way, and stores each
+//!   row times `1/l`. `Q·Kᵀ` is computed twice: 1.5× the forward's products, in exchange for
+//!   no round trip of the output through memory per key block.
 //! - Backward: `lse` is known, so `P` needs no rescaling either. The gradients of a mean loss
 //!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
 //!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
@@ -66,10 +63,6 @@ const NEG_BIG: f32 = -1.0e30;
 const PAD: u32 = 8;
 /// Floats of padding after each scratch row.
 const SCRATCH_PAD: u32 = 4;
-/// How far a step's row maximum may pass the forward's reference maximum `m` before `m` is
-/// raised and the accumulators rescaled: `P = exp(τ·S − m)` stays at most `e⁸ ≈ 2981`, well
-/// inside f16, whose relative rounding is the same at any size.
-const RESCALE_AT: f32 = 8.0;
 /// The most vec4s an invocation holds in registers between their read and their staging.
 /// Reading a step ahead pays while the registers fit beside the fragments and accumulators:
 /// on the H200 (BENCHMARKS.md, "Attention on the tensor cores, reading ahead") 8 and 16 gained
@@ -95,10 +88,7 @@ fn query_grads_staged(rows: u32, step: u32, ahead: bool) -> u32 {
 fn writes_or_reads_scores(which: Which) -> bool {
     matches!(
         which,
-        Which::KeyGrads {
-            write_scores: true,
-            ..
-        } | Which::QueryGradsFromScores
+        Which::KeyGrads { write_scores: true } | Which::QueryGradsFromScores
     )
 }
 
@@ -119,11 +109,9 @@ pub const SCORES_ALIGN: u32 = 64;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Which {
     Forward,
-    /// `dK`, `dV`; with `write_scores`, the scores' gradients too; `per_head`: a workgroup
-    /// per query head, each writing its own part of `dK`, `dV` (the module doc).
+    /// `dK`, `dV`; with `write_scores`, the scores' gradients too (the module doc).
     KeyGrads {
         write_scores: bool,
-        per_head: bool,
     },
     QueryGrads,
     /// `dQ` from the scores' gradients the key gradients wrote.
@@ -164,12 +152,7 @@ impl CoopSeqTile {
         let scratch = 4 * 16 * (step + SCRATCH_PAD) * self.subgroups;
         let probs = 2 * 16 * (step + PAD) * self.subgroups;
         match which {
-            Which::Forward => {
-                // `row_scale`, `row_alpha`; the rescale flags and decision (each array taking
-                // whole 16 bytes).
-                let flags = (4 * self.subgroups).next_multiple_of(16) + 16;
-                block.max(2 * step) * row + scratch + probs + 8 * block + flags
-            }
+            Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
             Which::KeyGrads { .. } => {
                 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step
             }
@@ -239,12 +222,7 @@ pub(crate) fn key(
 ) -> KernelKey {
     let key = KernelKey::new(which.name());
     let key = match which {
-        Which::KeyGrads {
-            write_scores,
-            per_head,
-        } => key
-            .shape("write_scores", write_scores)
-            .shape("per_head", per_head),
+        Which::KeyGrads { write_scores } => key.shape("write_scores", write_scores),
         _ => key,
     };
     key.workgroup_size(tile.subgroups * subgroup)
@@ -718,48 +696,6 @@ fn store_own(
     }
 }
 
-/// Multiply each of the subgroup's 16 rows of the accumulators by its factor in `row_alpha`,
-/// through the scratch a fragment at a time (cooperative matrices have no element access):
-/// store, scale the fragment's 64 vec4s (`subgroup` at a time), load back. Called where the
-/// whole workgroup takes it (its barriers).
-fn rescale_accumulators(
-    k: &mut KernelBuilder,
-    p: &Place,
-    acc: &[Var<Acc>],
-    scratch: &WorkgroupArray<Vec4<f32>>,
-    row_alpha: &WorkgroupArray<f32>,
-    subgroup: u32,
-) {
-    let base = k.let_("scratch_at", &p.sg * (p.scratch_len() / 4));
-    let invocation = k.subgroup_invocation_id();
-    for c in acc {
-        k.coop_store(scratch, &base, p.scratch_row() / 4, Major::Row, c.get());
-        k.workgroup_barrier();
-        for i in 0..64u32.div_ceil(subgroup) {
-            let e = k.let_("e", offset(&invocation, i * subgroup));
-            let scale = |k: &mut KernelBuilder| {
-                let r = k.let_("r", &e / 4u32);
-                let at = k.let_("at", &base + &r * (p.scratch_row() / 4) + &e % 4u32);
-                let alpha = row_alpha.at(&p.sg * 16u32 + &r);
-                k.store(
-                    scratch,
-                    &at,
-                    scratch.at(&at) * Expr::<Vec4<f32>>::splat(alpha),
-                );
-            };
-            match subgroup > 64 {
-                true => k.if_(e.lt(64u32), scale),
-                false => scale(k),
-            }
-        }
-        k.workgroup_barrier();
-        let scaled = k.coop_load::<Acc, _>(scratch, &base, p.scratch_row() / 4, Major::Row);
-        k.assign(c, scaled);
-        // The next fragment's store must not overwrite what others of the subgroup still load.
-        k.workgroup_barrier();
-    }
-}
-
 fn accumulators(k: &mut KernelBuilder, p: &Place, hint: &str) -> Vec<Var<Acc>> {
     (0..p.hd / 16)
         .map(|_| k.var(hint, Expr::<Acc>::zero()))
@@ -805,12 +741,8 @@ fn forward_body(k: &mut KernelBuilder) {
     let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
     let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
     let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
-    // Each owned row's 1/l; during the loop, each row's rescale factor and each subgroup's
-    // wish to rescale, and the workgroup's decision.
+    // Each owned row's 1/l.
     let row_scale = k.workgroup_array::<f32>("row_scale", block);
-    let row_alpha = k.workgroup_array::<f32>("row_alpha", block);
-    let rescale_flags = k.workgroup_array::<u32>("rescale_flags", p.subgroups);
-    let rescale_decision = k.workgroup_array::<u32>("rescale_decision", 1);
     let kv = k.let_("kv", &p.head / p.group);
     let q_rows = rows_of(k, &q, &p, p.heads, &p.head);
     let k_rows = rows_of(k, &kb, &p, p.kv_heads, &kv);
@@ -826,20 +758,63 @@ fn forward_body(k: &mut KernelBuilder) {
         k.let_("valid", key.le(&my_row).and(key.lt(&p.len)))
     };
 
-    k.comment("One pass: O = Σ P·V with P = exp(τ·S − m), m each row's reference maximum, raised");
-    k.comment(
-        "only when a step's maximum passes it by RESCALE_AT (the accumulators then rescaled).",
-    );
+    k.comment("First pass: the row's maximum, per invocation.");
     let m = k.var("m", lit(NEG_BIG));
+    // Keys and values read a step ahead, where the registers allow it.
+    let k_next = reads_ahead(&p, 2).then(|| ahead(k, &p, p.step, "k_next"));
+    if let Some(k_next) = &k_next {
+        k_next.fetch(k, &p, &k_rows, &lit(0u32));
+        k.workgroup_barrier();
+        k_next.stage(k, &p, (&stage, 0, None), None);
+        k.workgroup_barrier();
+    }
+    k.for_range("key_step", 0u32, &steps, |k, ks| {
+        let c0 = k.let_("c0", &ks * p.step);
+        let more = match &k_next {
+            Some(k_next) => {
+                let more = k.let_("more", (&ks + 1u32).lt(&steps));
+                let c1 = k.let_("c1", &c0 + p.step);
+                k.comment("Read the next step's keys into registers while this one multiplies.");
+                k.if_(&more, |k| k_next.fetch(k, &p, &k_rows, &c1));
+                Some(more)
+            }
+            None => {
+                k.workgroup_barrier();
+                stage_rows(k, &p, &stage, (&k_rows, &c0, p.step), 0, None);
+                k.workgroup_barrier();
+                None
+            }
+        };
+        scores_into(k, &p, &own, &stage, (0, None), &scratch);
+        k.workgroup_barrier();
+        let read = scratch_reads(k, &p, &scratch);
+        let scores: Vec<Expr<f32>> = (my_columns(&p).iter().zip(read))
+            .map(|(col, s)| {
+                let ok = valid(k, &(&c0 + col));
+                k.let_("ts", select(ok, s * &tau, lit(NEG_BIG)))
+            })
+            .collect();
+        let top = scores.iter().fold(m.get(), |a, s| a.max(s.clone()));
+        k.assign(&m, top);
+        if let (Some(k_next), Some(more)) = (&k_next, &more) {
+            k.workgroup_barrier();
+            k.if_(more, |k| k_next.stage(k, &p, (&stage, 0, None), None));
+            k.workgroup_barrier();
+        }
+    });
+    k.comment("Across the row's invocations.");
+    let mut mask = 1;
+    while mask < p.per_row {
+        let m_other = k.subgroup_shuffle_xor(m.get(), mask);
+        k.assign(&m, m.get().max(m_other));
+        mask *= 2;
+    }
+
+    k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m), at most 1 (f16 keeps its digits);");
+    k.comment("no rescaling; the sum l = Σ P on the way, each row times 1/l when stored.");
     let l = k.var("l", lit(0.0f32));
     let acc = accumulators(k, &p, "o_acc");
-    // Keys and values read a step ahead, where the registers allow it.
-    let kv_next = reads_ahead(&p, 2).then(|| {
-        (
-            ahead(k, &p, p.step, "k_next"),
-            ahead(k, &p, p.step, "v_next"),
-        )
-    });
+    let kv_next = k_next.map(|k_next| (k_next, ahead(k, &p, p.step, "v_next")));
     let stage_next = |k: &mut KernelBuilder, (k_next, v_next): &(Ahead, Ahead)| {
         k_next.stage(k, &p, (&stage, 0, None), None);
         v_next.stage(k, &p, (&stage, p.step, None), None);
@@ -851,7 +826,6 @@ fn forward_body(k: &mut KernelBuilder) {
         stage_next(k, next);
         k.workgroup_barrier();
     }
-    let lane_id = k.let_("lane_id", k.subgroup_invocation_id());
     k.for_range("key_step", 0u32, &steps, |k, ks| {
         let c0 = k.let_("c0", &ks * p.step);
         let more = match &kv_next {
@@ -875,56 +849,17 @@ fn forward_body(k: &mut KernelBuilder) {
         };
         scores_into(k, &p, &own, &stage, (0, None), &scratch);
         k.workgroup_barrier();
-        let read = scratch_reads(k, &p, &scratch);
-        let scores: Vec<(Expr<bool>, Expr<f32>)> = (my_columns(&p).iter().zip(read))
+        let scores = scratch_reads(k, &p, &scratch);
+        let probs_of: Vec<Expr<f32>> = (my_columns(&p).iter().zip(scores))
             .map(|(col, s)| {
                 let ok = valid(k, &(&c0 + col));
-                let ts = k.let_("ts", select(ok.clone(), s * &tau, lit(NEG_BIG)));
-                (ok, ts)
+                k.let_("p", select(ok, (s * &tau - m.get()).exp(), lit(0.0f32)))
             })
             .collect();
-        let top = scores
-            .iter()
-            .fold(lit(NEG_BIG), |a, (_, s)| a.max(s.clone()));
-        let top = k.let_("top", top);
-        k.comment("The step's row maximum, across the row's invocations.");
-        let mut top = top;
-        let mut mask = 1;
-        while mask < p.per_row {
-            let other = k.subgroup_shuffle_xor(top.clone(), mask);
-            top = k.let_("top", top.max(other));
-            mask *= 2;
-        }
-        let raise = k.let_("raise", top.gt(m.get() + RESCALE_AT));
-        let m_new = k.let_("m_new", select(raise.clone(), top, m.get()));
-        // 1 where m stays; 0 where it was NEG_BIG (nothing accumulated yet).
-        let alpha = k.let_("alpha", (m.get() - &m_new).exp());
-        let rescale = raise & m.get().gt(NEG_BIG);
-        let any = k.subgroup_max(select(rescale, lit(1u32), lit(0u32)));
-        k.if_(lane_id.eq(0u32), |k| k.store(&rescale_flags, &p.sg, any));
-        k.if_(p.part.eq(0u32), |k| {
-            k.store(&row_alpha, &p.sg * 16u32 + &p.row, &alpha)
-        });
-        k.assign(&m, &m_new);
-        let probs_of: Vec<Expr<f32>> = scores
-            .into_iter()
-            .map(|(ok, ts)| k.let_("p", select(ok, (ts - m.get()).exp(), lit(0.0f32))))
-            .collect();
         let sum = probs_of.iter().cloned().reduce(|a, b| a + b);
-        k.assign(&l, l.get() * &alpha + sum.unwrap_or(lit(0.0f32)));
+        k.assign(&l, l.get() + sum.unwrap_or(lit(0.0f32)));
         tile_stores(k, &p, &probs, probs_of);
         k.workgroup_barrier();
-        k.comment("Whether any row of the workgroup raised its m over accumulated values: one");
-        k.comment("decision for all, as the rescale's barriers need.");
-        k.if_(p.lid.eq(0u32), |k| {
-            let flags =
-                (1..p.subgroups).fold(rescale_flags.at(0u32), |a, i| a.max(rescale_flags.at(i)));
-            k.store(&rescale_decision, 0u32, flags);
-        });
-        let go = k.workgroup_uniform_load("rescale", &rescale_decision, 0u32);
-        k.if_(go.ne(0u32), |k| {
-            rescale_accumulators(k, &p, &acc, &scratch, &row_alpha, subgroup)
-        });
         accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
         if let (Some(next), Some(more)) = (&kv_next, &more) {
             k.workgroup_barrier();
@@ -995,7 +930,6 @@ fn key_grads_body(k: &mut KernelBuilder) {
         true => Some(k.storage_rw::<Vec4<F16>>("d_scores")),
         false => None,
     };
-    let per_head = k.shape::<bool>("per_head");
     let tau = k.param::<f32>("scale");
     let (up, down) = grad_scales(k);
     let subgroup: u32 = k.shape("subgroup");
@@ -1009,11 +943,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
     let grads = k.workgroup_array::<Vec4<F16>>("grads", p.subgroups * p.probs_len() / 4);
     let q_stats = k.workgroup_array::<f32>("q_stats", 2 * p.step);
-    // The workgroup's KV head; per query head, the workgroup's `y` is the query head.
-    let kv = match per_head {
-        true => k.let_("kv", &p.head / p.group),
-        false => p.head.clone(),
-    };
+    let kv = p.head.clone();
     let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
     let v_rows = rows_of(k, &r.v, &p, p.kv_heads, &kv);
 
@@ -1030,7 +960,8 @@ fn key_grads_body(k: &mut KernelBuilder) {
     k.comment("Query steps from the one holding the block's first key to the last real row.");
     let first = k.let_("first", &p.origin / p.step);
     let steps = k.let_("q_steps", (&p.len + (p.step - 1)) / p.step);
-    let query_head = |k: &mut KernelBuilder, h: Expr<u32>| {
+    k.for_range("g", 0u32, p.group, |k, g| {
+        let h = k.let_("h", &kv * p.group + &g);
         let q_rows = rows_of(k, &r.q, &p, p.heads, &h);
         let do_rows = rows_of(k, &r.d_out, &p, p.heads, &h);
         // This invocation's row of `dSᵀ` (its key's), where the scores' gradients are written.
@@ -1097,23 +1028,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
             accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
             accumulate(k, &p, &grads, &stage, (0, None), &dk);
         });
-    };
-    match per_head {
-        true => query_head(k, p.head.clone()),
-        false => k.for_range("g", 0u32, p.group, |k, g| {
-            let h = k.let_("h", &kv * p.group + &g);
-            query_head(k, h)
-        }),
-    }
-    // Per query head, part `head mod G` of `[G, T, KV·hd]` (`T` the batch's tokens).
-    let p = match per_head {
-        true => {
-            let tokens = k.num_workgroups().z() * &p.seq_len;
-            let token0 = k.let_("part_token0", &p.token0 + &p.head % p.group * tokens);
-            Place { token0, ..p }
-        }
-        false => p,
-    };
+    });
     let unscale = |_: &Expr<u32>| down.clone();
     store_own(
         k,
@@ -1329,18 +1244,10 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         Which::Forward,
         Which::KeyGrads {
             write_scores: false,
-            per_head: false,
         },
         Which::QueryGrads,
-        Which::KeyGrads {
-            write_scores: true,
-            per_head: false,
-        },
+        Which::KeyGrads { write_scores: true },
         Which::QueryGradsFromScores,
-        Which::KeyGrads {
-            write_scores: true,
-            per_head: true,
-        },
     ]
     .into_iter()
     .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
@@ -1414,12 +1321,8 @@ mod tests {
             Which::Forward,
             Which::KeyGrads {
                 write_scores: false,
-                per_head: false,
             },
-            Which::KeyGrads {
-                write_scores: true,
-                per_head: true,
-            },
+            Which::KeyGrads { write_scores: true },
             Which::QueryGrads,
             Which::QueryGradsFromScores,
         ];

@@ -15,7 +15,7 @@ pub use decode::{
 };
 pub use sequence::{
     SeqGrads, SeqInputs, SeqSaved, SeqShape, SeqTile, ValidLengths, execute_attention_backward,
-    execute_attention_forward, key_parts_workspace_len, scores_workspace_len,
+    execute_attention_forward, scores_workspace_len,
 };
 
 /// The WGSL of this module's kernels at representative shapes.

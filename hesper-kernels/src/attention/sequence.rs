@@ -61,14 +61,9 @@
 //! let mut scores = attention::scores_workspace_len(&gpu, &shape)
 //!     .map(|n| gpu.zeros(n))
 //!     .transpose()?;
-//! // Where the tensor-core key gradients run a workgroup per query head, their parts go here.
-//! let mut key_parts = attention::key_parts_workspace_len(&gpu, &shape)
-//!     .map(|n| Ok::<_, hesper_exec::ExecError>([gpu.zeros(n)?, gpu.zeros(n)?]))
-//!     .transpose()?;
 //! let grads = SeqGrads {
 //!     stats: &mut stats,
 //!     scores: scores.as_mut(),
-//!     key_parts: key_parts.as_mut().map(|[dk, dv]| [dk, dv]),
 //!     d_q: &mut d_q,
 //!     d_k: &mut d_k,
 //!     d_v: &mut d_v,
@@ -1721,51 +1716,11 @@ pub struct SeqGrads<'a> {
     /// recompute the scores and the softmax ([`super::coop`], "The scores' gradients kept");
     /// elsewhere it is left untouched.
     pub scores: Option<&'a mut GpuBuffer<f16>>,
-    /// Workspace for the key gradients a query head at a time, or `None`: two buffers of
-    /// [`key_parts_workspace_len`] f32 values. Where that says `Some`, the tensor-core key
-    /// gradients run a workgroup per query head (not per KV head, looping over its `G` query
-    /// heads), each writing its own part of `dK` and `dV` here, and the parts are added into
-    /// `d_k`, `d_v`: `G` times the workgroups, each a `G`-th of the work. Elsewhere it is left
-    /// untouched.
-    pub key_parts: Option<[&'a mut GpuBuffer<f32>; 2]>,
     /// `dQ [T, H·hd]` and `dK`, `dV [T, KV·hd]`, overwritten (w.r.t. the rotated `Q`, `K`);
     /// zeros on padded rows.
     pub d_q: &'a mut GpuBuffer<f32>,
     pub d_k: &'a mut GpuBuffer<f32>,
     pub d_v: &'a mut GpuBuffer<f32>,
-}
-
-/// Below this many workgroups of the tensor-core key gradients (one per key block, KV head and
-/// sequence) they run a workgroup per query head instead ([`key_parts_workspace_len`]): each
-/// workgroup steps through every query at or after its keys, `G` heads of them, so a small
-/// grid's time is its longest workgroup's (at SmolLM2's shape the B = 32 launch, four times the
-/// workgroups, took 2.7 times B = 8's: B = 8 leaves the GPU idle). Split, a workgroup per
-/// query head does a `G`-th of that chain; the parts' sums cost one more pass over `dK`, `dV`.
-pub const KEY_PARTS_BELOW_WORKGROUPS: usize = 1024;
-
-/// The length of each of the two buffers of [`SeqGrads::key_parts`] (`[G, T, KV·hd]` f32: the
-/// key gradients' parts, one per query head of a group) where [`execute_attention_backward`]
-/// takes them at `shape` on `gpu`: the tensor-core key gradients run there, KV heads are shared
-/// (`G` = `heads / kv_heads` from 2 to 16), their grid is under
-/// [`KEY_PARTS_BELOW_WORKGROUPS`], and a part fits one storage binding. `None`: a workgroup per
-/// KV head writes `dK`, `dV` directly (no workspace needed).
-pub fn key_parts_workspace_len(gpu: &Gpu, shape: &SeqShape) -> Option<usize> {
-    let group = shape.heads / shape.kv_heads.max(1);
-    if !(2..=crate::linear::coop::MAX_SPLITS as usize).contains(&group) {
-        return None;
-    }
-    let which = Which::KeyGrads {
-        write_scores: scores_plan(gpu, shape).is_some(),
-        per_head: true,
-    };
-    let (tile, _) = coop_tile(gpu, shape, which)?;
-    let blocks = shape.seq_len.div_ceil(tile.block() as usize);
-    let workgroups = blocks
-        .checked_mul(shape.kv_heads)?
-        .checked_mul(shape.batch)?;
-    let len = shape.q_len();
-    let fits = (len as u64).checked_mul(4)? <= gpu.wgpu_limits().max_storage_buffer_binding_size;
-    (workgroups < KEY_PARTS_BELOW_WORKGROUPS && fits).then_some(len)
 }
 
 /// The largest head dimension at which the backward keeps the scores' gradients. On an H100
@@ -1799,10 +1754,7 @@ fn scores_plan(gpu: &Gpu, shape: &SeqShape) -> Option<ScoresPlan> {
     if shape.head_dim > SCORES_MAX_HEAD_DIM {
         return None;
     }
-    let kv = Which::KeyGrads {
-        write_scores: true,
-        per_head: false,
-    };
+    let kv = Which::KeyGrads { write_scores: true };
     let (kv_tile, subgroup) = coop_tile(gpu, shape, kv)?;
     let (q_tile, _) = coop_tile(gpu, shape, Which::QueryGradsFromScores)?;
     let len = shape.scores_len()?;
@@ -1861,24 +1813,11 @@ pub fn execute_attention_backward(
             "[batch, heads, S', S'] (scores_len)",
         )?;
     }
-    if let Some(parts) = &grads.key_parts {
-        for (buf, what) in parts.iter().zip(["key_parts[0]", "key_parts[1]"]) {
-            expect_len(
-                name,
-                what,
-                buf,
-                shape.q_len(),
-                "[heads / kv_heads, batch·seq_len, kv_heads·head_dim] (key_parts_workspace_len)",
-            )?;
-        }
-    }
     if shape.tokens() == 0 {
         return Ok(());
     }
     let padded = saved.inputs.lens.is_some();
     let gpu = rec.gpu();
-    // The key gradients a query head at a time, where there is a workspace and the rule says so.
-    let per_head = grads.key_parts.is_some() && key_parts_workspace_len(gpu, &shape).is_some();
     let lanes = match gpu.kernel_features().contains(Features::SUBGROUPS) {
         true => stats_lanes(shape.head_dim as u32, gpu.subgroup_size()),
         false => 1,
@@ -1891,11 +1830,7 @@ pub fn execute_attention_backward(
     let keep_scores = plan.is_some();
     let coop_tiles = match plan {
         Some(plan) => {
-            let kv_which = Which::KeyGrads {
-                write_scores: true,
-                per_head,
-            };
-            let kv = (kv_which, plan.kv_tile);
+            let kv = (Which::KeyGrads { write_scores: true }, plan.kv_tile);
             Some((
                 kv,
                 (Which::QueryGradsFromScores, plan.q_tile),
@@ -1905,7 +1840,6 @@ pub fn execute_attention_backward(
         None => {
             let kv_which = Which::KeyGrads {
                 write_scores: false,
-                per_head,
             };
             let kv = coop_tile(gpu, &shape, kv_which);
             let q = coop_tile(gpu, &shape, Which::QueryGrads);
@@ -1917,14 +1851,10 @@ pub fn execute_attention_backward(
         Some(((kv_which, kv_tile), (q_which, q_tile), subgroup)) => {
             let kv_key = coop::key(kv_which, &shape, kv_tile, subgroup, padded);
             let q_key = coop::key(q_which, &shape, q_tile, subgroup, padded);
-            let kv_heads = match per_head {
-                true => shape.heads,
-                false => shape.kv_heads,
-            };
             (
                 gpu.kernel(&kv_key, kv_which.body())?,
                 gpu.kernel(&q_key, q_which.body())?,
-                coop_grid(&shape, kv_tile, kv_heads),
+                coop_grid(&shape, kv_tile, shape.kv_heads),
                 coop_grid(&shape, q_tile, shape.heads),
                 true,
             )
@@ -1975,36 +1905,14 @@ pub fn execute_attention_backward(
             false => args.buffer_vec4(name, buf),
         }
     }
-    // Per query head (tensor cores only: `per_head` implies `coop`), the key gradients write
-    // their parts, added into `d_k`, `d_v` after them.
-    let parts = match (&grads.key_parts, coop && per_head) {
-        (Some([dk, dv]), true) => {
-            let group = (shape.heads / shape.kv_heads) as u32;
-            let sum = crate::linear::split::sum_kernel(gpu, group)?;
-            let n4 = expect_u32(name, "kv_len / 4", shape.kv_len() / 4)?;
-            Some((&**dk, &**dv, sum, n4))
-        }
-        _ => None,
-    };
-    let (dk_out, dv_out) = match &parts {
-        Some((dk, dv, ..)) => (*dk, *dv),
-        None => (&*grads.d_k, &*grads.d_v),
-    };
-    let args = out(shared()?, "d_k", dk_out, coop);
-    let args = out(args, "d_v", dv_out, coop);
-    let args = match grads.scores.as_deref().filter(|_| keep_scores) {
-        Some(scores) => args.buffer_vec4("d_scores", scores),
-        None => args,
-    };
-    rec.launch(&kv_kernel, &args, kv_grid)?;
-    if let Some((dk, dv, sum, n4)) = &parts {
-        crate::linear::split::record_sum(rec, sum, dk, grads.d_k, *n4)?;
-        crate::linear::split::record_sum(rec, sum, dv, grads.d_v, *n4)?;
-    }
+    let args = out(shared()?, "d_k", &*grads.d_k, coop);
+    let args = out(args, "d_v", &*grads.d_v, coop);
     let Some(scores) = grads.scores.filter(|_| keep_scores) else {
+        rec.launch(&kv_kernel, &args, kv_grid)?;
         let args = out(shared()?, "d_q", &*grads.d_q, coop);
         return rec.launch(&q_kernel, &args, q_grid);
     };
+    rec.launch(&kv_kernel, &args.buffer_vec4("d_scores", &*scores), kv_grid)?;
     let args = Args::new()
         .buffer_vec4("k", saved.inputs.k)
         .buffer_vec4("d_scores", &*scores)

@@ -35,7 +35,7 @@
 
 use hesper_dsl::Limits;
 use hesper_dsl::prelude::*;
-use hesper_exec::{Args, CompiledKernel, ExecError, Gpu, GpuBuffer, Grid, Recorder};
+use hesper_exec::{Args, ExecError, Gpu, GpuBuffer, Grid, Recorder};
 
 use super::{
     Fusion, Gemm, Operand, OutputBuffer, Precision, Weights, check_gemm, coop, execute_gemm_fused,
@@ -156,30 +156,6 @@ pub fn execute_gemm_split_fused<'a>(
         .buffer_vec4("out", &**out)
         .param("n4", n4);
     rec.launch(&sum, &args, Grid::Threads(u64::from(n4)))
-}
-
-/// The sum of `parts` slices ([`record_sum`]), compiled.
-pub(crate) fn sum_kernel(
-    gpu: &Gpu,
-    parts: u32,
-) -> Result<std::sync::Arc<CompiledKernel>, ExecError> {
-    gpu.kernel(&sum_key(parts, false), sum_body)
-}
-
-/// `out = Σ_z slices[z]` for slices of `n4` vec4s each (`out` overwritten), by `sum` from
-/// [`sum_kernel`].
-pub(crate) fn record_sum(
-    rec: &mut Recorder<'_>,
-    sum: &CompiledKernel,
-    slices: &GpuBuffer<f32>,
-    out: &GpuBuffer<f32>,
-    n4: u32,
-) -> Result<(), ExecError> {
-    let args = Args::new()
-        .buffer_vec4("slices", slices)
-        .buffer_vec4("out", out)
-        .param("n4", n4);
-    rec.launch(sum, &args, Grid::Threads(u64::from(n4)))
 }
 
 fn sum_key(parts: u32, accumulate: bool) -> KernelKey {
