@@ -681,3 +681,135 @@ fn block_major_inputs_match_reference() {
     .unwrap();
     assert!(rec.is_empty());
 }
+
+/// Each subgroup's accumulator, `steps` times: `acc = f·acc + A·B`, where `f` is row `r`'s
+/// `alpha[r]` on the steps its workgroup decides to rescale (`flags`, read by one invocation and
+/// handed to all by `workgroupUniformLoad`) and 1 on the others. The rescale is the pattern a
+/// one-pass attention forward needs: the accumulator stored to workgroup memory, each row
+/// scaled element by element, loaded back, all under a branch every invocation takes or none.
+fn rescale_probe(steps: u32) -> Kernel {
+    type TileA = CoopMat<F16, CoopA>;
+    type TileB = CoopMat<F16, CoopB>;
+    type Acc = CoopMat<f32, CoopC>;
+    let key = KernelKey::new("coop_rescale_probe")
+        .workgroup_size(64)
+        .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
+        .shape("steps", steps);
+    Kernel::build(&key, |k| {
+        let a = k.storage::<F16>("a");
+        let b = k.storage::<F16>("b");
+        let alpha = k.storage::<f32>("alpha");
+        let flags = k.storage::<u32>("flags");
+        let out = k.storage_rw::<f32>("out");
+        let scratch = k.workgroup_array::<f32>("scratch", 2 * 256);
+        let decision = k.workgroup_array::<u32>("decision", 1);
+        let wg = k.let_("wg", k.workgroup_id().x());
+        let sg = k.let_("sg", k.subgroup_id());
+        let lane = k.let_("lane", k.subgroup_invocation_id());
+        let lid = k.let_("lid", k.local_index());
+        let tile = k.let_("tile", (&wg * 2u32 + &sg) * 256u32);
+        let left = k.coop_load::<TileA, _>(&a, &tile, 16u32, Major::Row);
+        let right = k.coop_load::<TileB, _>(&b, &tile, 16u32, Major::Row);
+        let acc = k.var("acc", Expr::<Acc>::zero());
+        let mine = k.let_("mine", &sg * 256u32);
+        k.for_range("s", 0u32, steps, |k, s| {
+            k.if_(lid.eq(0u32), |k| {
+                k.store(&decision, 0u32, flags.at(&wg * steps + &s))
+            });
+            let go = k.workgroup_uniform_load("go", &decision, 0u32);
+            k.if_(go.ne(0u32), |k| {
+                k.coop_store(&scratch, &mine, 16u32, Major::Row, acc.get());
+                k.workgroup_barrier();
+                for i in 0..8u32 {
+                    let e = k.let_("e", &lane + i * 32);
+                    let f = alpha.at((&wg * 2u32 + &sg) * 16u32 + &e / 16u32);
+                    k.store(&scratch, &mine + &e, scratch.at(&mine + &e) * f);
+                }
+                k.workgroup_barrier();
+                let scaled = k.coop_load::<Acc, _>(&scratch, &mine, 16u32, Major::Row);
+                k.assign(&acc, scaled);
+                k.workgroup_barrier();
+            });
+            k.assign(
+                &acc,
+                coop_multiply_add(left.clone(), right.clone(), acc.get()),
+            );
+        });
+        k.coop_store(&out, &tile, 16u32, Major::Row, acc.get());
+    })
+    .expect("coop_rescale_probe builds")
+}
+
+/// [`rescale_probe`] against the f64 recurrence on f16-exact inputs, workgroups taking the
+/// rescale on different steps (never, always, some): on the DSL's interpreter's tensor cores
+/// (CI), and on the test device's where it has them with subgroups of 32. A one-pass attention
+/// forward built on this pattern (BENCHMARKS.md, "Tried, not taken: the tensor-core forward in
+/// one pass") passed on the interpreter and was wrong on the H200: this is the pattern alone.
+#[test]
+fn an_accumulator_rescaled_under_a_workgroup_uniform_decision() {
+    let interpreter = hesper_kernels::testing::interpreter_with_tensor_cores();
+    let mut devices = vec![("interpreter", interpreter)];
+    if coop::subgroup_size(gpu()) == Some(32) {
+        devices.push(("test device", gpu()));
+    }
+    let (groups, steps) = (4usize, 3u32);
+    let flags: Vec<u32> = [[0, 0, 0], [1, 1, 1], [0, 1, 0], [1, 0, 1]].concat();
+    let mut rng = Rng::new(91);
+    let halves = |n: usize, rng: &mut Rng| -> Vec<f16> {
+        rng.vec(n, 1.0).into_iter().map(f16::from_f32).collect()
+    };
+    let (a, b) = (
+        halves(groups * 512, &mut rng),
+        halves(groups * 512, &mut rng),
+    );
+    let alpha: Vec<f32> = (0..groups * 32)
+        .map(|i| 0.25 + (i % 7) as f32 * 0.125)
+        .collect();
+    let mut want = vec![0f64; groups * 512];
+    for t in 0..groups * 2 {
+        let (wg, at) = (t / 2, t * 256);
+        for r in 0..16 {
+            for c in 0..16 {
+                let ab: f64 = (0..16)
+                    .map(|d| a[at + r * 16 + d].to_f64() * b[at + d * 16 + c].to_f64())
+                    .sum();
+                let mut acc = 0f64;
+                for s in 0..steps as usize {
+                    if flags[wg * steps as usize + s] != 0 {
+                        acc *= alpha[t * 16 + r] as f64;
+                    }
+                    acc += ab;
+                }
+                want[at + r * 16 + c] = acc;
+            }
+        }
+    }
+    let kernel = rescale_probe(steps);
+    for (name, g) in devices {
+        let up16 = |v: &[f16]| g.upload(v).unwrap();
+        let (ab, bb) = (up16(&a), up16(&b));
+        let (alphab, flagsb) = (g.upload(&alpha).unwrap(), g.upload(&flags).unwrap());
+        let out = g.filled(groups * 512, f32::NAN).unwrap();
+        let args = hesper_exec::Args::new()
+            .buffer("a", &ab)
+            .buffer("b", &bb)
+            .buffer("alpha", &alphab)
+            .buffer("flags", &flagsb)
+            .buffer("out", &out);
+        g.run(
+            &kernel,
+            &args,
+            hesper_exec::Grid::Workgroups([groups as u32, 1, 1]),
+        )
+        .unwrap();
+        let got = out.read(g).unwrap();
+        let largest = want.iter().fold(0f64, |m, w| m.max(w.abs()));
+        let err = worst(got.iter().zip(&want).map(|(g, w)| (*g as f64 - w).abs()));
+        println!("{name}: within {:.1e} of the largest value", err / largest);
+        // f32 sums of exact f16 products: a few f32 roundings.
+        assert!(
+            err <= 1e-5 * largest,
+            "{name}: off by {err:e} (largest {largest:e})"
+        );
+    }
+}
