@@ -1,7 +1,7 @@
 //! Property: any well-typed program the builder accepts emits WGSL that naga parses and
 //! validates. Programs are drawn from a tape of random choices (shrinking the tape simplifies
 //! the program), covering every expression form, nested scopes, loops, barriers, reductions,
-//! subgroups, f16, cooperative matrices and both runtime-scalar paths. A kernel with
+//! uniform loads, subgroups, f16, cooperative matrices and both runtime-scalar paths. A kernel with
 //! cooperative matrices must also get every SPIR-V capability they need from naga's writer.
 
 use hesper_dsl::prelude::*;
@@ -190,7 +190,7 @@ impl Gen<'_> {
     fn stmt(&mut self, k: &mut KernelBuilder, depth: u32, top: bool) {
         let d = 1 + self.pick(3);
         let last = self.scopes.len() - 1;
-        match self.pick(if depth >= 2 { 7 } else { 12 }) {
+        match self.pick(if depth >= 2 { 7 } else { 13 }) {
             0 => {
                 let e = self.f32(k, d);
                 let e = k.let_("f", e);
@@ -278,6 +278,16 @@ impl Gen<'_> {
             // Cooperative operations too (subgroup-wide): loads from storage or workgroup memory
             // in either major, a multiply-add into a `var` or a `let`, scaling, sums, a store.
             11 if top && self.coop.is_some() => self.coop_stmt(k, d),
+            // A value one invocation writes for the workgroup, read back uniform
+            // (`workgroupUniformLoad`: a barrier each side).
+            12 if top => {
+                let flags = k.workgroup_array::<u32>("flags", 4);
+                let (at, e) = (self.pick(4), self.u32(k, d));
+                let lid = k.local_index();
+                k.if_(lid.eq(0u32), |k| k.store(&flags, at, e));
+                let v = k.workgroup_uniform_load("w", &flags, at);
+                self.scopes[last].u.push(v);
+            }
             10 if top && self.subgroups => {
                 let e = self.f32(k, d);
                 let s = k.subgroup_shuffle_xor(e, 1u32);
