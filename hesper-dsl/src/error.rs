@@ -103,6 +103,13 @@ pub enum ErrorKind {
         /// The condition, loop or early exit that makes it so.
         because: String,
     },
+    /// `workgroupUniformLoad` at an index that may differ between invocations: its value would
+    /// not be one for the whole workgroup.
+    NonUniformIndex {
+        op: String,
+        /// What the index depends on.
+        because: String,
+    },
     /// `break` or `continue` outside a loop.
     NotInLoop { statement: String },
     /// An assignment to something that cannot be assigned (a `let`, a read-only buffer).
@@ -202,6 +209,12 @@ impl fmt::Display for DslError {
                  such indices), or move the barrier or reduction out of the branch and guard only \
                  the loads and stores around it (invocations past the end contribute the \
                  reduction's identity: 0 to a sum)"
+            ),
+            ErrorKind::NonUniformIndex { op, because } => write!(
+                f,
+                "`{op}` reads an element whose index depends on {because}: every invocation must \
+                 read the same element for the value to be uniform. Index it with values all \
+                 invocations share (shapes, runtime scalars, `workgroup_id`, literals)"
             ),
             ErrorKind::NotAssignable { target } => write!(f, "`{target}` cannot be assigned"),
             ErrorKind::WorkgroupMemory { used, limit } => write!(

@@ -183,13 +183,11 @@ impl Uniformity<'_> {
                     return Err(non_uniform("workgroupUniformLoad", "workgroup", ctx));
                 }
                 if let Some(c) = self.expr_index(place) {
-                    return Err(non_uniform(
-                        "workgroupUniformLoad",
-                        "workgroup",
-                        Some(format!(
-                            "its index depends on {c}, so the value would not be one for all"
-                        )),
-                    ));
+                    return Err(ErrorKind::NonUniformIndex {
+                        op: "workgroupUniformLoad".into(),
+                        because: c.to_string(),
+                    }
+                    .into());
                 }
                 // Uniform by definition, to this walk and to naga's.
                 self.cause.insert(*id, None);

@@ -333,11 +333,20 @@ fn barriers_in_non_uniform_control_flow() {
             let _ = k.workgroup_uniform_load("f", &flags, 0u32);
         });
     });
-    non_uniform(&|k| {
+    let key = KernelKey::new("sync").workgroup_size(64);
+    let err = build_err(&key, |k| {
         let flags = k.workgroup_array::<u32>("flags", 64);
-        let f = k.workgroup_uniform_load("f", &flags, k.local_index());
+        let lane = k.let_("lane", k.local_index());
+        let f = k.workgroup_uniform_load("f", &flags, &lane);
         k.if_(f.eq(1u32), |k| k.workgroup_barrier());
     });
+    assert!(
+        without_place(&err).starts_with(
+            "kernel `sync`: `workgroupUniformLoad` reads an element whose index depends on `lane` (which \
+             depends on `local_index`): every invocation must read the same element"
+        ),
+        "{err}"
+    );
     // A branch on workgroup memory read as such is not uniform; read by
     // `workgroupUniformLoad` it is (below).
     non_uniform(&|k| {
