@@ -602,3 +602,67 @@ fn macro_workgroup_shapes_loops_and_subgroup_variants_run() {
     let want: Vec<f32> = x.iter().map(|v| v * -3.0).collect();
     assert_eq!(xb.read(g).unwrap(), want);
 }
+
+/// Invocation 0 decides for its workgroup whether any value passes `limit`;
+/// `workgroup_uniform_load` hands every invocation that decision as a uniform value, and a
+/// branch on it holds a barrier: each output is then its neighbour's value halved, through
+/// the tile.
+#[kernel(workgroup_size = 64)]
+fn halve_swapped_if_over(
+    x: &[f32],
+    y: &mut [f32],
+    #[workgroup] values: &mut [f32; 64],
+    #[workgroup] decision: &mut [u32; 1],
+    #[runtime] limit: f32,
+) {
+    let lid = local_index();
+    let i = global_index();
+    let v = x[i];
+    values[lid] = v;
+    workgroup_barrier();
+    if lid == 0u32 {
+        let mut top = f32::MIN;
+        let mut j = 0u32;
+        while j < 64u32 {
+            top = max(top, values[j]);
+            j += 1u32;
+        }
+        decision[0u32] = select(top > limit, 1u32, 0u32);
+    }
+    let over = workgroup_uniform_load(&decision[0u32]);
+    let mut out = v;
+    if over == 1u32 {
+        values[lid] = v * 0.5;
+        workgroup_barrier();
+        out = values[lid ^ 1u32];
+    }
+    y[i] = out;
+}
+
+#[test]
+fn a_uniform_load_in_a_macro_kernel_guards_a_barrier() {
+    let kernel = halve_swapped_if_over::build().unwrap();
+    assert!(
+        kernel
+            .wgsl()
+            .contains("let over = workgroupUniformLoad(&decision[0u]);"),
+        "{}",
+        kernel.wgsl()
+    );
+    let g = gpu();
+    let mut x = Rng::new(31).vec(64 * 4, 1.0);
+    x[2 * 64 + 5] = 4.0; // workgroup 2 passes the limit
+    let limit = 2.0f32;
+    let xb = g.upload(&x).unwrap();
+    let mut y = g.filled(x.len(), f32::NAN).unwrap();
+    let mut rec = g.recorder();
+    let grid = Grid::Threads(x.len() as u64);
+    halve_swapped_if_over::launch(&mut rec, &xb, &mut y, limit, grid).unwrap();
+    rec.submit().unwrap();
+    let got = y.read(g).unwrap();
+    for (i, got) in got.iter().enumerate() {
+        let over = x[i / 64 * 64..][..64].iter().any(|v| *v > limit);
+        let want = if over { x[i ^ 1] * 0.5 } else { x[i] };
+        assert_eq!(*got, want, "element {i}");
+    }
+}

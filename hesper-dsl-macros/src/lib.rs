@@ -61,6 +61,7 @@ use syn::{
 /// | `local_index()`, `global_id()`, `local_id()`, `workgroup_id()`, `num_workgroups()` | WGSL builtins |
 /// | `workgroup_reduce(v, Reduce::Sum \| Max \| Min)` | every invocation gets the workgroup's sum, max or min (call it where all arrive; start a running max at `f32::MIN`, a min at `f32::MAX`: WGSL has no infinities) |
 /// | `workgroup_barrier()`, `storage_barrier()` | barriers (checked to be in uniform control flow) |
+/// | `workgroup_uniform_load(&tile[i])` | WGSL's `workgroupUniformLoad`: a barrier, the element, a barrier; every invocation gets one value, which counts as uniform (a branch on it may hold barriers) |
 /// | `subgroup_add(v)`, `subgroup_max`, `subgroup_min`, `subgroup_shuffle_xor(v, m)`, `subgroup_broadcast(v, lane)`, `subgroup_size()`, `subgroup_invocation_id()`, `subgroup_id()`, `num_subgroups()` | subgroup operations (the key must ask for subgroups) |
 /// | `max(a, b)`, `min`, `clamp(x, lo, hi)`, `abs`, `exp`, `exp2`, `log`, `log2`, `sqrt`, `inverse_sqrt`, `tanh`, `sin`, `cos`, `floor`, `ceil`, `pow(x, y)`, `fma(a, b, c)`, `select(c, if_true, if_false)` | WGSL builtins as functions |
 /// | `x.exp()`, `x.sqrt()`, `x.max(y)`, `x.round()`, `x.fract()`, `x.sign()`, `a.dot(b)`, `a.mix(b, t)`, … | the same as methods (any `Expr` method) |
@@ -1012,6 +1013,40 @@ impl Translator {
                         quote_spanned!(span=> #base.component(#index))
                     }
                 }
+            }
+            Expr::Call(c)
+                if single_ident(&c.func).is_some_and(|f| f == "workgroup_uniform_load") =>
+            {
+                // WGSL's spelling, `workgroup_uniform_load(&tile[i])`: one workgroup array's
+                // element (the builder's type says which arrays are).
+                let place = match (c.args.len(), c.args.first()) {
+                    (1, Some(Expr::Reference(r))) => &*r.expr,
+                    _ => {
+                        return err(
+                            span,
+                            "write `workgroup_uniform_load(&tile[i])`: a reference to one element \
+                             of a `#[workgroup]` array",
+                        );
+                    }
+                };
+                let base = match place {
+                    Expr::Index(ix) => single_ident(&ix.expr)
+                        .filter(|b| matches!(self.kind(b), Kind::Buffer { .. }))
+                        .map(|b| (b, ix)),
+                    _ => None,
+                };
+                let Some((base, ix)) = base else {
+                    return err(
+                        place.span(),
+                        "`workgroup_uniform_load` reads one element of a `#[workgroup]` array: \
+                         write `&tile[i]`",
+                    );
+                };
+                let index = (self.expr(&ix.index)?, ix.index.span());
+                with_temps(vec![index], |a| {
+                    let i = &a[0];
+                    quote_spanned!(span=> __k.workgroup_uniform_load("uniform", &#base, #i))
+                })
             }
             Expr::Call(c) => {
                 let args = c

@@ -1374,6 +1374,10 @@ impl KernelBuilder {
     ) -> Expr<T> {
         let place = array.at(index).node;
         let id = self.new_local(hint, T::ty(), VarKind::Let);
+        // An author's `let` of it takes the author's name rather than copying it.
+        if let Some(local) = self.locals.get_mut(id.index as usize) {
+            local.library_named = true;
+        }
         self.push(Stmt::UniformLoad { id, place });
         Expr::wrap(node(ExprKind::Local(id), T::ty()))
     }
