@@ -1039,3 +1039,62 @@ async fn sequence_attention_matches_reference() {
         );
     }
 }
+
+/// The DSL's `workgroup_uniform_load` where the browser's own compiler (Tint) checks
+/// uniformity: invocation 0 decides for its workgroup whether any value passes the limit, every
+/// invocation reads the decision back uniform, and a branch on it holds a barrier (each output
+/// its neighbour's value halved, through workgroup memory). Exact against Rust.
+#[wasm_bindgen_test]
+async fn a_workgroup_uniform_decision_guards_a_barrier() {
+    use hesper_dsl::prelude::*;
+    let key = KernelKey::new("halve_swapped_if_over").workgroup_size(64);
+    let kernel = Kernel::build(&key, |k| {
+        let x = k.storage::<f32>("x");
+        let y = k.storage_rw::<f32>("y");
+        let limit = k.param::<f32>("limit");
+        let values = k.workgroup_array::<f32>("values", 64);
+        let decision = k.workgroup_array::<u32>("decision", 1);
+        let lid = k.let_("lid", k.local_index());
+        let global = k.global_index();
+        let i = k.let_("i", global);
+        let v = k.let_("v", x.at(&i));
+        k.store(&values, &lid, &v);
+        k.workgroup_barrier();
+        k.if_(lid.eq(0u32), |k| {
+            let top = k.var("top", f32::MIN);
+            k.for_range("j", 0u32, 64u32, |k, j| {
+                k.assign(&top, top.get().max(values.at(&j)));
+            });
+            let over = select(top.get().gt(&limit), lit(1u32), lit(0u32));
+            k.store(&decision, 0u32, over);
+        });
+        let over = k.workgroup_uniform_load("over", &decision, 0u32);
+        let out = k.var("out", v.clone());
+        k.if_(over.eq(1u32), |k| {
+            k.store(&values, &lid, &v * 0.5f32);
+            k.workgroup_barrier();
+            k.assign(&out, values.at(&lid ^ 1u32));
+        });
+        k.store(&y, &i, out.get());
+    })
+    .expect("the kernel builds");
+    let g = gpu().await;
+    let mut x = Rng::new(21).vec(64 * 5, 1.0);
+    x[64 + 9] = 3.0;
+    x[3 * 64 + 40] = 2.5;
+    let limit = 2.0f32;
+    let xb = g.upload(&x).unwrap();
+    let y = g.filled(x.len(), f32::NAN).unwrap();
+    let args = hesper_exec::Args::new()
+        .buffer("x", &xb)
+        .buffer("y", &y)
+        .param("limit", limit);
+    g.run(&kernel, &args, hesper_exec::Grid::Workgroups([5, 1, 1]))
+        .unwrap();
+    let got = read(&g, &y).await;
+    for (i, got) in got.iter().enumerate() {
+        let over = x[i / 64 * 64..][..64].iter().any(|v| *v > limit);
+        let want = if over { x[i ^ 1] * 0.5 } else { x[i] };
+        assert_eq!(*got, want, "element {i}");
+    }
+}
