@@ -682,6 +682,234 @@ fn block_major_inputs_match_reference() {
     assert!(rec.is_empty());
 }
 
+/// `execute_gemm_output_blocks`: `[y_0 | y_1 | …] = s·x·Wᵀ (+ s_l·h·Bᵀ) (+ prior)` with the
+/// output block-major along its columns (the step's `[q | k | v]`), against the f64 reference
+/// of the row-major product, each block read back from its place. Rows ragged against the tile
+/// (the last row of tiles stored element by element, the others straight from the tensor
+/// cores), blocks of unequal widths, an f16 output (every tile element by element), a LoRA
+/// fold over the whole width, accumulation. On the DSL's interpreter's tensor cores (CI) and
+/// the test device's where it has them; elsewhere, and for widths no tile's columns divide,
+/// refused with an error.
+#[test]
+fn block_major_outputs_match_reference() {
+    use hesper_exec::Gpu;
+    use hesper_kernels::linear::fusion::{Fusion, Residual};
+    use hesper_kernels::lora::{LoraUp, UpWeight};
+    let interpreter = hesper_kernels::testing::interpreter_with_tensor_cores();
+    let small = CoopTile {
+        bm: 32,
+        bn: 32,
+        bk: 16,
+        wm: 16,
+        wn: 16,
+    };
+    // (device, m, blocks, depth, tile, accumulate, f16 output, rank of the fold).
+    type Case<'a> = (
+        &'a Gpu,
+        usize,
+        &'a [usize],
+        usize,
+        Option<CoopTile>,
+        bool,
+        bool,
+        usize,
+    );
+    let cases: [Case; 5] = [
+        (
+            interpreter,
+            45,
+            &[64, 32, 32],
+            48,
+            Some(small),
+            false,
+            false,
+            0,
+        ),
+        (
+            interpreter,
+            70,
+            &[96, 32, 32],
+            32,
+            Some(small),
+            true,
+            false,
+            4,
+        ),
+        (interpreter, 40, &[32, 64], 16, Some(small), false, true, 0),
+        (gpu(), 300, &[576, 192, 192], 576, None, false, false, 8),
+        (gpu(), 77, &[64, 64], 96, None, true, false, 0),
+    ];
+    for (i, (g, m, widths, depth, tile, accumulate, f16_out, rank)) in cases.into_iter().enumerate()
+    {
+        let cols: usize = widths.iter().sum();
+        let gemm = Gemm {
+            coop_tile: tile,
+            ..Gemm::new(Product::Nt, (m, cols, depth), accumulate)
+        }
+        .with_precision(Precision::F16);
+        let mut rng = Rng::new(60 + i as u64);
+        let x = rng.vec(m * depth, 1.0);
+        let w = rng.vec(cols * depth, 1.0);
+        let (h, b) = (
+            rng.vec(m * rank.max(1), 1.0),
+            rng.vec(cols * rank.max(1), 1.0),
+        );
+        let lora_scale = 1.75f32;
+        // Row-major `[m, cols]` and its block-major layout: element (r, c) of block (s, w)
+        // at `m·s + r·w + (c − s)`.
+        let blocked_at = |r: usize, c: usize| {
+            let mut start = 0;
+            for &w in widths {
+                if c < start + w {
+                    return m * start + r * w + (c - start);
+                }
+                start += w;
+            }
+            unreachable!("column {c} past {cols}")
+        };
+        let prior: Vec<f32> = match f16_out {
+            true => rng.vec(m * cols, 1.0).into_iter().map(round_f16).collect(),
+            false => rng.vec(m * cols, 1.0),
+        };
+        // What the output holds before: the prior, block-major, or poison.
+        let mut start = vec![f32::NAN; m * cols];
+        if accumulate {
+            for r in 0..m {
+                for c in 0..cols {
+                    start[blocked_at(r, c)] = prior[r * cols + c];
+                }
+            }
+        }
+        let w16: Vec<f16> = w.iter().map(|v| f16::from_f32(*v)).collect();
+        let (xb, wb) = (g.upload(&x).unwrap(), g.upload(&w16).unwrap());
+        let (hb, bb) = (g.upload(&h).unwrap(), g.upload(&b).unwrap());
+        let start16: Vec<f16> = start.iter().map(|v| f16::from_f32(*v)).collect();
+        let (mut out32, mut out16) = (g.upload(&start).unwrap(), g.upload(&start16).unwrap());
+        let output = match f16_out {
+            true => OutputBuffer::F16(&mut out16),
+            false => OutputBuffer::F32(&mut out32),
+        };
+        let up = LoraUp {
+            h: &hb,
+            weight: UpWeight::B(&bb),
+            rank,
+            scale: lora_scale,
+        };
+        let epilogues: [&dyn linear::GemmFusion; 1] = [&up];
+        let fusion = Fusion {
+            prologue: None,
+            epilogues: if rank > 0 { &epilogues } else { &[] },
+        };
+        let weights = Weights::Half {
+            w: &wb,
+            scale: SCALE,
+        };
+        let half = linear::HalfBuffers {
+            weight: true,
+            output: f16_out,
+            ..linear::HalfBuffers::NONE
+        };
+        let path = linear::gemm_output_blocks_path(g, &gemm, widths, &weights, half);
+        let mut rec = g.recorder();
+        let recorded = linear::execute_gemm_output_blocks(
+            &mut rec, &gemm, widths, &fusion, &xb, weights, output,
+        );
+        if coop::subgroup_size(g).is_none() {
+            assert!(
+                path.is_none(),
+                "case {i}: no tensor cores on {}",
+                g.describe()
+            );
+            let err = recorded.unwrap_err().to_string();
+            assert!(err.contains("matmul_nt"), "{err}");
+            assert!(
+                err.contains("tensor cores") && err.contains(&format!("{widths:?}")),
+                "{err}"
+            );
+            continue;
+        }
+        let Some(GemmPath::TensorCores { tile: chosen, .. }) = path else {
+            panic!("case {i} on {}: {path:?}", g.describe());
+        };
+        assert!(
+            widths.iter().all(|w| w % chosen.bn as usize == 0),
+            "{chosen:?}"
+        );
+        recorded.unwrap();
+        rec.submit().unwrap();
+        let got = match f16_out {
+            true => out16.read(g).unwrap().iter().map(|v| v.to_f32()).collect(),
+            false => out32.read(g).unwrap(),
+        };
+        let seen = |v: &[f32]| v.iter().map(|x| round_f16(*x) as f64).collect::<Vec<_>>();
+        let product = reference::matmul_nt(&seen(&x), &seen(&w), m, cols, depth);
+        let mut want = vec![f64::NAN; m * cols];
+        let mut got_rows = vec![0f32; m * cols];
+        for r in 0..m {
+            for c in 0..cols {
+                let fold: f64 = (0..rank)
+                    .map(|j| h[r * rank + j] as f64 * b[c * rank + j] as f64)
+                    .sum();
+                let mut v = SCALE as f64 * product[r * cols + c] + lora_scale as f64 * fold;
+                if accumulate {
+                    v += prior[r * cols + c] as f64;
+                }
+                want[r * cols + c] = v;
+                got_rows[r * cols + c] = got[blocked_at(r, c)];
+            }
+        }
+        let c = compare(&got_rows, &want, 1e-3);
+        // f16 rounding of the inputs (in `want` already) and, for an f16 output, of the result.
+        let bound = match f16_out {
+            true => 1e-3,
+            false => 2e-6 * (depth as f64).sqrt(),
+        };
+        assert!(
+            c.max_abs / c.scale <= bound,
+            "case {i}: {m}×{depth}→{widths:?} ({chosen:?}): {c} (bound {bound:.1e})"
+        );
+    }
+    // Refused, nothing recorded: widths no standard tile's columns divide, widths that do not
+    // add up to the columns, an epilogue that adds a (row-major) matrix.
+    let g = interpreter;
+    let gemm = Gemm::new(Product::Nt, (64, 64, 32), false).with_precision(Precision::F16);
+    let (x, w) = (
+        g.zeros::<f32>(64 * 32).unwrap(),
+        g.zeros::<f32>(64 * 32).unwrap(),
+    );
+    let residual = g.zeros::<f32>(64 * 64).unwrap();
+    let residual = Residual {
+        residual: &residual,
+    };
+    let adds: [&dyn linear::GemmFusion; 1] = [&residual];
+    let adds = Fusion {
+        prologue: None,
+        epilogues: &adds,
+    };
+    let mut y = g.zeros::<f32>(64 * 64).unwrap();
+    let mut rec = g.recorder();
+    let refusals: [(&[usize], &Fusion, &str); 3] = [
+        (&[40, 24], &Fusion::NONE, "columns divide every width"),
+        (&[32, 16], &Fusion::NONE, "add up to 64"),
+        (&[32, 32], &adds, "adds a matrix"),
+    ];
+    for (widths, fusion, named) in refusals {
+        let err = linear::execute_gemm_output_blocks(
+            &mut rec,
+            &gemm,
+            widths,
+            fusion,
+            &x,
+            Weights::Dense(&w),
+            &mut y,
+        )
+        .unwrap_err();
+        let err = err.to_string();
+        assert!(err.contains(named) && err.contains("matmul_nt"), "{err}");
+        assert!(rec.is_empty());
+    }
+}
+
 /// Each subgroup's accumulator, `steps` times: `acc = f·acc + A·B`, where `f` is row `r`'s
 /// `alpha[r]` on the steps its workgroup decides to rescale (`flags`, read by one invocation and
 /// handed to all by `workgroupUniformLoad`) and 1 on the others. The rescale is the pattern a

@@ -231,41 +231,41 @@ pub(crate) fn key(
         .assume_in_bounds()
 }
 
-/// The most blocks a block-major input ([`super::execute_gemm_blocks`]) is cut into.
+/// The most blocks a block-major input ([`super::execute_gemm_blocks`]) or output
+/// ([`super::execute_gemm_output_blocks`]) is cut into.
 pub const MAX_INPUT_BLOCKS: usize = 4;
 
-/// The widths of `blocks` up to its first zero ([`Launch::input_blocks`]).
+/// The widths of `blocks` up to its first zero ([`Launch::input_blocks`],
+/// [`Launch::output_blocks`]).
 pub(crate) fn used_blocks(blocks: &[u32; MAX_INPUT_BLOCKS]) -> &[u32] {
     let n = blocks.iter().take_while(|&&w| w > 0).count();
     &blocks[..n]
 }
 
-/// `key` with the input's blocks along the depth ([`Launch::input_blocks`]) where it has more
-/// than one (a row-major input keeps its key and WGSL).
-fn with_input_blocks(key: KernelKey, blocks: &[u32]) -> KernelKey {
+/// `key` with an operand's blocks (`operand`: "input" along the depth, "output" along the
+/// columns) where it has more than one (a row-major operand keeps its key and WGSL).
+fn with_blocks(key: KernelKey, operand: &str, blocks: &[u32]) -> KernelKey {
     match blocks.len() {
         0 | 1 => key,
-        n => blocks
-            .iter()
-            .enumerate()
-            .fold(key.shape("input_blocks", n as u32), |key, (i, &width)| {
-                key.shape(format!("input_block{i}"), width)
-            }),
+        n => blocks.iter().enumerate().fold(
+            key.shape(format!("{operand}_blocks"), n as u32),
+            |key, (i, &width)| key.shape(format!("{operand}_block{i}"), width),
+        ),
     }
 }
 
-/// The input's blocks along the depth as the key holds them: each one's first column and width
-/// (none: row-major).
-fn input_blocks_of(k: &KernelBuilder) -> Vec<(u32, u32)> {
+/// An operand's blocks as the key holds them ([`with_blocks`]): each one's first column and
+/// width (none: row-major).
+fn blocks_of(k: &KernelBuilder, operand: &str) -> Vec<(u32, u32)> {
     let get = |name: &str| match k.key().get(name) {
         Some(hesper_dsl::ShapeValue::U32(v)) => Some(v),
         _ => None,
     };
-    let count = get("input_blocks").unwrap_or(0);
+    let count = get(&format!("{operand}_blocks")).unwrap_or(0);
     let mut start = 0;
     (0..count)
         .map_while(|i| {
-            let width = get(&format!("input_block{i}"))?;
+            let width = get(&format!("{operand}_block{i}"))?;
             let block = (start, width);
             start += width;
             Some(block)
@@ -696,7 +696,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         return;
     }
 
-    let input_blocks = input_blocks_of(k);
+    let input_blocks = blocks_of(k, "input");
     if !input_blocks.is_empty() {
         let widths: Vec<u32> = input_blocks.iter().map(|&(_, w)| w).collect();
         let whole = input_blocks
@@ -708,6 +708,26 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
                 expected: format!(
                     "widths, each a multiple of bk = {}, that add up to the depth {depth}, and no prologue",
                     tile.bk
+                ),
+                found: format!("{widths:?}"),
+            });
+            return;
+        }
+    }
+    let output_blocks = blocks_of(k, "output");
+    if !output_blocks.is_empty() {
+        let widths: Vec<u32> = output_blocks.iter().map(|&(_, w)| w).collect();
+        let whole = output_blocks
+            .iter()
+            .all(|&(_, w)| w > 0 && w.is_multiple_of(tile.bn));
+        let adds = fusion.adds_matrices();
+        if !whole || widths.iter().sum::<u32>() != cols || splits > 1 || adds {
+            k.error(hesper_dsl::ErrorKind::TypeMismatch {
+                item: "shape `output_blocks`".into(),
+                expected: format!(
+                    "widths, each a multiple of bn = {}, that add up to the columns {cols}, \
+                     no split and no added matrix",
+                    tile.bn
                 ),
                 found: format!("{widths:?}"),
             });
@@ -820,6 +840,21 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         (rows_fit, cols_fit)
     });
 
+    // A block-major output: the tile's columns lie in one block (`start`, `width`); element
+    // `(r, c)` of it is at `rows·start + r·width + (c − start)` = `r·width + c + start·(rows − 1)`.
+    // Computed before the main loop, as `fits` is.
+    let out_block = (!output_blocks.is_empty()).then(|| {
+        let (mut width, mut start) = (lit(output_blocks[0].1), lit(0u32));
+        for &(s, w) in &output_blocks[1..] {
+            let inside = n0.ge(s);
+            width = select(inside.clone(), w, width);
+            start = select(inside, s, start);
+        }
+        let width = k.let_("out_block_width", width);
+        let shift = k.let_("out_block_shift", start * (&rows - 1u32));
+        OutputBlock { width, shift }
+    });
+
     let a_slots = staged_a.slots(k, "a", (tile.bm, tile.bk), threads);
     let b_slots = staged_w.slots(k, "b", (b_rows, b_width), threads);
     let fetch = |k: &mut KernelBuilder, d0: &Expr<u32>| {
@@ -928,6 +963,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
         fused: fused.epilogue.as_ref(),
         scaled,
         slice: split.as_ref().map(|(_, at)| at),
+        block: out_block.as_ref(),
     };
     if let (Output::F32(y), Some(matrices), Some((rows_fit, cols_fit))) =
         (&out, direct_matrices, fits)
@@ -989,6 +1025,16 @@ struct Epilogue<'a> {
     scaled: bool,
     /// A split GEMM's slice of `out` (its first element): it neither accumulates nor has epilogues.
     slice: Option<&'a Expr<u32>>,
+    /// A block-major `out`: the block holding the workgroup's columns.
+    block: Option<&'a OutputBlock>,
+}
+
+/// The block of a block-major output ([`Launch::output_blocks`]) that holds a workgroup's
+/// columns: its width (the stride of its rows), and `start·(rows − 1)` for its first column
+/// `start` (so that element `(r, c)` is at `r·width + c + shift`).
+struct OutputBlock {
+    width: Expr<u32>,
+    shift: Expr<u32>,
 }
 
 impl Epilogue<'_> {
@@ -1011,9 +1057,18 @@ impl Epilogue<'_> {
 
     /// The index in `out` of element (`row`, `col`).
     fn index(&self, row: Expr<u32>, col: Expr<u32>) -> Expr<u32> {
-        match self.slice {
-            Some(slice) => row * self.cols + col + slice,
-            None => row * self.cols + col,
+        match (self.slice, self.block) {
+            (_, Some(b)) => row * &b.width + col + &b.shift,
+            (Some(slice), None) => row * self.cols + col + slice,
+            (None, None) => row * self.cols + col,
+        }
+    }
+
+    /// The distance between rows of `out` where the workgroup's tile lies.
+    fn stride(&self) -> Expr<u32> {
+        match self.block {
+            Some(b) => b.width.clone(),
+            None => lit(self.cols),
         }
     }
 
@@ -1034,16 +1089,16 @@ impl Epilogue<'_> {
                 value = value + k.coop_load::<Acc, _>(m, &at, self.cols, Major::Row);
             }
             if self.accumulate {
-                value = value + k.coop_load::<Acc, _>(y, &at, self.cols, Major::Row);
+                value = value + k.coop_load::<Acc, _>(y, &at, self.stride(), Major::Row);
             }
             if reads {
                 pending.push((at, k.let_("value", value)));
             } else {
-                k.coop_store(y, &at, self.cols, Major::Row, value);
+                k.coop_store(y, &at, self.stride(), Major::Row, value);
             }
         }
         for (at, value) in pending {
-            k.coop_store(y, &at, self.cols, Major::Row, value);
+            k.coop_store(y, &at, self.stride(), Major::Row, value);
         }
     }
 
@@ -1414,6 +1469,10 @@ pub(crate) struct Launch {
     /// the row-major `[m, width_b]` matrices one after another (each a whole number of the
     /// tile's steps), zeros after the last; all zeros (or one block): row-major `[m, depth]`.
     pub input_blocks: [u32; MAX_INPUT_BLOCKS],
+    /// The output's widths along the columns where it is block-major: `[y_0 | y_1 | …]` held
+    /// as the row-major `[m, width_b]` matrices one after another (each a whole number of the
+    /// tile's columns), zeros after the last; all zeros (or one block): row-major `[m, cols]`.
+    pub output_blocks: [u32; MAX_INPUT_BLOCKS],
 }
 
 impl Launch {
@@ -1433,21 +1492,41 @@ pub(crate) fn path(gpu: &Gpu, gemm: &super::Gemm, half: HalfBuffers) -> Option<s
     Some(super::GemmPath::TensorCores { tile, subgroup })
 }
 
-/// The tensor-core path for `gemm` with its input block-major along the depth in blocks of
-/// `widths` (`Launch::input_blocks`): the tile asked for or chosen where its step divides
-/// every width; else, where none was asked for, the standard tile that [`choose_tile`]'s
-/// default rule picks among those whose step does. `None` where the device has no tensor
-/// cores, the tile asked for does not serve, or no standard tile does.
+/// Which operand of a tensor-core GEMM is block-major, with its blocks' widths.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum BlockMajor<'w> {
+    /// The input along the depth ([`Launch::input_blocks`]): a tile serves whose step divides
+    /// every width.
+    Input(&'w [u32]),
+    /// The output along the columns ([`Launch::output_blocks`]): a tile serves whose columns
+    /// divide every width.
+    Output(&'w [u32]),
+}
+
+impl BlockMajor<'_> {
+    fn serves(&self, t: &CoopTile) -> bool {
+        match self {
+            BlockMajor::Input(widths) => widths.iter().all(|w| w.is_multiple_of(t.bk)),
+            BlockMajor::Output(widths) => widths.iter().all(|w| w.is_multiple_of(t.bn)),
+        }
+    }
+}
+
+/// The tensor-core path for `gemm` with an operand block-major (`blocks`): the tile asked for
+/// or chosen where it serves the blocks ([`BlockMajor`]); else, where none was asked for, the
+/// standard tile that [`choose_tile`]'s default rule picks among those that serve. `None`
+/// where the device has no tensor cores, the tile asked for does not serve, or no standard
+/// tile does.
 pub(crate) fn blocks_path(
     gpu: &Gpu,
     gemm: &super::Gemm,
     half: HalfBuffers,
-    widths: &[u32],
+    blocks: BlockMajor<'_>,
 ) -> Option<(CoopTile, u32)> {
     let Some(super::GemmPath::TensorCores { tile, subgroup }) = path(gpu, gemm, half) else {
         return None;
     };
-    let serves = |t: &CoopTile| widths.iter().all(|w| w.is_multiple_of(t.bk));
+    let serves = |t: &CoopTile| blocks.serves(t);
     if serves(&tile) {
         return Some((tile, subgroup));
     }
@@ -1632,6 +1711,7 @@ fn measure_tiles(
             input_exponent: 0,
             splits: 1,
             input_blocks: [0; MAX_INPUT_BLOCKS],
+            output_blocks: [0; MAX_INPUT_BLOCKS],
         };
         let config = BenchConfig {
             warmup: Duration::from_millis(warmup_ms),
@@ -1695,6 +1775,7 @@ pub(crate) fn record<'a>(
         input_exponent,
         splits,
         input_blocks: _,
+        output_blocks: _,
     } = *launch;
     let name = kernel_name(product);
     tile.check(name, subgroup)?;
@@ -1714,7 +1795,8 @@ pub(crate) fn record<'a>(
             (accumulate, splits),
         ),
     )?;
-    let key = with_input_blocks(key, launch.blocks());
+    let key = with_blocks(key, "input", launch.blocks());
+    let key = with_blocks(key, "output", used_blocks(&launch.output_blocks));
     let kernel = rec.gpu().kernel(&key, |k| kernel(k, product, fusion))?;
     let (input_name, output_name) = product.names();
     let w_width = match product {

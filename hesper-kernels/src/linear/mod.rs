@@ -1034,9 +1034,9 @@ pub fn execute_gemm_fused<'a>(
 }
 
 /// [`execute_gemm_fused`] with its input block-major along the depth: `[x_0 | x_1 | …]` held
-/// as the row-major `[m, widths[b]]` matrices `x_b` one after another (views of one
-/// allocation, say), `Σ widths` the depth. `dn = [dq | dk | dv]·[W_q; W_k; W_v]` is then one
-/// GEMM over a depth of `q + k + v` where three GEMMs would each stage a narrower one.
+/// as the row-major `[m, widths[b]]` matrices one after another (views of one allocation, say),
+/// `Σ widths` the depth. `dn = [dq | dk | dv]·[W_q; W_k; W_v]` is then one GEMM over a depth of
+/// `q + k + v` where three GEMMs would each stage a narrower one.
 ///
 /// On the tensor cores only, at a tile whose step divides every width
 /// ([`gemm_blocks_fit`] says beforehand); elsewhere an error that says so, and one GEMM per
@@ -1051,19 +1051,91 @@ pub fn execute_gemm_blocks<'a>(
     weights: Weights<'a>,
     output: impl Into<OutputBuffer<'a>>,
 ) -> Result<(), ExecError> {
-    let (input, output) = (input.into(), output.into());
+    let operands = (input.into(), weights, output.into());
+    record_blocked(rec, gemm, (Blocked::Input, widths), fusion, operands)
+}
+
+/// [`execute_gemm_fused`] with its output block-major along the columns: `[y_0 | y_1 | …]`
+/// held as the row-major `[m, widths[b]]` matrices one after another (views of one allocation,
+/// say), `Σ widths` the output's columns. `[q | k | v] = x·[W_q; W_k; W_v]ᵀ` is then one GEMM
+/// over `q + k + v` columns where three GEMMs would each have fewer workgroups and the same
+/// input to stage.
+///
+/// On the tensor cores only, at a tile whose columns divide every width
+/// ([`gemm_output_blocks_path`] says beforehand); elsewhere an error that says so, and one GEMM
+/// per block is the portable way. At most [`coop::MAX_INPUT_BLOCKS`] blocks. Epilogues see
+/// element `(row, col)` of the `[m, Σ widths]` product (its block and place in it follow from
+/// `col`); none may add a matrix ([`GemmFusion::added_matrix`], laid out row-major).
+///
+/// ```no_run
+/// # use hesper_kernels::linear::{execute_gemm_output_blocks, Fusion, Gemm, Precision, Product, Weights};
+/// # fn demo(gpu: &hesper_exec::Gpu) -> Result<(), Box<dyn std::error::Error>> {
+/// let (m, q, kv, d) = (4096, 576, 192, 576);
+/// let x = gpu.zeros::<f32>(m * d)?;
+/// // [W_q; W_k; W_v], `[q + 2·kv, d]`, and the three outputs as views of one allocation.
+/// let w = gpu.zeros::<f32>((q + 2 * kv) * d)?;
+/// let mut qkv = gpu.zeros::<f32>(m * (q + 2 * kv))?;
+/// let gemm = Gemm::new(Product::Nt, (m, q + 2 * kv, d), false).with_precision(Precision::F16);
+/// let mut rec = gpu.recorder();
+/// let widths = [q, kv, kv];
+/// execute_gemm_output_blocks(&mut rec, &gemm, &widths, &Fusion::NONE, &x, Weights::Dense(&w), &mut qkv)?;
+/// rec.submit()?;
+/// let k = qkv.view(gpu, m * q..m * (q + kv))?; // `[m, kv]`, row-major
+/// # let _ = k; Ok(()) }
+/// ```
+pub fn execute_gemm_output_blocks<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    widths: &[usize],
+    fusion: &Fusion<'a>,
+    input: impl Into<Operand<'a>>,
+    weights: Weights<'a>,
+    output: impl Into<OutputBuffer<'a>>,
+) -> Result<(), ExecError> {
+    let operands = (input.into(), weights, output.into());
+    record_blocked(rec, gemm, (Blocked::Output, widths), fusion, operands)
+}
+
+/// Which operand [`record_blocked`] takes block-major.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Blocked {
+    Input,
+    Output,
+}
+
+/// [`execute_gemm_blocks`] or [`execute_gemm_output_blocks`]: the blocks and the fusion checked,
+/// then the tensor cores' launch.
+fn record_blocked<'a>(
+    rec: &mut Recorder<'_>,
+    gemm: &Gemm,
+    (operand, widths): (Blocked, &[usize]),
+    fusion: &Fusion<'a>,
+    (input, weights, output): (Operand<'a>, Weights<'a>, OutputBuffer<'a>),
+) -> Result<(), ExecError> {
     let name = kernel_name(gemm.product, false);
     let (cols, depth) = gemm.cols_depth();
-    let blocks = input_blocks(widths, depth).map_err(|why| ExecError::Dispatch {
+    let (what, along, total) = match operand {
+        Blocked::Input => ("input", "depth", depth),
+        Blocked::Output => ("output", "columns", cols),
+    };
+    let blocks = block_widths(widths, total).map_err(|why| ExecError::Dispatch {
         kernel: name.into(),
-        what: format!("input blocks {widths:?} over a depth of {depth}"),
+        what: format!("{what} blocks {widths:?} over {along} {total}"),
         why,
     })?;
-    if fusion.prologue.is_some() {
+    let refused = match operand {
+        Blocked::Input => fusion
+            .prologue
+            .map(|_| "a block-major input takes no prologue"),
+        Blocked::Output => fusion.adds_matrices().then_some(
+            "a block-major output takes no epilogue that adds a matrix (it is laid out row-major)",
+        ),
+    };
+    if let Some(why) = refused {
         return Err(ExecError::Dispatch {
             kernel: name.into(),
-            what: format!("a prologue with input blocks {widths:?}"),
-            why: "a block-major input takes no prologue".into(),
+            what: format!("the fusion of a GEMM with {what} blocks {widths:?}"),
+            why: why.into(),
         });
     }
     if gemm.m == 0 || cols == 0 {
@@ -1075,16 +1147,31 @@ pub fn execute_gemm_blocks<'a>(
         output: matches!(output, OutputBuffer::F16(_)),
         ..HalfBuffers::NONE
     };
-    if !gemm_blocks_fit(rec.gpu(), gemm, widths, &weights, half) {
+    let (path, divides) = match operand {
+        Blocked::Input => (
+            gemm_blocks_path(rec.gpu(), gemm, widths, &weights, half),
+            "step divides",
+        ),
+        Blocked::Output => (
+            gemm_output_blocks_path(rec.gpu(), gemm, widths, &weights, half),
+            "columns divide",
+        ),
+    };
+    if path.is_none() {
         return Err(ExecError::Dispatch {
             kernel: name.into(),
-            what: format!("input blocks {widths:?}"),
-            why: "a block-major input runs on the tensor cores only (Precision::F16, dense \
-                  weights, a device with them, a tile whose step divides every width): run \
-                  one GEMM per block here"
-                .into(),
+            what: format!("{what} blocks {widths:?}"),
+            why: format!(
+                "a block-major {what} runs on the tensor cores only (Precision::F16, dense \
+                 weights, a device with them, a tile whose {divides} every width): run \
+                 one GEMM per block here"
+            ),
         });
     }
+    let blocks = match operand {
+        Blocked::Input => BlockLaunch::Input(blocks),
+        Blocked::Output => BlockLaunch::Output(blocks),
+    };
     record_gemm(rec, gemm, fusion, (input, weights, output), Some(blocks))
 }
 
@@ -1110,30 +1197,55 @@ pub fn gemm_blocks_path(
     weights: &Weights<'_>,
     half: HalfBuffers,
 ) -> Option<GemmPath> {
+    let blocks = block_widths(widths, gemm.cols_depth().1).ok()?;
+    let used = coop::BlockMajor::Input(coop::used_blocks(&blocks));
+    blocked_path(gpu, gemm, used, weights, half)
+}
+
+/// The path [`execute_gemm_output_blocks`] takes for `gemm` with its output in blocks of
+/// `widths` on `gpu`: the tensor cores at a tile whose columns divide every width, or `None`
+/// where it cannot run (then it returns an error).
+pub fn gemm_output_blocks_path(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    widths: &[usize],
+    weights: &Weights<'_>,
+    half: HalfBuffers,
+) -> Option<GemmPath> {
+    let blocks = block_widths(widths, gemm.cols_depth().0).ok()?;
+    let used = coop::BlockMajor::Output(coop::used_blocks(&blocks));
+    blocked_path(gpu, gemm, used, weights, half)
+}
+
+/// The tensor-core path for a GEMM with an operand block-major, where there is one.
+fn blocked_path(
+    gpu: &Gpu,
+    gemm: &Gemm,
+    blocks: coop::BlockMajor<'_>,
+    weights: &Weights<'_>,
+    half: HalfBuffers,
+) -> Option<GemmPath> {
     let half = HalfBuffers {
         weight: matches!(weights, Weights::Half { .. }),
         ..half
     };
-    let blocks = input_blocks(widths, gemm.cols_depth().1).ok()?;
     let dense = !matches!(weights, Weights::Ternary { .. });
     if gemm.precision != Precision::F16 || !dense || gemm.m == 0 {
         return None;
     }
-    let (tile, subgroup) = coop::blocks_path(gpu, gemm, half, coop::used_blocks(&blocks))?;
+    let (tile, subgroup) = coop::blocks_path(gpu, gemm, half, blocks)?;
     Some(GemmPath::TensorCores { tile, subgroup })
 }
 
-/// `widths` as [`coop::Launch::input_blocks`]: 1 to [`coop::MAX_INPUT_BLOCKS`] of them, none
-/// zero, adding up to `depth`.
-fn input_blocks(widths: &[usize], depth: usize) -> Result<[u32; coop::MAX_INPUT_BLOCKS], String> {
+/// `widths` as [`coop::Launch::input_blocks`] or [`coop::Launch::output_blocks`]: 1 to
+/// [`coop::MAX_INPUT_BLOCKS`] of them, none zero, adding up to `total`.
+fn block_widths(widths: &[usize], total: usize) -> Result<[u32; coop::MAX_INPUT_BLOCKS], String> {
     let mut blocks = [0; coop::MAX_INPUT_BLOCKS];
     if widths.is_empty() || widths.len() > blocks.len() {
         return Err(format!("1 to {} blocks", blocks.len()));
     }
-    if widths.contains(&0) || widths.iter().sum::<usize>() != depth {
-        return Err(format!(
-            "widths of at least 1 that add up to the depth {depth}"
-        ));
+    if widths.contains(&0) || widths.iter().sum::<usize>() != total {
+        return Err(format!("widths of at least 1 that add up to {total}"));
     }
     for (b, &w) in blocks.iter_mut().zip(widths) {
         *b = u32::try_from(w).map_err(|_| format!("widths within u32, not {w}"))?;
@@ -1141,14 +1253,21 @@ fn input_blocks(widths: &[usize], depth: usize) -> Result<[u32; coop::MAX_INPUT_
     Ok(blocks)
 }
 
-/// One GEMM as [`execute_gemm_fused`] records it; with `blocks`, its input block-major
-/// ([`execute_gemm_blocks`], which has checked that the tensor cores take it).
+/// A block-major operand of a launch, as [`record_gemm`] takes it.
+#[derive(Clone, Copy)]
+enum BlockLaunch {
+    Input([u32; coop::MAX_INPUT_BLOCKS]),
+    Output([u32; coop::MAX_INPUT_BLOCKS]),
+}
+
+/// One GEMM as [`execute_gemm_fused`] records it; with `blocks`, an operand block-major
+/// ([`record_blocked`], which has checked that the tensor cores take it).
 fn record_gemm<'a>(
     rec: &mut Recorder<'_>,
     gemm: &Gemm,
     fusion: &Fusion<'a>,
     (input, weights, output): (Operand<'a>, Weights<'a>, OutputBuffer<'a>),
-    blocks: Option<[u32; coop::MAX_INPUT_BLOCKS]>,
+    blocks: Option<BlockLaunch>,
 ) -> Result<(), ExecError> {
     let ternary = matches!(weights, Weights::Ternary { .. });
     let product = gemm.product;
@@ -1166,9 +1285,12 @@ fn record_gemm<'a>(
     };
     let path = match (gemm_path(rec.gpu(), &chooses_as, &weights, half), blocks) {
         (_, Some(blocks)) => {
-            let used = coop::used_blocks(&blocks);
+            let used = match &blocks {
+                BlockLaunch::Input(b) => coop::BlockMajor::Input(coop::used_blocks(b)),
+                BlockLaunch::Output(b) => coop::BlockMajor::Output(coop::used_blocks(b)),
+            };
             let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, used)
-                .expect("execute_gemm_blocks checked that the tensor cores take it");
+                .expect("record_blocked checked that the tensor cores take it");
             GemmPath::TensorCores { tile, subgroup }
         }
         // gemv has no fusion.
@@ -1210,7 +1332,14 @@ fn record_gemm<'a>(
                 scale,
                 input_exponent: gemm.input_exponent,
                 splits: 1,
-                input_blocks: blocks.unwrap_or_default(),
+                input_blocks: match blocks {
+                    Some(BlockLaunch::Input(b)) => b,
+                    _ => [0; coop::MAX_INPUT_BLOCKS],
+                },
+                output_blocks: match blocks {
+                    Some(BlockLaunch::Output(b)) => b,
+                    _ => [0; coop::MAX_INPUT_BLOCKS],
+                },
             };
             coop::record(rec, &launch, input, w, output, fusion)
         }

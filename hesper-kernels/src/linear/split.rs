@@ -136,6 +136,7 @@ pub fn execute_gemm_split_fused<'a>(
         input_exponent: gemm.input_exponent,
         splits: parts,
         input_blocks: [0; coop::MAX_INPUT_BLOCKS],
+        output_blocks: [0; coop::MAX_INPUT_BLOCKS],
     };
     debug_assert!(!half.output, "an f16 output is not split (above)");
     // Compiled before the GEMM is recorded: a failure leaves the recorder as it was.
