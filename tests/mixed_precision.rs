@@ -8,7 +8,8 @@
 use hesper::exec::Gpu;
 use hesper::exec::half::f16;
 use hesper::kernels::linear::{
-    Gemm, GemmPath, HalfBuffers, Precision, Product, gemm_blocks_fit, gemm_path,
+    Gemm, GemmPath, HalfBuffers, Precision, Product, gemm_blocks_fit, gemm_output_blocks_path,
+    gemm_path,
 };
 use hesper::kernels::testing::gpu;
 use hesper::model::config::{Family, LoraConfig, ModelConfig, Projection};
@@ -216,38 +217,45 @@ fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
     }
 }
 
-/// The query, key and value projections' input gradient as one GEMM over the block-major
-/// `[dq | dk | dv]` (`execute_gemm_blocks`) runs only on tensor cores, which lavapipe lacks: the
-/// steps of a tiny Qwen2 with LoRA on q and v (the query's up-projection folded into the GEMM,
-/// the value's a launch after it) and of a tiny Llama with LoRA on o and down (none of the
-/// three adapted) on the DSL's interpreter's tensor cores, against the f64 model.
+/// The query, key and value projections as one GEMM each way, which run only on tensor cores
+/// (lavapipe has none): forward, `[q | k | v]` block-major out of one GEMM over `[W_q; W_k;
+/// W_v]` (`execute_gemm_output_blocks`: biases and LoRA's up-projections a launch each after
+/// it); backward, the input gradient over the block-major `[dq | dk | dv]`
+/// (`execute_gemm_blocks`: the query's up-projection folded in, the value's a launch after it).
+/// The steps of a tiny Qwen2 with LoRA on q and v (biases, the pair's `x·Aᵀ` computed before),
+/// a tiny Llama with LoRA on o and down (none of the three adapted) and one with LoRA on k and
+/// v (no pair: each `x·Aᵀ` its own launch; the backward's three GEMMs) on the DSL's
+/// interpreter's tensor cores, against the f64 model.
 #[test]
-fn the_merged_qkv_backward_matches_the_f64_model_on_the_interpreters_tensor_cores() {
+fn the_merged_qkv_gemms_match_the_f64_model_on_the_interpreters_tensor_cores() {
     let g = hesper::kernels::testing::interpreter_with_tensor_cores();
     let cases = [
         (Family::Qwen2, lora(&[Projection::Q, Projection::V])),
         (Family::Llama, lora(&[Projection::O, Projection::Down])),
+        (Family::Llama, lora(&[Projection::K, Projection::V])),
     ];
     for (family, lora) in cases {
         let config = ModelConfig::tiny(family);
         // The step takes the one GEMM where it fits: the tiny models' blocks (64 | 32 | 32)
-        // do, in a standard tile's 32-deep step.
+        // do, in a standard tile's 32-deep step and its 32 columns.
         let (hq, hkv) = (
             config.heads * config.head_dim,
             config.kv_heads * config.head_dim,
         );
         let w = g.zeros::<f16>((hq + 2 * hkv) * config.dim).unwrap();
         let weights = hesper::kernels::linear::Weights::Half { w: &w, scale: 1.0 };
-        let dims = (16, hq + 2 * hkv, config.dim);
-        let gemm = Gemm::new(Product::Nn, dims, false).with_precision(Precision::F16);
         let widths = [hq, hkv, hkv];
-        assert!(gemm_blocks_fit(
-            g,
-            &gemm,
-            &widths,
-            &weights,
-            HalfBuffers::NONE
-        ));
+        let backward = (16, hq + 2 * hkv, config.dim);
+        let backward = Gemm::new(Product::Nn, backward, false).with_precision(Precision::F16);
+        let half = HalfBuffers::NONE;
+        assert!(gemm_blocks_fit(g, &backward, &widths, &weights, half));
+        let forward = (16, hq + 2 * hkv, config.dim);
+        let forward = Gemm::new(Product::Nt, forward, false).with_precision(Precision::F16);
+        let path = gemm_output_blocks_path(g, &forward, &widths, &weights, half);
+        assert!(
+            matches!(path, Some(GemmPath::TensorCores { .. })),
+            "{path:?}"
+        );
         check_step(g, config, lora, (8, &[8, 5]), 3, 2e-2);
     }
 }

@@ -3,7 +3,8 @@
 //!
 //! Sizes, with `T = B·S` tokens of one micro-batch, `M` micro-batches, `Hq = H·hd`,
 //! `Hkv = KV·hd`, `C` the loss chunk's tokens (per layer, saved for the backward, in `f32`s):
-//! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]`, `gate, up, h: [T, I]` (`h` in f16 where
+//! `x, n1, x1, n2: [T, D]`, `q, o: [T, Hq]`, `k, v: [T, Hkv]` (`q`, `k`, `v` views of one
+//! block-major `[q | k | v]` where they can start views), `gate, up, h: [T, I]` (`h` in f16 where
 //! [`Hidden::step_in_half`]), `lse: [T, H]`,
 //! two `rstd: [T]`, one `h_lora: [T, r]` per adapted projection (gate and up as one `[T, 2I]`
 //! of rows of gate then up where the model packs them); Qwen3 adds the un-normed
@@ -134,6 +135,10 @@ pub(crate) struct LayerActivations {
     pub(crate) q: GpuBuffer<f32>,
     pub(crate) k: GpuBuffer<f32>,
     pub(crate) v: GpuBuffer<f32>,
+    /// `[q | k | v]` block-major: the allocation `q`, `k` and `v` are views of, for the forward's
+    /// one GEMM over `[W_q; W_k; W_v]`; `None` with a q/k norm (Qwen3: the GEMM's outputs are
+    /// then `q_pre` and `k_pre`) or where `k` or `v` could not start a view (three allocations).
+    pub(crate) qkv: Option<GpuBuffer<f32>>,
     pub(crate) o: GpuBuffer<f32>,
     pub(crate) lse: GpuBuffer<f32>,
     /// BitNet: the attention output's sub-norm and its `rstd`.
@@ -419,10 +424,31 @@ impl StepBuffers {
         let buf = |n: usize| gpu.zeros::<f32>(n);
         let opt = |on: bool, n: usize| on.then(|| buf(n)).transpose();
         let kept = if shape.recompute { 1 } else { c.layers };
+        let align = gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize;
+        let starts_view = |floats: usize| (floats * 4).is_multiple_of(align.max(4));
+        // `[q | k | v]` (or their gradients) as views of one allocation, where they can start
+        // views: `(q, k, v, the allocation)`.
+        let qkv_views = || -> Result<_, ModelError> {
+            Ok(match starts_view(t * hq) && starts_view(t * (hq + hkv)) {
+                true => {
+                    let whole = buf(t * (hq + 2 * hkv))?;
+                    let (q_end, k_end) = (t * hq, t * (hq + hkv));
+                    let q = whole.view(gpu, 0..q_end)?;
+                    let k = whole.view(gpu, q_end..k_end)?;
+                    let v = whole.view(gpu, k_end..whole.len())?;
+                    (q, k, v, Some(whole))
+                }
+                false => (buf(t * hq)?, buf(t * hkv)?, buf(t * hkv)?, None),
+            })
+        };
         let gate_up = GateUp::step_layout(gpu, model, adapters.lora(), t);
         let h_in_half = Hidden::step_in_half(gpu, model, adapters.lora(), (t, gate_up));
         let layers = (0..kept)
             .map(|_| {
+                let (q, k, v, qkv) = match qwen3 {
+                    true => (buf(t * hq)?, buf(t * hkv)?, buf(t * hkv)?, None),
+                    false => qkv_views()?,
+                };
                 Ok(LayerActivations {
                     x: buf(t * d)?,
                     rstd1: buf(t)?,
@@ -431,9 +457,10 @@ impl StepBuffers {
                     k_pre: opt(qwen3, t * hkv)?,
                     rstd_q: opt(qwen3, t * c.heads)?,
                     rstd_k: opt(qwen3, t * c.kv_heads)?,
-                    q: buf(t * hq)?,
-                    k: buf(t * hkv)?,
-                    v: buf(t * hkv)?,
+                    q,
+                    k,
+                    v,
+                    qkv,
                     o: buf(t * hq)?,
                     lse: buf(t * c.heads)?,
                     o_sub: opt(bitnet, t * hq)?,
@@ -468,19 +495,7 @@ impl StepBuffers {
             true => widest.max(width(&Projection::Q) + width(&Projection::V)),
             false => widest,
         };
-        let align = gpu.wgpu_limits().min_storage_buffer_offset_alignment as usize;
-        let starts_view = |floats: usize| (floats * 4).is_multiple_of(align.max(4));
-        let (d_q, d_k, d_v, d_qkv) = match starts_view(t * hq) && starts_view(t * (hq + hkv)) {
-            true => {
-                let whole = buf(t * (hq + 2 * hkv))?;
-                let (q_end, k_end) = (t * hq, t * (hq + hkv));
-                let d_q = whole.view(gpu, 0..q_end)?;
-                let d_k = whole.view(gpu, q_end..k_end)?;
-                let d_v = whole.view(gpu, k_end..whole.len())?;
-                (d_q, d_k, d_v, Some(whole))
-            }
-            false => (buf(t * hq)?, buf(t * hkv)?, buf(t * hkv)?, None),
-        };
+        let (d_q, d_k, d_v, d_qkv) = qkv_views()?;
         let work = Workspace {
             dx: buf(t * d)?,
             dn: buf(t * d)?,

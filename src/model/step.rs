@@ -24,7 +24,8 @@ use hesper_kernels::linear::fusion::{Residual, low_rank_fits};
 use hesper_kernels::linear::split::execute_gemm_split_fused;
 use hesper_kernels::linear::{
     Fusion, Gemm, GemmFusion, GemmPath, HalfBuffers, Operand, Product, Weights, execute_gemm,
-    execute_gemm_blocks, execute_gemm_fused, gemm_blocks_path, gemm_path,
+    execute_gemm_blocks, execute_gemm_fused, execute_gemm_output_blocks, gemm_blocks_path,
+    gemm_output_blocks_path, gemm_path,
 };
 use hesper_kernels::lora::{
     LoraBackward, LoraUp, UpWeight, WeightBackward, execute_input_grad, execute_lora_backward,
@@ -468,6 +469,59 @@ impl Ctx<'_> {
         Ok(true)
     }
 
+    /// `[q | k | v] = n1·[W_q; W_k; W_v]ᵀ` (+ biases, + each adapted projection's
+    /// `s·(n1·Aᵀ)·Bᵀ`) as one GEMM into the block-major `saved.qkv`
+    /// (`execute_gemm_output_blocks`: one launch with three times the workgroups of the key's
+    /// and value's own), and `true`: where the layer holds `[W_q; W_k; W_v]` in one allocation,
+    /// `q`, `k` and `v` are views of one (no q/k norm) and the tensor cores take the GEMM. LoRA's
+    /// up-projections are a launch each after it (`lora_up`; with `paired`, `x·Aᵀ` of the query
+    /// and value is computed already). Elsewhere `false`, and nothing is recorded.
+    fn qkv_forward(
+        &self,
+        rec: &mut Recorder<'_>,
+        adapters: &GpuAdapters,
+        layer: usize,
+        a: &mut LayerActivations,
+        paired: bool,
+    ) -> Result<bool, ModelError> {
+        let (c, weights) = (self.model.config(), &self.model.layers[layer]);
+        let (Some(frozen), Some(qkv)) = (weights.qkv(), a.qkv.as_mut()) else {
+            return Ok(false);
+        };
+        let widths = [Projection::Q, Projection::K, Projection::V].map(|p| p.shape(c).0);
+        let gemm = self.model.gemm(
+            Product::Nt,
+            (self.tokens, widths.iter().sum(), c.dim),
+            false,
+        );
+        let frozen = frozen.weights();
+        let path = gemm_output_blocks_path(rec.gpu(), &gemm, &widths, &frozen, HalfBuffers::NONE);
+        if !matches!(path, Some(GemmPath::TensorCores { .. })) {
+            return Ok(false);
+        }
+        execute_gemm_output_blocks(rec, &gemm, &widths, &Fusion::NONE, &a.n1, frozen, qkv)?;
+        let targets = adapters.lora().targets.len();
+        for (p, y) in [
+            (Projection::Q, &mut a.q),
+            (Projection::K, &mut a.k),
+            (Projection::V, &mut a.v),
+        ] {
+            if let Some(bias) = weights.bias(p) {
+                execute_add_bias(rec, y, bias)?;
+            }
+            let Some(i) = adapters.index(layer, p) else {
+                continue;
+            };
+            let (adapter, h) = (&adapters.adapters[i], &mut a.lora_h[i % targets]);
+            let h_ready = paired && p != Projection::K;
+            if !h_ready {
+                execute_lora_down(rec, &a.n1, &adapter.a, self.rank, h)?;
+            }
+            execute_lora_up(rec, h, &adapter.b, self.rank, self.scale, y)?;
+        }
+        Ok(true)
+    }
+
     /// Block `layer`'s forward from `saved.x`, saving its activations; its output into `out`.
     fn block_forward(
         &self,
@@ -483,35 +537,37 @@ impl Ctx<'_> {
         execute_rms_norm_forward(rec, &a.x, &w.attn_norm, &mut a.n1, &mut a.rstd1, eps)?;
         let at = |p| (layer, p);
         let paired = self.lora_down_pair(rec, adapters, layer, &a.n1, &mut a.lora_h)?;
-        let q_out = a.q_pre.as_mut().unwrap_or(&mut a.q);
-        self.project(
-            rec,
-            adapters,
-            at(Projection::Q),
-            Operand::F32(&a.n1),
-            q_out,
-            (&mut a.lora_h, paired),
-            None,
-        )?;
-        let k_out = a.k_pre.as_mut().unwrap_or(&mut a.k);
-        self.project(
-            rec,
-            adapters,
-            at(Projection::K),
-            Operand::F32(&a.n1),
-            k_out,
-            (&mut a.lora_h, false),
-            None,
-        )?;
-        self.project(
-            rec,
-            adapters,
-            at(Projection::V),
-            Operand::F32(&a.n1),
-            &mut a.v,
-            (&mut a.lora_h, paired),
-            None,
-        )?;
+        if !self.qkv_forward(rec, adapters, layer, a, paired)? {
+            let q_out = a.q_pre.as_mut().unwrap_or(&mut a.q);
+            self.project(
+                rec,
+                adapters,
+                at(Projection::Q),
+                Operand::F32(&a.n1),
+                q_out,
+                (&mut a.lora_h, paired),
+                None,
+            )?;
+            let k_out = a.k_pre.as_mut().unwrap_or(&mut a.k);
+            self.project(
+                rec,
+                adapters,
+                at(Projection::K),
+                Operand::F32(&a.n1),
+                k_out,
+                (&mut a.lora_h, false),
+                None,
+            )?;
+            self.project(
+                rec,
+                adapters,
+                at(Projection::V),
+                Operand::F32(&a.n1),
+                &mut a.v,
+                (&mut a.lora_h, paired),
+                None,
+            )?;
+        }
         if let (Some(q_pre), Some(k_pre), Some(rstd_q), Some(rstd_k), Some(q_norm), Some(k_norm)) = (
             &a.q_pre,
             &a.k_pre,
