@@ -1168,9 +1168,9 @@ fn record_blocked<'a>(
             ),
         });
     }
-    let blocks = match operand {
-        Blocked::Input => BlockLaunch::Input(blocks),
-        Blocked::Output => BlockLaunch::Output(blocks),
+    let blocks = BlockLaunch {
+        operand,
+        widths: blocks,
     };
     record_gemm(rec, gemm, fusion, (input, weights, output), Some(blocks))
 }
@@ -1253,11 +1253,30 @@ fn block_widths(widths: &[usize], total: usize) -> Result<[u32; coop::MAX_INPUT_
     Ok(blocks)
 }
 
-/// A block-major operand of a launch, as [`record_gemm`] takes it.
+/// A block-major operand of a launch, as [`record_gemm`] takes it: which, and its widths
+/// (zeros after the last).
 #[derive(Clone, Copy)]
-enum BlockLaunch {
-    Input([u32; coop::MAX_INPUT_BLOCKS]),
-    Output([u32; coop::MAX_INPUT_BLOCKS]),
+struct BlockLaunch {
+    operand: Blocked,
+    widths: [u32; coop::MAX_INPUT_BLOCKS],
+}
+
+impl BlockLaunch {
+    fn major(&self) -> coop::BlockMajor<'_> {
+        let used = coop::used_blocks(&self.widths);
+        match self.operand {
+            Blocked::Input => coop::BlockMajor::Input(used),
+            Blocked::Output => coop::BlockMajor::Output(used),
+        }
+    }
+
+    /// The widths if the operand is `operand`; else none (zeros).
+    fn of(blocks: Option<BlockLaunch>, operand: Blocked) -> [u32; coop::MAX_INPUT_BLOCKS] {
+        match blocks {
+            Some(b) if b.operand == operand => b.widths,
+            _ => [0; coop::MAX_INPUT_BLOCKS],
+        }
+    }
 }
 
 /// One GEMM as [`execute_gemm_fused`] records it; with `blocks`, an operand block-major
@@ -1285,11 +1304,7 @@ fn record_gemm<'a>(
     };
     let path = match (gemm_path(rec.gpu(), &chooses_as, &weights, half), blocks) {
         (_, Some(blocks)) => {
-            let used = match &blocks {
-                BlockLaunch::Input(b) => coop::BlockMajor::Input(coop::used_blocks(b)),
-                BlockLaunch::Output(b) => coop::BlockMajor::Output(coop::used_blocks(b)),
-            };
-            let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, used)
+            let (tile, subgroup) = coop::blocks_path(rec.gpu(), &chooses_as, half, blocks.major())
                 .expect("record_blocked checked that the tensor cores take it");
             GemmPath::TensorCores { tile, subgroup }
         }
@@ -1332,14 +1347,8 @@ fn record_gemm<'a>(
                 scale,
                 input_exponent: gemm.input_exponent,
                 splits: 1,
-                input_blocks: match blocks {
-                    Some(BlockLaunch::Input(b)) => b,
-                    _ => [0; coop::MAX_INPUT_BLOCKS],
-                },
-                output_blocks: match blocks {
-                    Some(BlockLaunch::Output(b)) => b,
-                    _ => [0; coop::MAX_INPUT_BLOCKS],
-                },
+                input_blocks: BlockLaunch::of(blocks, Blocked::Input),
+                output_blocks: BlockLaunch::of(blocks, Blocked::Output),
             };
             coop::record(rec, &launch, input, w, output, fusion)
         }
