@@ -219,18 +219,23 @@ fn a_mixed_step_over_many_targets_keeps_its_gradients_digits() {
 
 /// The query, key and value projections as one GEMM each way, which run only on tensor cores
 /// (lavapipe has none): forward, `[q | k | v]` block-major out of one GEMM over `[W_q; W_k;
-/// W_v]` where LoRA adapts none of the three (`execute_gemm_output_blocks`, biases a launch
-/// each after it); backward, the input gradient over the block-major `[dq | dk | dv]`
-/// (`execute_gemm_blocks`: with q and v adapted, the query's up-projection folded in, the
-/// value's a launch after it). The steps of a tiny Qwen2 with LoRA on q and v (the backward's
-/// one GEMM with its fold, the forward's three), one with LoRA on o (both merged, with biases)
-/// and a tiny Llama with LoRA on o and down (both merged) on the DSL's interpreter's tensor
-/// cores, against the f64 model.
+/// W_v]` (`execute_gemm_output_blocks`), each adapted projection's up-projection folded over
+/// its own columns (`LoraUps`), biases a launch each after it; backward, the input gradient
+/// over the block-major `[dq | dk | dv]` (`execute_gemm_blocks`: with q and v adapted, both
+/// up-projections folded in, a step's depth each). The steps of a tiny Qwen2 with LoRA on q
+/// and v (both GEMMs merged, with their folds), on q, k and v (the forward merged, the three
+/// up-projections sharing its fold's depth; the backward three GEMMs), on o (both merged, with
+/// biases), and a tiny Llama with LoRA on o and down (both merged) on the DSL's
+/// interpreter's tensor cores, against the f64 model.
 #[test]
 fn the_merged_qkv_gemms_match_the_f64_model_on_the_interpreters_tensor_cores() {
     let g = hesper::kernels::testing::interpreter_with_tensor_cores();
     let cases = [
         (Family::Qwen2, lora(&[Projection::Q, Projection::V])),
+        (
+            Family::Qwen2,
+            lora(&[Projection::Q, Projection::K, Projection::V]),
+        ),
         (Family::Qwen2, lora(&[Projection::O])),
         (Family::Llama, lora(&[Projection::O, Projection::Down])),
     ];

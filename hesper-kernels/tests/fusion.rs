@@ -171,6 +171,7 @@ impl<'a> Fusions<'a> {
                 },
                 rank: case.rank,
                 scale: LORA_SCALE,
+                columns: None,
             },
             bias: Bias { bias },
             residual: Residual { residual },
@@ -505,6 +506,7 @@ fn a_fusions_bad_buffers_are_errors_that_name_them() {
             weight: UpWeight::B(&buffers[2]),
             rank: RANK,
             scale: 1.0,
+            columns: None,
         }
     };
     let msg = err(

@@ -583,6 +583,7 @@ fn block_major_inputs_match_reference() {
             weight: UpWeight::A(&ab),
             rank,
             scale: lora_scale,
+            columns: None,
         };
         let epilogues: [&dyn linear::GemmFusion; 1] = [&up];
         let fusion = Fusion {
@@ -794,6 +795,7 @@ fn block_major_outputs_match_reference() {
             weight: UpWeight::B(&bb),
             rank,
             scale: lora_scale,
+            columns: None,
         };
         let epilogues: [&dyn linear::GemmFusion; 1] = [&up];
         let fusion = Fusion {

@@ -409,6 +409,7 @@ fn fusion_sweep(
             },
             rank: r,
             scale: 2.0,
+            columns: None,
         };
         let residual = Residual {
             residual: &residual,

@@ -28,9 +28,9 @@ use hesper_kernels::linear::{
     gemm_output_blocks_path, gemm_path,
 };
 use hesper_kernels::lora::{
-    LoraBackward, LoraUp, UpWeight, WeightBackward, execute_input_grad, execute_lora_backward,
-    execute_lora_down, execute_lora_down_pair, execute_lora_forward, execute_lora_up,
-    execute_lora_weight_backward, execute_lora_weight_backward_pair,
+    LoraBackward, LoraUp, LoraUps, UpWeight, WeightBackward, execute_input_grad,
+    execute_lora_backward, execute_lora_down, execute_lora_down_pair, execute_lora_forward,
+    execute_lora_up, execute_lora_weight_backward, execute_lora_weight_backward_pair,
 };
 use hesper_kernels::loss::{
     CrossEntropyGrad, IGNORE_INDEX, execute_cross_entropy_count, execute_cross_entropy_mean,
@@ -195,6 +195,7 @@ impl Ctx<'_> {
                     weight: UpWeight::B(&adapter.b),
                     rank: self.rank,
                     scale: self.scale,
+                    columns: None,
                 };
                 (None, Some(up))
             }
@@ -379,6 +380,7 @@ impl Ctx<'_> {
                 weight: UpWeight::A(a),
                 rank,
                 scale,
+                columns: None,
             };
             let fusion = Fusion {
                 prologue: None,
@@ -404,9 +406,10 @@ impl Ctx<'_> {
     /// `true`: where the layer holds `[W_q; W_k; W_v]` in one allocation, the tensor cores
     /// take the GEMM, and LoRA adapts none of the three or (`paired`) the query and value,
     /// whose weight gradients and `dh` are computed already ([`Ctx::lora_weight_backward_pair`]):
-    /// the query's `s·dh·A` folded into the GEMM, the value's a launch after it. Elsewhere
-    /// `false`, and nothing is recorded. (With a q/k norm, Qwen3's, the caller never asks:
-    /// the projections' gradients are then the norms' outputs, not views of `d_qkv`.)
+    /// both `s·dh·A` folded into the GEMM (a step's depth after another, `LoraUps`), or a
+    /// launch each after it where the tile's step cannot hold one. Elsewhere `false`, and
+    /// nothing is recorded. (With a q/k norm, Qwen3's, the caller never asks: the
+    /// projections' gradients are then the norms' outputs, not views of `d_qkv`.)
     fn qkv_backward(
         &self,
         rec: &mut Recorder<'_>,
@@ -426,7 +429,7 @@ impl Ctx<'_> {
             (Some(q), None) if paired => {
                 let v = adapted(Projection::V).expect("a pair adapts the value projection");
                 let dh_v = lora.dh_pair.as_ref().expect("a pair has its second dh");
-                Some(((q, &lora.dh), (v, dh_v)))
+                Some([(q, &lora.dh), (v, dh_v)])
             }
             _ => return Ok(false),
         };
@@ -448,53 +451,57 @@ impl Ctx<'_> {
         // would cost more than a launch of its own (BENCHMARKS.md, "Fusion").
         let fold = low_rank_fits(self.rank, tile.bk);
         let a_of = |i: usize| &adapters.adapters[i].a;
-        let folded = pair.filter(|_| fold).map(|((q, h), _)| LoraUp {
-            h,
-            weight: UpWeight::A(a_of(q)),
-            rank: self.rank,
-            scale: self.scale,
-        });
-        let epilogues: Vec<&dyn GemmFusion> = folded.iter().map(|u| u as &dyn GemmFusion).collect();
+        let ups: Vec<LoraUp> = (pair.iter().flatten())
+            .filter(|_| fold)
+            .map(|&(i, dh)| LoraUp {
+                h: dh,
+                weight: UpWeight::A(a_of(i)),
+                rank: self.rank,
+                scale: self.scale,
+                columns: None,
+            })
+            .collect();
+        let ups = LoraUps { ups: &ups };
+        let epilogues: Vec<&dyn GemmFusion> = match fold && pair.is_some() {
+            true => vec![&ups],
+            false => vec![],
+        };
         let fusion = Fusion {
             prologue: None,
             epilogues: &epilogues,
         };
         execute_gemm_blocks(rec, &gemm, &widths, &fusion, d_qkv, weights, &mut *dn)?;
-        if let Some((q, v)) = pair {
-            let launched = if fold { vec![v] } else { vec![q, v] };
-            for (i, dh) in launched {
-                execute_input_grad(rec, dh, a_of(i), self.rank, self.scale, dn)?;
-            }
+        for (i, dh) in pair.into_iter().flatten().filter(|_| !fold) {
+            execute_input_grad(rec, dh, a_of(i), self.rank, self.scale, dn)?;
         }
         Ok(true)
     }
 
-    /// `[q | k | v] = n1·[W_q; W_k; W_v]ᵀ` (+ biases) as one GEMM into the block-major
-    /// `saved.qkv` (`execute_gemm_output_blocks`: one launch with three times the workgroups of
-    /// the key's and value's own), and `true`: where the layer holds `[W_q; W_k; W_v]` in one
-    /// allocation, `q`, `k` and `v` are views of one (no q/k norm), the tensor cores take the
-    /// GEMM and LoRA adapts none of the three. Elsewhere `false`, and nothing is recorded. (An
-    /// adapted query or value folds its up-projection into a GEMM of its own; after the merged
-    /// one it took a `lora_up` launch, which cost more than the merge saved: 32.9 against 32.3
-    /// ms a step on an H100, BENCHMARKS.md "One GEMM for the query, key and value".)
+    /// `[q | k | v] = n1·[W_q; W_k; W_v]ᵀ` (+ LoRA's up-projections, + biases) as one GEMM
+    /// into the block-major `saved.qkv` (`execute_gemm_output_blocks`: one launch with three
+    /// times the workgroups of the key's and value's own), and `true`: where the layer holds
+    /// `[W_q; W_k; W_v]` in one allocation, `q`, `k` and `v` are views of one (no q/k norm),
+    /// and the tensor cores take the GEMM at a tile whose step holds an up-projection
+    /// (`low_rank_fits`): each adapted projection's `s·h·Bᵀ` is folded over its own columns
+    /// (`LoraUps`; a workgroup's tile lies in one projection, so the query's and the value's
+    /// share a fold's depth), `h = n1·Aᵀ` computed first (`paired`: the query's and value's
+    /// already, [`Ctx::lora_down_pair`]). Elsewhere `false`, and nothing is recorded. (Without
+    /// the fold, after the merged GEMM each adapted projection took a `lora_up` launch, which
+    /// cost more than the merge saved: 32.9 against 32.3 ms a step on an H100, BENCHMARKS.md
+    /// "One GEMM for the query, key and value".)
     fn qkv_forward(
         &self,
         rec: &mut Recorder<'_>,
         adapters: &GpuAdapters,
         layer: usize,
         a: &mut LayerActivations,
+        paired: bool,
     ) -> Result<bool, ModelError> {
         let (c, weights) = (self.model.config(), &self.model.layers[layer]);
         let (Some(frozen), Some(qkv)) = (weights.qkv(), a.qkv.as_mut()) else {
             return Ok(false);
         };
         let projections = [Projection::Q, Projection::K, Projection::V];
-        if projections
-            .iter()
-            .any(|&p| adapters.index(layer, p).is_some())
-        {
-            return Ok(false);
-        }
         let widths = projections.map(|p| p.shape(c).0);
         let gemm = self.model.gemm(
             Product::Nt,
@@ -503,10 +510,42 @@ impl Ctx<'_> {
         );
         let frozen = frozen.weights();
         let path = gemm_output_blocks_path(rec.gpu(), &gemm, &widths, &frozen, HalfBuffers::NONE);
-        if !matches!(path, Some(GemmPath::TensorCores { .. })) {
+        let Some(GemmPath::TensorCores { tile, .. }) = path else {
+            return Ok(false);
+        };
+        let targets = adapters.lora().targets.len();
+        let adapted: Vec<(usize, usize)> = (0..3)
+            .filter_map(|p| adapters.index(layer, projections[p]).map(|i| (p, i)))
+            .collect();
+        if !adapted.is_empty() && !low_rank_fits(self.rank, tile.bk) {
             return Ok(false);
         }
-        execute_gemm_output_blocks(rec, &gemm, &widths, &Fusion::NONE, &a.n1, frozen, qkv)?;
+        // The pair's `h` are there already; the key's (or any without the pair) not.
+        let ready = |p: usize| paired && p != 1;
+        for &(_, i) in adapted.iter().filter(|&&(p, _)| !ready(p)) {
+            let h = &mut a.lora_h[i % targets];
+            execute_lora_down(rec, &a.n1, &adapters.adapters[i].a, self.rank, h)?;
+        }
+        let starts = [0, widths[0], widths[0] + widths[1]];
+        let ups: Vec<LoraUp> = (adapted.iter())
+            .map(|&(p, i)| LoraUp {
+                h: &a.lora_h[i % targets],
+                weight: UpWeight::B(&adapters.adapters[i].b),
+                rank: self.rank,
+                scale: self.scale,
+                columns: Some(starts[p]..starts[p] + widths[p]),
+            })
+            .collect();
+        let ups = LoraUps { ups: &ups };
+        let epilogues: Vec<&dyn GemmFusion> = match adapted.is_empty() {
+            true => vec![],
+            false => vec![&ups],
+        };
+        let fusion = Fusion {
+            prologue: None,
+            epilogues: &epilogues,
+        };
+        execute_gemm_output_blocks(rec, &gemm, &widths, &fusion, &a.n1, frozen, qkv)?;
         for (p, y) in projections.into_iter().zip([&mut a.q, &mut a.k, &mut a.v]) {
             if let Some(bias) = weights.bias(p) {
                 execute_add_bias(rec, y, bias)?;
@@ -530,7 +569,7 @@ impl Ctx<'_> {
         execute_rms_norm_forward(rec, &a.x, &w.attn_norm, &mut a.n1, &mut a.rstd1, eps)?;
         let at = |p| (layer, p);
         let paired = self.lora_down_pair(rec, adapters, layer, &a.n1, &mut a.lora_h)?;
-        if !self.qkv_forward(rec, adapters, layer, a)? {
+        if !self.qkv_forward(rec, adapters, layer, a, paired)? {
             let q_out = a.q_pre.as_mut().unwrap_or(&mut a.q);
             self.project(
                 rec,

@@ -753,7 +753,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     };
     let rows = k.param::<u32>("rows");
     let scale = k.param::<f32>("scale");
-    let fused = fusion.build(k, (cols, depth), tile.bk);
+    let fused = fusion.build(k, (cols, depth), Some((tile.bk, tile.bn)));
 
     let threads = tile.subgroups() * subgroup;
     let sg = k.let_("sg", k.subgroup_id());
@@ -923,8 +923,7 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
     // With low-rank products, the accumulators are scaled (and the products added) here.
     let scaled = !fused.low_rank.is_empty();
     if scaled {
-        k.comment("Stage the low-rank epilogues' operands as more depth.");
-        let staged = LowRankStage::new(&fused.low_rank, input_scale.as_ref());
+        let staged = LowRankStage::new(k, &fused.low_rank, (input_scale.as_ref(), &n0), tile.bk);
         let slices = Slices {
             product,
             tile: &tile,
@@ -935,16 +934,23 @@ pub(crate) fn kernel(k: &mut KernelBuilder, product: Product, fusion: &Fusion<'_
             a: (&a_tile, a_stride),
             b: (&b_tile, b_stride),
         };
-        staged.stage(k, &slices, input_scale.as_ref());
-        k.workgroup_barrier();
-        k.comment("The accumulators scaled, the low-rank products added.");
         let frags = LowRankFrags {
-            staged: &staged,
             product,
             a: (&a_tile, a_stride, &a_base),
             b: (&b_tile, b_stride, &b_base),
         };
-        frags.fold(k, (&acc, frag_cols), &scale);
+        for (i, round) in staged.rounds.iter().enumerate() {
+            if i > 0 {
+                // The previous round's fragments are read before this round stages over them.
+                k.workgroup_barrier();
+            }
+            k.comment("Stage the low-rank epilogues' operands as more depth.");
+            staged.stage(k, round, &slices, input_scale.as_ref());
+            k.workgroup_barrier();
+            k.comment("The accumulators scaled, the low-rank products added.");
+            let first = (i == 0).then_some(&scale);
+            frags.fold(k, round, (&acc, frag_cols), first);
+        }
     }
 
     k.comment("Write the accumulators.");
@@ -1170,127 +1176,248 @@ struct Slices<'a> {
 /// one or two more products on the tensor cores, a tile at a time, where the element-by-element
 /// epilogue would read `rank` values of each from memory for every element. Each is staged in
 /// parts, `[h₁ | h₂ | h₁]` against `[w₁; w₁; w₂]` (a value cut to f16's digits and what was
-/// cut: [`low_rank_depth`](super::fusion::low_rank_depth)).
+/// cut: [`low_rank_depth`](super::fusion::low_rank_depth)). Terms over ranges of the columns
+/// that do not overlap share a slot (a workgroup stages the one its tile lies in, or zeros);
+/// slots go side by side into rounds of one step's depth, more rounds where one is not
+/// enough.
 struct LowRankStage<'a> {
     terms: &'a [LowRankBuilt],
-    /// Each term's first staged column along the depth and its depth (multiples of 16).
-    spans: Vec<(u32, u32)>,
-    /// What each term's product is multiplied by: its `s` over the input's scale, since `h`
-    /// is staged scaled as the input is (out of f16's subnormals, as a backward's `dy·B` is).
-    multipliers: Vec<Expr<f32>>,
+    /// Rounds of slots, each round's slots within one step's depth.
+    rounds: Vec<Vec<LowRankSlot>>,
+}
+
+/// Terms that share depth of a staged step ([`LowRankStage`]).
+struct LowRankSlot {
+    /// The slot's first staged column along the depth and its depth (multiples of 16).
+    at: u32,
+    depth: u32,
+    /// The terms (indices), more than one only where each has its own range of the columns
+    /// and the ranges do not overlap.
+    terms: Vec<usize>,
+    /// What the slot's product is multiplied by in this workgroup: its term's `s` over the
+    /// input's scale (`h` is staged scaled as the input is, out of f16's subnormals, as a
+    /// backward's `dy·B` is), 0 where the workgroup's tile lies in none of its terms' ranges.
+    multiplier: Expr<f32>,
 }
 
 impl<'a> LowRankStage<'a> {
-    fn new(terms: &'a [LowRankBuilt], input_scale: Option<&Expr<f32>>) -> Self {
-        let mut at = 0;
-        let spans = terms
-            .iter()
-            .map(|t| {
-                let span = (at, super::fusion::low_rank_depth(t.rank));
-                at += span.1;
-                span
-            })
-            .collect();
-        let multipliers = terms
-            .iter()
-            .map(|t| match input_scale {
-                Some(s) => &t.scale / s,
-                None => t.scale.clone(),
-            })
-            .collect();
-        LowRankStage {
-            terms,
-            spans,
-            multipliers,
+    /// The terms' slots and rounds (`n0`: the workgroup's first output column; `bk`: a step's
+    /// depth, which each term's depth fits).
+    fn new(
+        k: &mut KernelBuilder,
+        terms: &'a [LowRankBuilt],
+        (input_scale, n0): (Option<&Expr<f32>>, &Expr<u32>),
+        bk: u32,
+    ) -> Self {
+        let apart = |a: &LowRankBuilt, b: &LowRankBuilt| match (a.columns, b.columns) {
+            (Some((s0, e0)), Some((s1, e1))) => e0 <= s1 || e1 <= s0,
+            _ => false,
+        };
+        let mut shared: Vec<Vec<usize>> = vec![];
+        for (t, term) in terms.iter().enumerate() {
+            match (shared.iter_mut()).find(|slot| slot.iter().all(|&u| apart(&terms[u], term))) {
+                Some(slot) => slot.push(t),
+                None => shared.push(vec![t]),
+            }
         }
+        let mut rounds: Vec<Vec<LowRankSlot>> = vec![];
+        let mut used = bk;
+        for slot in shared {
+            let depth = (slot.iter())
+                .map(|&t| super::fusion::low_rank_depth(terms[t].rank))
+                .max()
+                .expect("a slot holds a term");
+            assert!(
+                depth <= bk,
+                "Fusion::low_rank_taken takes terms that fit a step"
+            );
+            if used + depth > bk {
+                rounds.push(vec![]);
+                used = 0;
+            }
+            let of = |t: usize| match input_scale {
+                Some(s) => &terms[t].scale / s,
+                None => terms[t].scale.clone(),
+            };
+            let multiplier = match terms[slot[0]].columns {
+                None => of(slot[0]),
+                Some(_) => (slot.iter()).fold(lit(0.0f32), |m, &t| {
+                    select(in_columns(&terms[t], n0), of(t), m)
+                }),
+            };
+            let multiplier = k.let_("low_rank_multiplier", multiplier);
+            let at = used;
+            used += depth;
+            let round = rounds.last_mut().expect("a round was opened");
+            round.push(LowRankSlot {
+                at,
+                depth,
+                terms: slot,
+                multiplier,
+            });
+        }
+        LowRankStage { terms, rounds }
     }
 
-    /// Stages every term's `h` (times `input_scale`) and `w` as f16.
-    fn stage(&self, k: &mut KernelBuilder, slices: &Slices<'_>, input_scale: Option<&Expr<f32>>) {
-        let (m0, n0) = slices.origin;
-        let (bm, bn) = (slices.tile.bm, slices.tile.bn);
-        let lid = k.local_index();
-        let zero = Expr::<F16>::lit(0.0);
-        for (term, &(at, span)) in self.terms.iter().zip(&self.spans) {
-            let rank = term.rank;
-            // `(j, col)` of `w` (`j < rank`), the column clamped into it (the lane is zeroed
-            // outside).
-            let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
-                let col = col.min(slices.cols - 1);
-                match term.rank_minor {
-                    true => col * rank + j,
-                    false => j * slices.cols + col,
+    /// Stages the `h` (times `input_scale`) and `w` of every slot of `round` as f16: of a
+    /// shared slot, the term whose range holds the workgroup's tile, else zeros.
+    fn stage(
+        &self,
+        k: &mut KernelBuilder,
+        round: &[LowRankSlot],
+        slices: &Slices<'_>,
+        input_scale: Option<&Expr<f32>>,
+    ) {
+        for slot in round {
+            match self.terms[slot.terms[0]].columns {
+                None => {
+                    let term = Some(&self.terms[slot.terms[0]]);
+                    self.stage_term(k, (slot, term), slices, input_scale);
                 }
-            };
-            // Every vec4 of a `height × width`-half slice (width a multiple of 4), its
-            // position given to `each` as (row, vec4 along it).
-            let over = |k: &mut KernelBuilder, (height, width): (u32, u32), each: &VecSlot| {
-                let total = height * width / 4;
-                for s in 0..total.div_ceil(slices.threads) {
-                    let idx = k.let_("low_rank_idx", super::offset(&lid, s * slices.threads));
-                    let body = |k: &mut KernelBuilder| {
-                        let row = k.let_("low_rank_row", &idx / (width / 4));
-                        let c4 = k.let_("low_rank_c4", &idx % (width / 4));
-                        each(k, &row, &c4);
-                    };
-                    match (s + 1) * slices.threads <= total {
-                        true => body(k),
-                        false => k.if_(idx.lt(total), body),
-                    }
-                }
-            };
-            // `h`: `bm` rows of `span`, into A's slice at column `at`.
-            let (a_tile, a_stride) = slices.a;
-            over(k, (bm, span), &|k, row, c4| {
-                let r = k.let_("low_rank_r", m0 + row);
-                let inside = r.lt(slices.rows);
-                let r = r.min(&(slices.rows - 1u32));
-                let lanes = (0..4)
-                    .map(|q| {
-                        // Staged column `c` holds part `c / rank` of `h[r, c mod rank]`.
-                        let c = super::offset(&(c4 * 4u32), q);
-                        let v = term.h.at(&r * rank + &c % rank);
-                        let v = match input_scale {
-                            Some(s) => v * s,
-                            None => v,
-                        };
-                        let v = split_part(k, "low_rank_h", v, (&c / rank).eq(1u32));
-                        select(inside.clone().and(c.lt(3 * rank)), v, zero.clone())
-                    })
-                    .collect();
-                let to = row * (a_stride / 4) + at / 4 + c4;
-                k.store(a_tile, to, super::vec4_of(lanes));
-            });
-            // `w`: through `·Wᵀ` `bn` rows of `span` (B's columns), through `·W` `span` rows
-            // of `bn`, into B's slice at depth `at`.
-            let (b_tile, b_stride) = slices.b;
-            // Staged depth `c` holds part `c / rank` of `w(col, c mod rank)`.
-            let w_lane = |k: &mut KernelBuilder, c: Expr<u32>, col: Expr<u32>| {
-                let inside = col.lt(slices.cols).and(c.lt(3 * rank));
-                let v = term.w.at(w_at(&(&c % rank), &col));
-                let v = split_part(k, "low_rank_w", v, (&c / rank).eq(2u32));
-                select(inside, v, zero.clone())
-            };
-            match slices.product {
-                Product::Nt => over(k, (bn, span), &|k, row, c4| {
-                    let col = k.let_("low_rank_col", n0 + row);
-                    let lanes = (0..4)
-                        .map(|q| w_lane(k, super::offset(&(c4 * 4u32), q), col.clone()))
-                        .collect();
-                    let to = row * (b_stride / 4) + at / 4 + c4;
-                    k.store(b_tile, to, super::vec4_of(lanes));
-                }),
-                Product::Nn => over(k, (span, bn), &|k, row, c4| {
-                    let col = k.let_("low_rank_col", n0 + c4 * 4u32);
-                    let lanes = (0..4)
-                        .map(|q| w_lane(k, row.clone(), super::offset(&col, q)))
-                        .collect();
-                    let to = (row + at) * (b_stride / 4) + c4;
-                    k.store(b_tile, to, super::vec4_of(lanes));
-                }),
+                // Each range is whole tiles (`low_rank_tiled`): a uniform choice.
+                Some(_) => self.stage_shared(k, (slot, &slot.terms), slices, input_scale),
             }
         }
     }
+
+    /// Stages into `slot` the first of `terms` whose range holds the workgroup's tile, else
+    /// zeros.
+    fn stage_shared(
+        &self,
+        k: &mut KernelBuilder,
+        (slot, terms): (&LowRankSlot, &[usize]),
+        slices: &Slices<'_>,
+        input_scale: Option<&Expr<f32>>,
+    ) {
+        match terms.split_first() {
+            Some((&t, rest)) => {
+                let term = &self.terms[t];
+                k.if_else(
+                    in_columns(term, slices.origin.1),
+                    |k| self.stage_term(k, (slot, Some(term)), slices, input_scale),
+                    |k| self.stage_shared(k, (slot, rest), slices, input_scale),
+                );
+            }
+            None => self.stage_term(k, (slot, None), slices, input_scale),
+        }
+    }
+
+    /// Stages `term`'s `h` and `w` into `slot` (zeros where `None`).
+    fn stage_term(
+        &self,
+        k: &mut KernelBuilder,
+        (slot, term): (&LowRankSlot, Option<&LowRankBuilt>),
+        slices: &Slices<'_>,
+        input_scale: Option<&Expr<f32>>,
+    ) {
+        let (m0, n0) = slices.origin;
+        let (bm, bn) = (slices.tile.bm, slices.tile.bn);
+        let (at, span) = (slot.at, slot.depth);
+        let lid = k.local_index();
+        let zero = Expr::<F16>::lit(0.0);
+        // Every vec4 of a `height × width`-half slice (width a multiple of 4), its position
+        // given to `each` as (row, vec4 along it).
+        let over = |k: &mut KernelBuilder, (height, width): (u32, u32), each: &VecSlot| {
+            let total = height * width / 4;
+            for s in 0..total.div_ceil(slices.threads) {
+                let idx = k.let_("low_rank_idx", super::offset(&lid, s * slices.threads));
+                let body = |k: &mut KernelBuilder| {
+                    let row = k.let_("low_rank_row", &idx / (width / 4));
+                    let c4 = k.let_("low_rank_c4", &idx % (width / 4));
+                    each(k, &row, &c4);
+                };
+                match (s + 1) * slices.threads <= total {
+                    true => body(k),
+                    false => k.if_(idx.lt(total), body),
+                }
+            }
+        };
+        let (a_tile, a_stride) = slices.a;
+        let (b_tile, b_stride) = slices.b;
+        let Some(term) = term else {
+            let zeros = || super::vec4_of(vec![zero.clone(); 4]);
+            over(k, (bm, span), &|k, row, c4| {
+                k.store(a_tile, row * (a_stride / 4) + at / 4 + c4, zeros());
+            });
+            match slices.product {
+                Product::Nt => over(k, (bn, span), &|k, row, c4| {
+                    k.store(b_tile, row * (b_stride / 4) + at / 4 + c4, zeros());
+                }),
+                Product::Nn => over(k, (span, bn), &|k, row, c4| {
+                    k.store(b_tile, (row + at) * (b_stride / 4) + c4, zeros());
+                }),
+            }
+            return;
+        };
+        let rank = term.rank;
+        // The term's columns: `w`'s column `col − start` of `width`.
+        let (start, end) = term.columns.unwrap_or((0, slices.cols));
+        let width = end - start;
+        // `(j, col)` of `w` (`j < rank`), the column clamped into it (the lane is zeroed
+        // outside).
+        let w_at = |j: &Expr<u32>, col: &Expr<u32>| {
+            let col = (col - start).min(width - 1);
+            match term.rank_minor {
+                true => col * rank + j,
+                false => j * width + col,
+            }
+        };
+        // `h`: `bm` rows of `span`, into A's slice at column `at`.
+        over(k, (bm, span), &|k, row, c4| {
+            let r = k.let_("low_rank_r", m0 + row);
+            let inside = r.lt(slices.rows);
+            let r = r.min(&(slices.rows - 1u32));
+            let lanes = (0..4)
+                .map(|q| {
+                    // Staged column `c` holds part `c / rank` of `h[r, c mod rank]`.
+                    let c = super::offset(&(c4 * 4u32), q);
+                    let v = term.h.at(&r * rank + &c % rank);
+                    let v = match input_scale {
+                        Some(s) => v * s,
+                        None => v,
+                    };
+                    let v = split_part(k, "low_rank_h", v, (&c / rank).eq(1u32));
+                    select(inside.clone().and(c.lt(3 * rank)), v, zero.clone())
+                })
+                .collect();
+            let to = row * (a_stride / 4) + at / 4 + c4;
+            k.store(a_tile, to, super::vec4_of(lanes));
+        });
+        // `w`: through `·Wᵀ` `bn` rows of `span` (B's columns), through `·W` `span` rows of
+        // `bn`, into B's slice at depth `at`. Staged depth `c` holds part `c / rank` of
+        // `w(col, c mod rank)`.
+        let w_lane = |k: &mut KernelBuilder, c: Expr<u32>, col: Expr<u32>| {
+            let inside = col.lt(end).and(c.lt(3 * rank));
+            let v = term.w.at(w_at(&(&c % rank), &col));
+            let v = split_part(k, "low_rank_w", v, (&c / rank).eq(2u32));
+            select(inside, v, zero.clone())
+        };
+        match slices.product {
+            Product::Nt => over(k, (bn, span), &|k, row, c4| {
+                let col = k.let_("low_rank_col", n0 + row);
+                let lanes = (0..4)
+                    .map(|q| w_lane(k, super::offset(&(c4 * 4u32), q), col.clone()))
+                    .collect();
+                let to = row * (b_stride / 4) + at / 4 + c4;
+                k.store(b_tile, to, super::vec4_of(lanes));
+            }),
+            Product::Nn => over(k, (span, bn), &|k, row, c4| {
+                let col = k.let_("low_rank_col", n0 + c4 * 4u32);
+                let lanes = (0..4)
+                    .map(|q| w_lane(k, row.clone(), super::offset(&col, q)))
+                    .collect();
+                let to = (row + at) * (b_stride / 4) + c4;
+                k.store(b_tile, to, super::vec4_of(lanes));
+            }),
+        }
+    }
+}
+
+/// Whether the tile whose first column is `n0` lies in `term`'s range of columns (every tile
+/// lies wholly in it or outside it: `low_rank_tiled`).
+fn in_columns(term: &LowRankBuilt, n0: &Expr<u32>) -> Expr<bool> {
+    let (start, end) = term.columns.expect("a term with a range");
+    n0.ge(start).and(n0.lt(end))
 }
 
 /// Code for one vec4 of a staged slice, given its row and its vec4 along the row.
@@ -1309,7 +1436,6 @@ fn split_part(k: &mut KernelBuilder, hint: &str, v: Expr<f32>, error: Expr<bool>
 
 /// A subgroup's view of the staged low-rank operands.
 struct LowRankFrags<'a> {
-    staged: &'a LowRankStage<'a>,
     product: Product,
     /// `A`'s and `B`'s staged slices, their strides in halves and the subgroup's first vec4.
     a: (&'a WorkgroupArray<Vec4<F16>>, u32, &'a Expr<u32>),
@@ -1317,14 +1443,24 @@ struct LowRankFrags<'a> {
 }
 
 impl LowRankFrags<'_> {
-    /// `acc = s·acc + Σ s_t·h_t·w_t` for every fragment of the subgroup's `frag_cols`-wide
-    /// grid: `w`'s fragments read once, `h`'s once a row of fragments.
-    fn fold(&self, k: &mut KernelBuilder, (acc, frag_cols): (&[Var<Acc>], u32), scale: &Expr<f32>) {
+    /// `acc = s·acc + Σ m·h·w` over the slots of `round` for every fragment of the subgroup's
+    /// `frag_cols`-wide grid (`scale`: `s`, the first round's; later rounds add): `w`'s
+    /// fragments read once, `h`'s once a row of fragments.
+    fn fold(
+        &self,
+        k: &mut KernelBuilder,
+        round: &[LowRankSlot],
+        (acc, frag_cols): (&[Var<Acc>], u32),
+        scale: Option<&Expr<f32>>,
+    ) {
         let ((a_tile, a_stride, a_base), (b_tile, b_stride, b_base)) = (self.a, self.b);
-        let s = self.staged;
-        // Every 16 of the staged depth, with the term it belongs to.
-        let depths: Vec<(usize, u32)> = (s.spans.iter().enumerate())
-            .flat_map(|(t, (at, span))| (*at..at + span).step_by(16).map(move |d| (t, d)))
+        // Every 16 of the staged depth, with the slot it belongs to.
+        let depths: Vec<(usize, u32)> = (round.iter().enumerate())
+            .flat_map(|(n, slot)| {
+                (slot.at..slot.at + slot.depth)
+                    .step_by(16)
+                    .map(move |d| (n, d))
+            })
             .collect();
         let b: Vec<Vec<Expr<TileB>>> = (depths.iter())
             .map(|(_, d)| {
@@ -1351,18 +1487,17 @@ impl LowRankFrags<'_> {
                 .collect();
             for j in 0..frag_cols {
                 let c = &acc[(i * frag_cols + j) as usize];
-                let mut value = c.get() * scale;
-                for (t, multiplier) in s.multipliers.iter().enumerate() {
+                let mut value = match scale {
+                    Some(scale) => c.get() * scale,
+                    None => c.get(),
+                };
+                for (n, slot) in round.iter().enumerate() {
                     let mut product = Expr::<Acc>::zero();
-                    for (n, _) in depths
-                        .iter()
-                        .enumerate()
-                        .filter(|(_, (term, _))| *term == t)
-                    {
-                        let b = b[n][j as usize].clone();
-                        product = coop_multiply_add(a[n].clone(), b, product);
+                    for (at, _) in depths.iter().enumerate().filter(|(_, (s, _))| *s == n) {
+                        let b = b[at][j as usize].clone();
+                        product = coop_multiply_add(a[at].clone(), b, product);
                     }
-                    value = value + product * multiplier;
+                    value = value + product * &slot.multiplier;
                 }
                 k.assign(c, value);
             }

@@ -65,14 +65,15 @@ pub trait GemmFusion {
         None
     }
 
-    /// `Some(term)` where the code is exactly `value + s·Σ_j h[row, j]·w(col, j)`, a product
-    /// of low rank added ([`LowRank`]): the tensor cores then multiply it as more depth of
-    /// their own product (`[A | h]·[B; w]`, each value of `h` and `w` in two f16 parts, its
-    /// 10 leading mantissa bits and the rest, which keep about 22 bits) where the tile's depth
-    /// has room ([`low_rank_fits`]), and the epilogue stays a tile at a time where the others
-    /// allow it.
-    fn low_rank(&self) -> Option<LowRank> {
-        None
+    /// The terms where the code is exactly `value + Σ_t s_t·Σ_j h_t[row, j]·w_t(col, j)`, a
+    /// sum of products of low rank added ([`LowRank`], each over all columns or a range of
+    /// them); empty otherwise. The tensor cores then multiply them as more depth of their own
+    /// product (`[A | h]·[B; w]`, each value of `h` and `w` in two f16 parts, its 10 leading
+    /// mantissa bits and the rest, which keep about 22 bits) where the tile's depth has room
+    /// for each ([`low_rank_fits`]) and each range is whole tiles, and the epilogue stays a
+    /// tile at a time where the others allow it.
+    fn low_rank(&self) -> Vec<LowRank> {
+        vec![]
     }
 }
 
@@ -89,6 +90,9 @@ pub struct LowRank {
     pub rank_minor: bool,
     /// The runtime f32 parameter `s`.
     pub scale: &'static str,
+    /// `Some((start, end))`: the term adds to columns `start..end` only, and `w` has
+    /// `end − start` columns (its column `col − start`); `None`: to every column.
+    pub columns: Option<(u32, u32)>,
 }
 
 /// The depth a low-rank product of `rank` takes on the tensor cores, rounded up to 16: with
@@ -107,6 +111,17 @@ pub fn low_rank_fits(rank: usize, bk: u32) -> bool {
     u32::try_from(rank).is_ok_and(|r| r > 0 && low_rank_depth(r) <= bk)
 }
 
+/// Whether a tensor-core GEMM whose tiles are `bn` columns wide, `cols` in all, multiplies
+/// `term` as more depth: its rank fits the step ([`low_rank_fits`]) and its columns, where it
+/// has a range, are whole tiles (each tile adds it or not).
+fn low_rank_tiled(term: &LowRank, (bk, bn): (u32, u32), cols: u32) -> bool {
+    let whole = |c: u32| c.is_multiple_of(bn) || c == cols;
+    low_rank_fits(term.rank as usize, bk)
+        && term
+            .columns
+            .is_none_or(|(s, e)| s < e && e <= cols && s.is_multiple_of(bn) && whole(e))
+}
+
 /// An epilogue's low-rank product as a tensor-core GEMM declared it.
 pub(crate) struct LowRankBuilt {
     pub h: hesper_dsl::ReadBuffer<f32>,
@@ -114,6 +129,7 @@ pub(crate) struct LowRankBuilt {
     pub rank: u32,
     pub rank_minor: bool,
     pub scale: Expr<f32>,
+    pub columns: Option<(u32, u32)>,
 }
 
 /// The fusions of one GEMM: at most one prologue, any number of epilogues.
@@ -137,24 +153,19 @@ impl<'a> Fusion<'a> {
 
     /// Which epilogues the tensor cores multiply as more depth ([`GemmFusion::low_rank`]):
     /// low-rank ones with only additions before them (an addition moved ahead of them changes
-    /// nothing), while their depths ([`low_rank_depth`]) fit in what `capacity` (one staged
-    /// slice of the GEMM's depth) has left; the others go element by element.
-    pub(crate) fn low_rank_taken(&self, capacity: u32) -> Vec<bool> {
+    /// nothing) whose every term the tile takes (`tile`: its step and columns, `None` off the
+    /// tensor cores; `cols` the output's); the others go element by element.
+    pub(crate) fn low_rank_taken(&self, tile: Option<(u32, u32)>, cols: u32) -> Vec<bool> {
         let mut additive = true;
-        let mut left = capacity;
         self.epilogues
             .iter()
             .map(|e| {
-                let depth = e.low_rank().filter(|t| additive && t.rank > 0);
-                let depth = depth.map(|t| low_rank_depth(t.rank));
-                additive &= e.added_matrix().is_some() || e.low_rank().is_some();
-                match depth {
-                    Some(depth) if depth <= left => {
-                        left -= depth;
-                        true
-                    }
-                    _ => false,
-                }
+                let terms = e.low_rank();
+                let taken = additive
+                    && !terms.is_empty()
+                    && tile.is_some_and(|t| terms.iter().all(|term| low_rank_tiled(term, t, cols)));
+                additive &= e.added_matrix().is_some() || !terms.is_empty();
+                taken
             })
             .collect()
     }
@@ -233,17 +244,17 @@ impl<'a> Fusion<'a> {
 
     /// Builds the code inside a GEMM's kernel: the prologue's element function (over
     /// `[rows, depth]`) and the epilogues' (over `[rows, cols]`) chained into one; the
-    /// low-rank epilogues a tensor-core GEMM multiplies in a slice of `low_rank_depth`
-    /// ([`Fusion::low_rank_taken`]; 0 elsewhere) declared instead of chained; and where every
-    /// other epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
+    /// low-rank epilogues a tensor-core GEMM multiplies (`tile`: its step and columns,
+    /// [`Fusion::low_rank_taken`]; `None` elsewhere) declared instead of chained; and where
+    /// every other epilogue adds a matrix ([`GemmFusion::added_matrix`]), those matrices.
     pub(crate) fn build(
         &self,
         k: &mut KernelBuilder,
         (cols, depth): (u32, u32),
-        low_rank_depth: u32,
+        tile: Option<(u32, u32)>,
     ) -> Built {
         let prologue = self.prologue.map(|p| p.build(k, depth));
-        let taken = self.low_rank_taken(low_rank_depth);
+        let taken = self.low_rank_taken(tile, cols);
         let mut low_rank = vec![];
         let all_matrices = self
             .epilogues
@@ -253,15 +264,16 @@ impl<'a> Fusion<'a> {
         let mut added_matrices = vec![];
         let mut chained = vec![];
         for (e, taken) in self.epilogues.iter().zip(taken) {
-            match (taken, e.low_rank()) {
-                (true, Some(term)) => low_rank.push(LowRankBuilt {
+            match taken {
+                true => low_rank.extend(e.low_rank().into_iter().map(|term| LowRankBuilt {
                     h: k.storage::<f32>(term.h),
                     w: k.storage::<f32>(term.w),
                     rank: term.rank,
                     rank_minor: term.rank_minor,
                     scale: k.param::<f32>(term.scale),
-                }),
-                _ => chained.push(e),
+                    columns: term.columns,
+                })),
+                false => chained.push(e),
             }
         }
         let epilogues: Vec<ElementFn> = chained

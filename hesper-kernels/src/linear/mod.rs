@@ -728,7 +728,7 @@ fn gemm_kernel(k: &mut KernelBuilder, product: Product, ternary: bool, fusion: &
     let rows = k.param::<u32>("rows");
     // Every product takes a scale (1 for plain dense weights): one multiply in the epilogue.
     let scale = k.param::<f32>("scale");
-    let fused = fusion.build(k, (cols, depth), 0);
+    let fused = fusion.build(k, (cols, depth), None);
     let prologue = fused.prologue.map(Rc::new);
 
     // Invocation (tx, ty) owns rows `ty·4 + g·4·down + (0..4)` and columns

@@ -34,11 +34,13 @@ use hesper_exec::{Args, ExecError, GpuBuffer, Recorder};
 use crate::{Columns, Len, expect_len, expect_rows, expect_u32};
 
 mod down;
+mod epilogue;
 pub mod reference;
 mod subgroups;
 mod up;
 mod weight_grad;
 
+pub use epilogue::{LoraUp, LoraUps, MAX_FUSED_RANK, MAX_UPS, UpWeight};
 use weight_grad::Gradient;
 pub use weight_grad::lora_scratch_len;
 
@@ -703,94 +705,4 @@ fn weight_backward(
         .collect();
     let gradients: Vec<(&Gradient<'_>, Layout)> = gradients.iter().map(|(g, l)| (g, *l)).collect();
     weight_grad::launch(rec, &gradients, (t, r, scale), scratch)
-}
-
-/// The adapter matrix a [`LoraUp`] epilogue multiplies by.
-#[derive(Clone, Copy)]
-pub enum UpWeight<'a> {
-    /// `B: [out, r]`: the forward's `s·h·Bᵀ` (`h = x·Aᵀ`).
-    B(&'a GpuBuffer<f32>),
-    /// `A: [r, in]`: the backward's `s·dh·A` (`dh = dy·B`).
-    A(&'a GpuBuffer<f32>),
-}
-
-/// The largest rank a [`LoraUp`] epilogue takes (its sum is unrolled).
-pub const MAX_FUSED_RANK: usize = 64;
-
-/// Epilogue of a frozen projection's GEMM ([`crate::linear::execute_gemm_fused`]): adds the
-/// LoRA up-projection `s·Σ_j h[row, j]·W(col, j)`, with `W` = `B` (`y = x·Wᵀ + s·h·Bᵀ`, the
-/// forward) or `Aᵀ` (`dx = dy·W + s·dh·A`, the backward), so that the adapter's product out of
-/// `r` needs no launch or pass over `[T, width]` of its own. `h` (`[T, r]`) comes first, from
-/// the products into `r` ([`execute_grad_dh`], or the forward's `x·Aᵀ`).
-pub struct LoraUp<'a> {
-    /// `[rows, r]`.
-    pub h: &'a GpuBuffer<f32>,
-    pub weight: UpWeight<'a>,
-    pub rank: usize,
-    pub scale: f32,
-}
-
-impl crate::linear::GemmFusion for LoraUp<'_> {
-    fn name(&self) -> &'static str {
-        "lora_up"
-    }
-    fn shape(&self) -> Vec<(String, hesper_dsl::ShapeValue)> {
-        let rank = u32::try_from(self.rank).unwrap_or(u32::MAX);
-        let rank_minor = matches!(self.weight, UpWeight::B(_));
-        vec![
-            ("lora_rank".into(), rank.into()),
-            ("lora_rank_minor".into(), rank_minor.into()),
-        ]
-    }
-    fn build(&self, k: &mut KernelBuilder, width: u32) -> crate::linear::fusion::ElementFn {
-        let rank = k.shape::<u32>("lora_rank");
-        let layout = Layout::from_shape(k.shape("lora_rank_minor"));
-        let h = k.storage::<f32>("lora_h");
-        let w = k.storage::<f32>("lora_w");
-        let scale = k.param::<f32>("lora_scale");
-        Box::new(move |k, row, col, value| {
-            let h_row = k.let_("lora_h_row", row * rank);
-            let w_at = |j: u32| match layout {
-                Layout::RankMinor => col * rank + j,
-                Layout::RankMajor => col + j * width,
-            };
-            let mut sum = h.at(&h_row) * w.at(w_at(0));
-            for j in 1..rank {
-                sum = h.at(&h_row + j).fma(w.at(w_at(j)), sum);
-            }
-            value + &scale * sum
-        })
-    }
-    fn check(&self, kernel: &str, rows: usize, width: usize) -> Result<(), ExecError> {
-        if self.rank == 0 || self.rank > MAX_FUSED_RANK {
-            return Err(ExecError::Dispatch {
-                kernel: kernel.into(),
-                what: format!("lora_up epilogue of rank {}", self.rank),
-                why: format!("its rank is 1 to {MAX_FUSED_RANK}"),
-            });
-        }
-        let (w, what) = match self.weight {
-            UpWeight::B(b) => (b, "B: [out, rank]"),
-            UpWeight::A(a) => (a, "A: [rank, in]"),
-        };
-        expect_len(kernel, "lora_h", self.h, rows * self.rank, "[rows, rank]")?;
-        expect_len(kernel, "lora_w", w, width * self.rank, what)
-    }
-    fn low_rank(&self) -> Option<crate::linear::fusion::LowRank> {
-        Some(crate::linear::fusion::LowRank {
-            h: "lora_h",
-            w: "lora_w",
-            rank: u32::try_from(self.rank).unwrap_or(u32::MAX),
-            rank_minor: matches!(self.weight, UpWeight::B(_)),
-            scale: "lora_scale",
-        })
-    }
-    fn bind<'a>(&'a self, args: Args<'a>) -> Args<'a> {
-        let w = match self.weight {
-            UpWeight::B(w) | UpWeight::A(w) => w,
-        };
-        args.buffer("lora_h", self.h)
-            .buffer("lora_w", w)
-            .param("lora_scale", self.scale)
-    }
 }
