@@ -69,6 +69,18 @@ impl CoopTile {
         wm: 64,
         wn: 64,
     };
+    /// `WIDE`'s 128×192×48 in twelve subgroups of 32×64 (384 invocations): half the
+    /// accumulators an invocation, twice the subgroups to hide the reads behind. On the H100
+    /// the q and o projections' `·Wᵀ` took 25.2 µs with it against `WIDE`'s 28.6, their `·W`
+    /// 24.0 against 28.1, and the input gradient through q, k and v (`·W` over a depth of
+    /// 960) 33.3 against 39.5 (BENCHMARKS.md, "Twelve subgroups").
+    pub const WIDE_12: CoopTile = CoopTile {
+        bm: 128,
+        bn: 192,
+        bk: 48,
+        wm: 32,
+        wn: 64,
+    };
     /// 128×128, 32 deep, 64×32 a subgroup: 8 subgroups.
     pub const MEDIUM: CoopTile = CoopTile {
         bm: 128,
@@ -1703,8 +1715,9 @@ pub(crate) fn split_path(gpu: &Gpu, gemm: &super::Gemm) -> Option<(CoopTile, u32
 }
 
 /// The standard tiles, largest first.
-pub const TILES: [CoopTile; 6] = [
+pub const TILES: [CoopTile; 7] = [
     CoopTile::LARGE,
+    CoopTile::WIDE_12,
     CoopTile::WIDE,
     CoopTile::MEDIUM,
     CoopTile::TALL,
@@ -1751,7 +1764,7 @@ fn tuned_tile(
     // is fastest: on the H200 the down projection's 128×256 took 1.6× its plain time.
     let reads = if gemm.accumulate { " accumulate" } else { "" };
     let key = format!(
-        "{} v2 cols={cols} depth={depth} m~{class} subgroup={subgroup} in={} w={} out={}{reads}",
+        "{} v3 cols={cols} depth={depth} m~{class} subgroup={subgroup} in={} w={} out={}{reads}",
         kernel_name(gemm.product),
         ty(half.input),
         ty(half.weight),
