@@ -617,6 +617,7 @@ fn coop_tile(text: &str) -> Option<CoopTile> {
     let named = match text {
         "large" => Some(CoopTile::LARGE),
         "wide" => Some(CoopTile::WIDE),
+        "wide12" => Some(CoopTile::WIDE_12),
         "medium" => Some(CoopTile::MEDIUM),
         "small" => Some(CoopTile::SMALL),
         "tall" => Some(CoopTile::TALL),
@@ -784,11 +785,11 @@ const GEMM_TILE: Param = Param {
 const COOP_TILE: Param = Param {
     name: "tile",
     kind: Kind::Text(
-        "a tile BMxBNxBK_WMxWN (e.g. 128x256x32_64x64), or large, wide, medium, tall, small or narrow",
+        "a tile BMxBNxBK_WMxWN (e.g. 128x256x32_64x64), or large, wide12, wide, medium, tall, small or narrow",
     ),
     default: "32x32x16_16x16",
     doc: "bm×bn outputs per workgroup, bk of the depth a step, wm×wn per subgroup (the \
-          standard tiles: large 128x256x32_64x64, wide 128x192x48_64x64, medium 128x128x32_64x32, tall \
+          standard tiles: large 128x256x32_64x64, wide12 128x192x48_32x64, wide 128x192x48_64x64, medium 128x128x32_64x32, tall \
           128x64x32_64x32, small 64x64x32_32x32, narrow 64x32x32_32x16; the executor tunes \
           among them)",
 };

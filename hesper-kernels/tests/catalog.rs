@@ -188,6 +188,17 @@ fn a_width_override_shows_in_the_wgsl_as_a_constant() {
     assert_eq!(gemm.key().wg_size(), [64, 1, 1]);
     assert!(gemm.wgsl().contains("const cols: u32 = 1000u;"));
     assert!(gemm.wgsl().contains("@workgroup_size(64)"));
+    // A standard tensor-core tile by name: `wide12`, twelve subgroups of 32, within the
+    // 48 KiB of workgroup memory NVIDIA's Vulkan driver grants (not WebGPU's default 32).
+    let nvidia = hesper_dsl::Limits {
+        max_workgroup_storage_bytes: 48 * 1024,
+        ..hesper_dsl::Limits::default()
+    };
+    let coop = catalog::find("coop_matmul_nt").unwrap().build_with_limits(
+        &shape(&[("cols", "576"), ("depth", "576"), ("tile", "wide12")]),
+        &nvidia,
+    );
+    assert_eq!(coop.unwrap().key().wg_size(), [384, 1, 1]);
 
     let eps = build("rms_norm_forward", &[("eps", "1e-5")]).unwrap();
     assert!(
