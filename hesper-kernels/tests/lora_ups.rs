@@ -1,12 +1,13 @@
 //! Several LoRA up-projections in one GEMM (`lora::LoraUps`), each over all of the output's
-//! columns or a range of them, against f64: a row-major `·Wᵀ` GEMM, the step's block-major
-//! `[q | k | v]` output and its block-major `[dq | dk | dv]` input. On the tensor cores (the
-//! DSL's interpreter's in CI, the test device's where it has them) the ups are folded into
-//! the product as more depth: ups over ranges that do not overlap share one fold's depth, each
-//! workgroup staging the one its tile lies in; ups that need more depth than a step holds are
-//! folded a round after another; a range that is not whole tiles goes element by element.
-//! On a device without tensor cores (lavapipe) the row-major GEMM runs them element by element
-//! in the f32 tiled GEMM. Inputs are f16-exact, so both paths multiply the same values.
+//! columns or a range of them, against f64: row-major `·Wᵀ` and `·W` GEMMs, the step's
+//! block-major `[q | k | v]` output and its block-major `[dq | dk | dv]` input. On the tensor
+//! cores (the DSL's interpreter's in CI, the test device's where it has them) the ups are
+//! folded into the product as more depth: ups over ranges that do not overlap share one fold's
+//! depth, each workgroup staging the one its tile lies in; ups that need more depth than a step
+//! holds are folded a round after another; a range that is not whole tiles goes element by
+//! element. On a device without tensor cores (lavapipe) the row-major GEMMs run them element
+//! by element in the f32 tiled GEMM. Inputs are f16-exact, so both paths multiply the same
+//! values.
 
 use std::ops::Range;
 
@@ -38,6 +39,8 @@ const SMALL: CoopTile = CoopTile {
 enum Layout {
     /// `y = s·x·Wᵀ`, row-major.
     RowMajor,
+    /// `y = s·x·W` (a backward's input gradient, the ups' `W` = `A`), row-major.
+    RowMajorNn,
     /// `[y_0 | y_1 | …] = s·x·Wᵀ`, the output block-major along its columns (these widths).
     OutputBlocks(&'static [usize]),
     /// `y = s·[x_0 | x_1 | …]·W`, the input block-major along the depth (these widths).
@@ -67,7 +70,7 @@ fn run(i: usize, case: &Case) -> f64 {
     let g = case.gpu;
     let (m, cols, depth) = case.shape;
     let product = match case.layout {
-        Layout::InputBlocks(_) => Product::Nn,
+        Layout::InputBlocks(_) | Layout::RowMajorNn => Product::Nn,
         _ => Product::Nt,
     };
     // `Gemm::new` takes the weight's `[out, in]`: `[cols, depth]` through `·Wᵀ`, `[depth,
@@ -137,7 +140,7 @@ fn run(i: usize, case: &Case) -> f64 {
     let mut out = g.upload(&vec![f32::NAN; m * cols]).unwrap();
     let mut rec = g.recorder();
     match case.layout {
-        Layout::RowMajor => {
+        Layout::RowMajor | Layout::RowMajorNn => {
             linear::execute_gemm_fused(&mut rec, &gemm, &fusion, &xb, weights, &mut out)
         }
         Layout::OutputBlocks(widths) => linear::execute_gemm_output_blocks(
@@ -246,6 +249,21 @@ fn several_ups_over_ranges_of_columns_match_reference() {
             tile: Some(SMALL),
             ups: &[(4, Some(40..72)), (2, None)],
         },
+        // `·W` with `A`'s rank-major layout over a range of whole tiles and one that is not.
+        Case {
+            gpu: interpreter,
+            layout: Layout::RowMajorNn,
+            shape: (37, 96, 48),
+            tile: Some(SMALL),
+            ups: &[(4, Some(64..96)), (3, Some(0..32))],
+        },
+        Case {
+            gpu: interpreter,
+            layout: Layout::RowMajorNn,
+            shape: (37, 96, 48),
+            tile: Some(SMALL),
+            ups: &[(4, Some(8..40))],
+        },
         // The step's backward in small: `[dq | dk | dv]` block-major along the depth, the
         // query's and value's `s·dh·A` over all columns, one round each.
         Case {
@@ -272,6 +290,13 @@ fn several_ups_over_ranges_of_columns_match_reference() {
             shape: (70, 160, 96),
             tile: None,
             ups: &[(8, Some(0..96)), (4, Some(128..160)), (8, None)],
+        },
+        Case {
+            gpu: gpu(),
+            layout: Layout::RowMajorNn,
+            shape: (70, 160, 96),
+            tile: None,
+            ups: &[(8, Some(64..160)), (8, None)],
         },
     ];
     for (i, case) in cases.iter().enumerate() {
