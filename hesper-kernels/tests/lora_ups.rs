@@ -112,6 +112,8 @@ fn run(i: usize, case: &Case) -> f64 {
     };
     let w16: Vec<f16> = w.iter().map(|v| f16::from_f32(*v)).collect();
     let (xb, wb) = (g.upload(&x_in).unwrap(), g.upload(&w16).unwrap());
+    // A device without `shader-f16` takes the same (f16-exact) weight in f32.
+    let w32 = g.upload(&w).unwrap();
     let buffers: Vec<_> = (terms.iter())
         .map(|(h, b, _)| (g.upload(h).unwrap(), g.upload(b).unwrap()))
         .collect();
@@ -133,9 +135,15 @@ fn run(i: usize, case: &Case) -> f64 {
         prologue: None,
         epilogues: &epilogues,
     };
-    let weights = Weights::Half {
-        w: &wb,
-        scale: SCALE,
+    let weights = match g.supports_f16() {
+        true => Weights::Half {
+            w: &wb,
+            scale: SCALE,
+        },
+        false => Weights::ScaledDense {
+            w: &w32,
+            scale: SCALE,
+        },
     };
     let mut out = g.upload(&vec![f32::NAN; m * cols]).unwrap();
     let mut rec = g.recorder();
@@ -289,7 +297,9 @@ fn several_ups_over_ranges_of_columns_match_reference() {
             layout: Layout::RowMajor,
             shape: (70, 160, 96),
             tile: None,
-            ups: &[(8, Some(0..96)), (4, Some(128..160)), (8, None)],
+            // Two ups: with the GEMM's three, four storage bindings more fit WebGPU's
+            // default of eight a stage, which CI's run of these tests keeps to.
+            ups: &[(8, Some(32..96)), (4, None)],
         },
         Case {
             gpu: gpu(),

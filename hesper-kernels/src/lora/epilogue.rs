@@ -221,7 +221,9 @@ impl GemmFusion for LoraUp<'_> {
 /// Several [`LoraUp`] epilogues in one GEMM (up to [`MAX_UPS`]): adds each's up-projection.
 /// On the tensor cores, ups over columns that do not overlap take one fold's depth between
 /// them (each workgroup's tile lies in one of them), and ups that need more depth than a step
-/// holds are folded a step after another.
+/// holds are folded a step after another. Each up binds two storage buffers (`h`, `W`) beside
+/// the GEMM's three: past two ups, a device held to WebGPU's default of eight a shader stage
+/// refuses the pipeline (an error naming the kernel and the limit).
 ///
 /// ```no_run
 /// # use hesper_exec::{Gpu, GpuBuffer, GpuOptions};
