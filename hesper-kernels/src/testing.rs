@@ -190,6 +190,20 @@ pub fn compare(got: &[f32], want: &[f64], atol: f64) -> Comparison {
     c
 }
 
+/// Where element `(r, c)` of a row-major `[rows, Σ widths]` matrix lies in its block-major
+/// layout along the columns (`[y_0 | y_1 | …]`, block `(start, width)` a row-major
+/// `[rows, width]` matrix at `rows·start`): `rows·start + r·width + (c − start)`.
+pub fn block_major_at(widths: &[usize], rows: usize, (r, c): (usize, usize)) -> usize {
+    let mut start = 0;
+    for &w in widths {
+        if c < start + w {
+            return rows * start + r * w + (c - start);
+        }
+        start += w;
+    }
+    panic!("column {c} past the blocks {widths:?}")
+}
+
 /// The largest of `errors`, infinite where one is NaN (`f64::max` would pass a NaN over).
 pub fn worst(errors: impl IntoIterator<Item = f64>) -> f64 {
     errors.into_iter().fold(0.0, |a, e| match e.is_nan() {

@@ -19,7 +19,7 @@ use hesper_kernels::linear::{
     self, Gemm, GemmFusion, GemmPath, HalfBuffers, Precision, Product, Weights,
 };
 use hesper_kernels::lora::{LoraUp, LoraUps, UpWeight};
-use hesper_kernels::testing::{Rng, compare, gpu, interpreter_with_tensor_cores};
+use hesper_kernels::testing::{Rng, block_major_at, compare, gpu, interpreter_with_tensor_cores};
 
 /// Not a power of two, so that a kernel that drops it cannot pass by luck.
 const SCALE: f32 = 0.37;
@@ -163,16 +163,7 @@ fn run(i: usize, case: &Case) -> f64 {
     let got = out.read(g).unwrap();
     // Element (r, c) of the row-major output, where the kernel wrote it.
     let at = |r: usize, c: usize| match case.layout {
-        Layout::OutputBlocks(widths) => {
-            let mut start = 0;
-            for &w in widths {
-                if c < start + w {
-                    return m * start + r * w + (c - start);
-                }
-                start += w;
-            }
-            unreachable!("column {c} past {cols}")
-        }
+        Layout::OutputBlocks(widths) => block_major_at(widths, m, (r, c)),
         _ => r * cols + c,
     };
     let mut want = vec![0f64; m * cols];

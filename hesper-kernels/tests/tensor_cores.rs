@@ -12,7 +12,7 @@ use hesper_kernels::linear::coop::{self, CoopTile};
 use hesper_kernels::linear::{
     self, Gemm, GemmPath, Operand, OutputBuffer, Precision, Product, Weights, reference,
 };
-use hesper_kernels::testing::{Rng, compare, gpu, worst};
+use hesper_kernels::testing::{Rng, block_major_at, compare, gpu, worst};
 
 /// Not a power of two, so that a kernel that drops it cannot pass by luck.
 const SCALE: f32 = 0.37;
@@ -758,16 +758,7 @@ fn block_major_outputs_match_reference() {
         let lora_scale = 1.75f32;
         // Row-major `[m, cols]` and its block-major layout: element (r, c) of block (s, w)
         // at `m·s + r·w + (c − s)`.
-        let blocked_at = |r: usize, c: usize| {
-            let mut start = 0;
-            for &w in widths {
-                if c < start + w {
-                    return m * start + r * w + (c - start);
-                }
-                start += w;
-            }
-            unreachable!("column {c} past {cols}")
-        };
+        let blocked_at = |r: usize, c: usize| block_major_at(widths, m, (r, c));
         let prior: Vec<f32> = match f16_out {
             true => rng.vec(m * cols, 1.0).into_iter().map(round_f16).collect(),
             false => rng.vec(m * cols, 1.0),
