@@ -583,9 +583,14 @@ fn numbers(text: &str) -> Option<Vec<u32>> {
 /// The tensor-core sequence attention kernels.
 fn coop_attention(s: &Shape<'_>, which: CoopWhich) -> Result<Kernel, Failure> {
     let dims = (s.u32("head_dim"), s.u32("heads"), s.u32("kv_heads"));
+    let split = match which {
+        CoopWhich::KeyGrads { .. } => s.u32("split"),
+        _ => 1,
+    };
     let tile = attention::coop::CoopSeqTile {
         subgroups: s.u32("row_tiles"),
         step: s.u32("step"),
+        split,
     };
     let subgroup = s.u32("subgroup");
     attention::coop::build::kernel(which, dims, (tile, subgroup), s.bool("padded"), s.limits())
@@ -764,6 +769,12 @@ const COOP_SEQ_KV_PARAMS: &[Param] = &[
     COOP_ROW_TILES,
     COOP_STEP,
     COOP_SUBGROUP,
+    u32_param(
+        "split",
+        "1",
+        "subgroups a row tile, each taking step/split of a step's queries (their sums added \
+         when stored)",
+    ),
     bool_param(
         "write_scores",
         "false",

@@ -541,19 +541,39 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
 /// read each step's rows a step ahead (the query gradients' keys in two buffers), the fourth
 /// (16 invocations holding 32 rows) stages them as it reads them. The last three are the tiles
 /// the H200 takes (`CoopSeqTile::standard`): the forward's 4 × 16, the key gradients' 2 × 32,
-/// the query gradients' 4 × 32.
+/// the query gradients' 4 × 32. The last four split the key gradients' steps among two or four
+/// subgroups a row tile (their partial sums added as they are stored).
 #[test]
 fn the_tensor_core_attention_is_right_on_the_interpreter() {
-    let tiles = [(32, 2, 16), (16, 2, 16), (64, 1, 32), (16, 1, 32)];
-    let standard = [(32, 4, 16), (32, 2, 32), (32, 4, 32)];
-    for (subgroup, row_tiles, step) in tiles.into_iter().chain(standard) {
-        tensor_core_attention_on_the_interpreter(subgroup, row_tiles, step);
+    let tiles = [
+        (32, 2, 16, 1),
+        (16, 2, 16, 1),
+        (64, 1, 32, 1),
+        (16, 1, 32, 1),
+    ];
+    let standard = [(32, 4, 16, 1), (32, 2, 32, 1), (32, 4, 32, 1)];
+    let split = [
+        (32, 2, 32, 2),
+        (32, 1, 64, 4),
+        (16, 2, 64, 2),
+        (64, 1, 32, 2),
+    ];
+    for (subgroup, row_tiles, step, split) in tiles.into_iter().chain(standard).chain(split) {
+        tensor_core_attention_on_the_interpreter(subgroup, row_tiles, step, split);
     }
 }
 
-fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, step: usize) {
+fn tensor_core_attention_on_the_interpreter(
+    subgroup: u32,
+    row_tiles: usize,
+    step: usize,
+    split: usize,
+) {
     use hesper_kernels::attention::{SeqShape, reference};
-    println!("subgroups of {subgroup}, {row_tiles} tiles of 16 rows, steps of {step}:");
+    println!(
+        "subgroups of {subgroup}, {row_tiles} tiles of 16 rows, steps of {step}, the key \
+         gradients' split {split} ways:"
+    );
     let (batch, seq, heads, kv_heads, hd) = (2usize, 40usize, 2usize, 1usize, 32usize);
     let lens = [40usize, 29];
     let shape = SeqShape::new(batch, seq, heads, kv_heads, hd);
@@ -658,7 +678,12 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
     let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
         .buffer("d_k", &nan(shape.kv_len()))
         .buffer("d_v", &nan(shape.kv_len()));
-    interpret(&build("coop_attention_backward_kv"), &mut run).unwrap();
+    let split = ("split", split.to_string());
+    interpret(
+        &build_with("coop_attention_backward_kv", std::slice::from_ref(&split)),
+        &mut run,
+    )
+    .unwrap();
     check("dK", &run.read::<f32>("d_k").unwrap(), &want_dk, 2e-3);
     check("dV", &run.read::<f32>("d_v").unwrap(), &want_dv, 2e-3);
     let mut run =
@@ -675,7 +700,7 @@ fn tensor_core_attention_on_the_interpreter(subgroup: u32, row_tiles: usize, ste
         .buffer("d_k", &nan(shape.kv_len()))
         .buffer("d_v", &nan(shape.kv_len()))
         .buffer("d_scores", &scores);
-    let write = [("write_scores", "true".to_string())];
+    let write = [("write_scores", "true".to_string()), split];
     interpret(&build_with("coop_attention_backward_kv", &write), &mut run).unwrap();
     check(
         "dK (writing dS)",

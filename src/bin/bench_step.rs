@@ -18,6 +18,7 @@
 //! HESPER_BENCH_QUICK=1 scripts/with-gpu cargo run --release --bin bench_step   # 2 layers, B = 1, S = 64
 //! HESPER_BENCH_PRECISION=f16 scripts/with-gpu cargo run --release --bin bench_step
 //! HESPER_BENCH_BATCHES=8,64 HESPER_BENCH_LOSS_CHUNK=4096 …   # other batches, lm-head chunk
+//! HESPER_BENCH_CACHE_DIR=/tmp/tiles …   # keep the tuned tiles and pipelines for the next run
 //! ```
 
 use std::collections::BTreeMap;
@@ -148,9 +149,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Ok("f32") | Err(_) => Precision::F32,
         Ok(other) => return Err(format!("HESPER_BENCH_PRECISION: f16 or f32, not {other}").into()),
     };
+    // Tiles measured and pipelines compiled by an earlier run, where it kept them.
+    let cache = std::env::var_os("HESPER_BENCH_CACHE_DIR").map(std::path::PathBuf::from);
     let gpu = Gpu::with_options(GpuOptions {
         cooperative_matrix: true,
         autotune: true,
+        tune_cache_file: cache.as_ref().map(|d| d.join("tune.txt")),
+        pipeline_cache_file: cache.as_ref().map(|d| d.join("pipelines.bin")),
         ..GpuOptions::default()
     })?;
     println!("device: {}", gpu.describe());
@@ -301,6 +306,11 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
     }
     for (batch, what, times) in breakdowns {
         print_breakdown(&format!("{what}, B = {batch}, S = {seq_len}"), what, times);
+    }
+    if let Some(dir) = &cache {
+        std::fs::create_dir_all(dir)?;
+        gpu.save_tune_cache()?;
+        gpu.save_pipeline_cache()?;
     }
     if std::env::var_os("HESPER_BENCH_GEMMS").is_some() {
         for batch in [8, 32] {

@@ -34,6 +34,14 @@
 //!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
 //!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
 //!
+//! ## Splitting the query steps
+//! The key gradients' grid is small (a workgroup per 32 keys, KV head and sequence: 384 at
+//! SmolLM2's B = 8), and each workgroup steps through all the queries after its keys for every
+//! query head of its group. With `split > 1` ([`CoopSeqTile::split`]) each row tile has
+//! `split` subgroups, each taking `step/split` of a step's staged queries: its own scores,
+//! softmax and products into its own partial `dK`, `dV`, added when they are stored. More
+//! subgroups share the work of a step without more workgroups or more staging.
+//!
 //! ## The scores' gradients kept
 //! The query gradients need the same `P` and `dS` as the key gradients: computed again, that
 //! is two more products and the softmax a second time. Given a workspace for them
@@ -92,12 +100,15 @@ fn writes_or_reads_scores(which: Which) -> bool {
     )
 }
 
-/// A tensor-core attention kernel's blocking: `subgroups` subgroups of 16 rows each, the other
-/// side stepped `step` rows at a time.
+/// A tensor-core attention kernel's blocking: `subgroups` tiles of 16 rows each, the other
+/// side stepped `step` rows at a time, each step's rows shared out among `split` subgroups a
+/// row tile (the workgroup has `subgroups·split` subgroups). Only the key gradients split
+/// (the module doc, "Splitting the query steps"); elsewhere `split` is 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CoopSeqTile {
     pub subgroups: u32,
     pub step: u32,
+    pub split: u32,
 }
 
 /// The scores' gradients' workspace rows and columns are the sequence rounded up to this
@@ -145,19 +156,29 @@ impl CoopSeqTile {
         16 * self.subgroups
     }
 
+    /// Subgroups a workgroup has.
+    pub fn workgroup_subgroups(&self) -> u32 {
+        self.subgroups * self.split
+    }
+
+    /// Columns of a step each subgroup's scores take.
+    fn cols(&self) -> u32 {
+        self.step / self.split
+    }
+
     /// Bytes of workgroup memory `which` takes at `head_dim`, with subgroups of `subgroup`.
     pub(crate) fn workgroup_bytes(&self, which: Which, head_dim: u32, subgroup: u32) -> u32 {
         let row = 2 * (head_dim + PAD);
         let (block, step) = (self.block(), self.step);
-        let scratch = 4 * 16 * (step + SCRATCH_PAD) * self.subgroups;
-        let probs = 2 * 16 * (step + PAD) * self.subgroups;
+        let scratch = 4 * 16 * (self.cols() + SCRATCH_PAD) * self.workgroup_subgroups();
+        let probs = 2 * 16 * (self.cols() + PAD) * self.workgroup_subgroups();
         match which {
             Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
             Which::KeyGrads { .. } => {
                 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step
             }
             Which::QueryGrads => {
-                let ahead = ahead_fits(head_dim, step, self.subgroups * subgroup, 2);
+                let ahead = ahead_fits(head_dim, step, self.workgroup_subgroups() * subgroup, 2);
                 query_grads_staged(block.max(step), step, ahead) * row + 2 * scratch + probs
             }
             Which::QueryGradsFromScores => step * (row + 2 * (block + PAD)) + scratch,
@@ -178,19 +199,53 @@ impl CoopSeqTile {
         head_dim: u32,
         subgroup: u32,
     ) -> Option<CoopSeqTile> {
-        CoopSeqTile::standard(which)
-            .iter()
-            .map(|&(subgroups, step)| CoopSeqTile { subgroups, step })
-            .find(|t| {
-                t.workgroup_bytes(which, head_dim, subgroup) <= limits.max_workgroup_storage_bytes
-                    && t.subgroups * subgroup <= limits.max_invocations_per_workgroup
-                    // Each invocation of a scratch row handles whole vec4s of it.
-                    && t.step.is_multiple_of(4 * (subgroup / 16))
-                    && (!writes_or_reads_scores(which) || t.scores_fit())
-            })
+        let measured = match which {
+            Which::KeyGrads { .. } => tiles_to_measure(),
+            _ => Vec::new(),
+        };
+        (measured
+            .into_iter()
+            .chain(CoopSeqTile::standard(which).iter().copied()))
+        .map(|(subgroups, step, split)| CoopSeqTile {
+            subgroups,
+            step,
+            split,
+        })
+        .find(|t| {
+            t.workgroup_bytes(which, head_dim, subgroup) <= limits.max_workgroup_storage_bytes
+                && t.workgroup_subgroups() * subgroup <= limits.max_invocations_per_workgroup
+                && t.rule(which, subgroup).is_none()
+        })
     }
 
-    /// `which`'s tiles as `(subgroups, step)`, fastest first where the workgroup memory allows,
+    /// Why `which` cannot take this tile with subgroups of `subgroup`, or `None`.
+    pub(crate) fn rule(&self, which: Which, subgroup: u32) -> Option<String> {
+        if self.subgroups == 0 || self.split == 0 || !self.step.is_multiple_of(16 * self.split) {
+            return Some(
+                "at least one subgroup, and a step that is a positive multiple of 16·split".into(),
+            );
+        }
+        if self.split > 1 && !matches!(which, Which::KeyGrads { .. }) {
+            return Some("only the key gradients split their steps (split = 1)".into());
+        }
+        // Each invocation of a scratch row handles whole vec4s of it.
+        if !self.cols().is_multiple_of(4 * (subgroup / 16)) {
+            return Some(
+                "a subgroup's part of the step (step/split) must share out in whole vec4s \
+                 among a row's subgroup/16 invocations"
+                    .into(),
+            );
+        }
+        if writes_or_reads_scores(which) && !self.scores_fit() {
+            return Some(format!(
+                "the scores' gradients take blocks (16·row_tiles) and steps that divide \
+                 {SCORES_ALIGN}"
+            ));
+        }
+        None
+    }
+
+    /// `which`'s tiles as `(subgroups, step, split)`, fastest first where the workgroup memory allows,
     /// as measured on the H200 at SmolLM2's heads (hd 64) and at hd 128 (BENCHMARKS.md,
     /// "Attention tiles"): short steps keep the workgroup memory small, so more workgroups
     /// share a multiprocessor, and the scalar softmax of a step is short.
@@ -200,15 +255,38 @@ impl CoopSeqTile {
     /// - query gradients: 4 subgroups stepping 32 keys, else 16 (hd 128: 278 µs against 611
     ///   with 2 subgroups stepping 32);
     /// - query gradients from the scores' gradients: 4 subgroups stepping 32 keys (not swept).
-    fn standard(which: Which) -> &'static [(u32, u32)] {
+    fn standard(which: Which) -> &'static [(u32, u32, u32)] {
         match which {
-            Which::Forward => &[(4, 16), (2, 16), (1, 16)],
-            Which::KeyGrads { .. } => &[(2, 32), (1, 16)],
+            Which::Forward => &[(4, 16, 1), (2, 16, 1), (1, 16, 1)],
+            Which::KeyGrads { .. } => &[(2, 32, 1), (1, 16, 1)],
             Which::QueryGrads | Which::QueryGradsFromScores => {
-                &[(4, 32), (4, 16), (2, 16), (1, 16)]
+                &[(4, 32, 1), (4, 16, 1), (2, 16, 1), (1, 16, 1)]
             }
         }
     }
+}
+
+/// The key gradients' tiles named in `HESPER_ATTENTION_KV_TILES` (`SUBGROUPSxSTEPxSPLIT`,
+/// comma-separated: `2x32x2,1x64x4`), tried before the standard ones: for measuring tiles on a
+/// device (BENCHMARKS.md). What does not parse, fit the device or follow
+/// [`CoopSeqTile::rule`] is passed over.
+fn tiles_to_measure() -> Vec<(u32, u32, u32)> {
+    let Ok(text) = std::env::var("HESPER_ATTENTION_KV_TILES") else {
+        return Vec::new();
+    };
+    (text.split(','))
+        .filter_map(|tile| {
+            let n: Vec<u32> = tile
+                .trim()
+                .split('x')
+                .map(|n| n.parse().ok())
+                .collect::<Option<_>>()?;
+            match n[..] {
+                [subgroups, step, split] => Some((subgroups, step, split)),
+                _ => None,
+            }
+        })
+        .collect()
 }
 
 /// The kernel key of `which` at `shape`, `tile`, subgroups of `subgroup`, with or without
@@ -222,10 +300,12 @@ pub(crate) fn key(
 ) -> KernelKey {
     let key = KernelKey::new(which.name());
     let key = match which {
-        Which::KeyGrads { write_scores } => key.shape("write_scores", write_scores),
+        Which::KeyGrads { write_scores } => key
+            .shape("write_scores", write_scores)
+            .shape("split", tile.split),
         _ => key,
     };
-    key.workgroup_size(tile.subgroups * subgroup)
+    key.workgroup_size(tile.workgroup_subgroups() * subgroup)
         .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
         .shape("head_dim", shape.head_dim as u32)
         .shape("heads", shape.heads as u32)
@@ -244,14 +324,22 @@ struct Place {
     heads: u32,
     kv_heads: u32,
     group: u32,
+    /// Row tiles (16 rows each), rows of the other side a step, and subgroups a row tile.
     subgroups: u32,
     step: u32,
+    split: u32,
+    /// Columns of a step the subgroup's scores take (`step / split`), and where it has a part
+    /// of the step (`split > 1`) its first column.
+    cols: u32,
+    part_col0: Option<Expr<u32>>,
     /// Invocations a scratch row (`subgroup / 16`), and the row and part of this invocation.
     per_row: u32,
     row: Expr<u32>,
     part: Expr<u32>,
-    /// The subgroup's index and its first owned row (inside the sequence).
+    /// The subgroup's index (its scratch's), its row tile's, and its first owned row (inside
+    /// the sequence).
     sg: Expr<u32>,
+    row_tile: Expr<u32>,
     own0: Expr<u32>,
     seq_len: Expr<u32>,
     last: Expr<u32>,
@@ -274,14 +362,14 @@ impl Place {
     }
     /// Floats a scratch row takes, and one subgroup's scratch.
     fn scratch_row(&self) -> u32 {
-        self.step + SCRATCH_PAD
+        self.cols + SCRATCH_PAD
     }
     fn scratch_len(&self) -> u32 {
         16 * self.scratch_row()
     }
     /// Halves a `P` / `dS` row takes, and one subgroup's tile.
     fn probs_row(&self) -> u32 {
-        self.step + PAD
+        self.cols + PAD
     }
     fn probs_len(&self) -> u32 {
         16 * self.probs_row()
@@ -294,14 +382,15 @@ fn reads_ahead(p: &Place, operands: u32) -> bool {
 }
 
 /// Binds the runtime values and the invocation's place; `queries`: the owned rows are query
-/// rows (the blocks with the most keys first), else keys.
-fn place(k: &mut KernelBuilder, queries: bool) -> Place {
+/// rows (the blocks with the most keys first), else keys; `split`: subgroups a row tile.
+fn place(k: &mut KernelBuilder, queries: bool, split: u32) -> Place {
     let hd: u32 = k.shape("head_dim");
     let heads: u32 = k.shape("heads");
     let kv_heads: u32 = k.shape("kv_heads");
     let subgroups: u32 = k.shape("row_tiles");
     let step: u32 = k.shape("step");
     let subgroup: u32 = k.shape("subgroup");
+    let cols = step / split;
     let SeqPlace {
         seq_len,
         last,
@@ -316,7 +405,16 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
     let per_row = subgroup / 16;
     let row = k.let_("row", &lane / per_row);
     let part = k.let_("part", &lane % per_row);
-    let own0 = k.let_("own0", &origin + &sg * 16u32);
+    // A row tile's subgroups are `row_tile`, `row_tile + subgroups`, …: the parts of its steps.
+    let (row_tile, part_col0) = match split {
+        1 => (sg.clone(), None),
+        _ => {
+            let row_tile = k.let_("row_tile", &sg % subgroups);
+            let col0 = k.let_("part_col0", &sg / subgroups * cols);
+            (row_tile, Some(col0))
+        }
+    };
+    let own0 = k.let_("own0", &origin + &row_tile * 16u32);
     let lid = k.let_("lid", k.local_index());
     Place {
         hd,
@@ -325,10 +423,14 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
         group: heads / kv_heads,
         subgroups,
         step,
+        split,
+        cols,
+        part_col0,
         per_row,
         row,
         part,
         sg,
+        row_tile,
         own0,
         seq_len,
         last,
@@ -338,7 +440,7 @@ fn place(k: &mut KernelBuilder, queries: bool) -> Place {
         token0,
         head,
         lid,
-        invocations: subgroups * subgroup,
+        invocations: subgroups * split * subgroup,
     }
 }
 
@@ -512,7 +614,7 @@ fn own_fragments(
     stage: &WorkgroupArray<Vec4<F16>>,
     at: u32,
 ) -> Vec<Expr<TileA>> {
-    let base = k.let_("own_at", (&p.sg * 16u32 + at) * p.row_vec4s());
+    let base = k.let_("own_at", (&p.row_tile * 16u32 + at) * p.row_vec4s());
     (0..p.hd / 16)
         .map(|d| k.coop_load::<TileA, _>(stage, offset(&base, d * 4), p.row_vec4s(), Major::Row))
         .collect()
@@ -526,7 +628,7 @@ fn shifted(index: u32, shift: Option<&Expr<u32>>) -> Expr<u32> {
     }
 }
 
-/// `own · staged[at .. at + step]ᵀ` (the staged rows (from row `at`, plus `shift` vec4s where
+/// `own · staged[at .. at + cols]ᵀ` (the staged rows (from row `at`, plus `shift` vec4s where
 /// there is one) as the product's columns) into the subgroup's scratch, 16 columns a fragment.
 fn scores_into(
     k: &mut KernelBuilder,
@@ -537,7 +639,7 @@ fn scores_into(
     scratch: &WorkgroupArray<Vec4<f32>>,
 ) {
     let base = k.let_("scratch_at", &p.sg * (p.scratch_len() / 4));
-    for j in 0..p.step / 16 {
+    for j in 0..p.cols / 16 {
         let mut acc = Expr::<Acc>::zero();
         for (d, a) in own.iter().enumerate() {
             let idx = shifted((at + j * 16) * p.row_vec4s() + d as u32 * 4, shift);
@@ -554,8 +656,8 @@ fn scores_into(
     }
 }
 
-/// `acc[j] += tile · staged[at .. at + step]` (the staged rows as the product's depth; `shift`
-/// as for [`scores_into`]): the subgroup's `16 × step` f16 `tile` times `step` staged rows,
+/// `acc[j] += tile · staged[at .. at + cols]` (the staged rows as the product's depth; `shift`
+/// as for [`scores_into`]): the subgroup's `16 × cols` f16 `tile` times `cols` staged rows,
 /// `hd/16` accumulators.
 fn accumulate(
     k: &mut KernelBuilder,
@@ -573,8 +675,8 @@ fn accumulate(
     accumulate_from(k, p, &left, stage, at, acc);
 }
 
-/// `acc[j] += left · staged[at .. at + step]`, `left(kk)` the left operand's `kk`-th 16
-/// columns (of `step`).
+/// `acc[j] += left · staged[at .. at + cols]`, `left(kk)` the left operand's `kk`-th 16
+/// columns (of `cols`).
 fn accumulate_from(
     k: &mut KernelBuilder,
     p: &Place,
@@ -583,7 +685,7 @@ fn accumulate_from(
     (at, shift): (u32, Option<&Expr<u32>>),
     acc: &[Var<Acc>],
 ) {
-    for kk in 0..p.step / 16 {
+    for kk in 0..p.cols / 16 {
         let a = left(k, kk);
         for (j, c) in acc.iter().enumerate() {
             let idx = shifted((at + kk * 16) * p.row_vec4s() + j as u32 * 4, shift);
@@ -593,18 +695,18 @@ fn accumulate_from(
     }
 }
 
-/// The scratch columns this invocation handles, in order: `step/per_row` of them from
-/// `part·step/per_row`, whole vec4s of its row (their first column, and the step's `step/4`
-/// vec4s a row, are multiples of 4: [`CoopSeqTile::for_device`]).
+/// The scratch columns this invocation handles, in order: `cols/per_row` of them from
+/// `part·cols/per_row`, whole vec4s of its row (their first column, and the `cols/4` vec4s a
+/// row, are multiples of 4: [`CoopSeqTile::rule`]).
 fn my_columns(p: &Place) -> Vec<Expr<u32>> {
-    let run = p.step / p.per_row;
+    let run = p.cols / p.per_row;
     (0..run).map(|c| &p.part * run + c).collect()
 }
 
 /// The first vec4 of this invocation's run of columns in its subgroup's `16 × row4`-vec4
 /// tile of `len4` vec4s.
 fn my_vec4(p: &Place, (len4, row4): (u32, u32)) -> Expr<u32> {
-    &p.sg * len4 + &p.row * row4 + &p.part * (p.step / p.per_row / 4)
+    &p.sg * len4 + &p.row * row4 + &p.part * (p.cols / p.per_row / 4)
 }
 
 /// Every value of `scratch` this invocation handles ([`my_columns`]), in their order, read
@@ -621,7 +723,7 @@ fn scratch_reads(
         "scratch_at",
         my_vec4(p, (p.scratch_len() / 4, p.scratch_row() / 4)),
     );
-    let quads: Vec<Expr<Vec4<f32>>> = (0..p.step / p.per_row / 4)
+    let quads: Vec<Expr<Vec4<f32>>> = (0..p.cols / p.per_row / 4)
         .map(|i| k.let_("s", scratch.at(offset(&first, i))))
         .collect();
     quads
@@ -650,7 +752,9 @@ fn tile_stores(
 
 /// Store the accumulators (`16 × hd`, the subgroup's own rows) into `out` `[T, heads·hd]` at
 /// `head`, row `r` (of 16) times `mult(r)`, through the scratch a fragment at a time: rows past
-/// the sequence are not stored, rows past its valid length get zeros.
+/// the sequence are not stored, rows past its valid length get zeros. Where a row tile has
+/// several subgroups (`split`), each holds a part of the sums: its subgroups store their
+/// fragments side by side, and each stores a share of the elements, the parts added.
 #[allow(clippy::too_many_arguments)]
 fn store_own(
     k: &mut KernelBuilder,
@@ -662,26 +766,42 @@ fn store_own(
     mult: &dyn Fn(&Expr<u32>) -> Expr<f32>,
     subgroup: u32,
 ) {
-    let base = k.let_("scratch_at", &p.sg * (p.scratch_len() / 4));
-    let invocation = k.subgroup_invocation_id();
+    let len4 = p.scratch_len() / 4;
+    let base = k.let_("scratch_at", &p.sg * len4);
+    // The row tile's subgroups' fragments, and this invocation's first element of a fragment.
+    let (parts, first) = match &p.part_col0 {
+        None => (vec![base.clone()], k.subgroup_invocation_id()),
+        Some(_) => {
+            let parts = (0..p.split)
+                .map(|t| k.let_("part_at", (&p.row_tile + t * p.subgroups) * len4))
+                .collect();
+            let share = k.let_("share", &p.sg / p.subgroups * subgroup);
+            (parts, k.let_("first", share + k.subgroup_invocation_id()))
+        }
+    };
+    let sharers = p.split * subgroup;
     let head_col = k.let_("head_col", head * p.hd);
     for (j, c) in acc.iter().enumerate() {
         k.workgroup_barrier();
         k.coop_store(scratch, &base, p.scratch_row() / 4, Major::Row, c.get());
         k.workgroup_barrier();
-        // The fragment's 64 vec4s (16 rows of 4), `subgroup` at a time.
-        for i in 0..64u32.div_ceil(subgroup) {
-            let e = k.let_("e", offset(&invocation, i * subgroup));
+        // The fragment's 64 vec4s (16 rows of 4), `split·subgroup` at a time.
+        for i in 0..64u32.div_ceil(sharers) {
+            let e = k.let_("e", offset(&first, i * sharers));
             let r = k.let_("r", &e / 4u32);
             let c4 = k.let_("c4", &e % 4u32);
             let row = k.let_("at_row", &p.own0 + &r);
             let inside = row.lt(&p.seq_len);
-            let inside = match subgroup > 64 {
+            let inside = match (i + 1) * sharers > 64 {
                 true => inside.and(e.lt(64u32)),
                 false => inside,
             };
             k.if_(inside, |k| {
-                let v = k.let_("v", scratch.at(&base + &r * (p.scratch_row() / 4) + &c4));
+                let row4 = p.scratch_row() / 4;
+                let sum = (parts.iter().map(|part| scratch.at(part + &r * row4 + &c4)))
+                    .reduce(|a, b| a + b)
+                    .expect("a row tile has a subgroup");
+                let v = k.let_("v", sum);
                 let (valid, m) = (k.let_("valid", row.lt(&p.len)), k.let_("m", mult(&r)));
                 let at = k.let_(
                     "at",
@@ -736,7 +856,7 @@ fn forward_body(k: &mut KernelBuilder) {
     let lse = k.storage_rw::<f32>("lse");
     let tau = k.param::<f32>("scale");
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, true);
+    let p = place(k, true, 1);
     let block = 16 * p.subgroups;
     let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
     let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
@@ -933,15 +1053,17 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let tau = k.param::<f32>("scale");
     let (up, down) = grad_scales(k);
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, false);
+    let split: u32 = k.shape("split");
+    let p = place(k, false, split);
     let block = 16 * p.subgroups;
     let rows = block.max(p.step);
     let stage = k.workgroup_array::<Vec4<F16>>("stage", 2 * rows * p.row_vec4s());
-    let scratch_vec4s = p.subgroups * p.scratch_len() / 4;
+    let all = p.subgroups * p.split;
+    let scratch_vec4s = all * p.scratch_len() / 4;
     let s_scratch = k.workgroup_array::<Vec4<f32>>("s_scratch", scratch_vec4s);
     let dp_scratch = k.workgroup_array::<Vec4<f32>>("dp_scratch", scratch_vec4s);
-    let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
-    let grads = k.workgroup_array::<Vec4<F16>>("grads", p.subgroups * p.probs_len() / 4);
+    let probs = k.workgroup_array::<Vec4<F16>>("probs", all * p.probs_len() / 4);
+    let grads = k.workgroup_array::<Vec4<F16>>("grads", all * p.probs_len() / 4);
     let q_stats = k.workgroup_array::<f32>("q_stats", 2 * p.step);
     let kv = p.head.clone();
     let k_rows = rows_of(k, &r.k, &p, p.kv_heads, &kv);
@@ -956,6 +1078,9 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let dk = accumulators(k, &p, "dk_acc");
     let dv = accumulators(k, &p, "dv_acc");
     let my_key = k.let_("my_key", &p.own0 + &p.row);
+    // Where a row tile's subgroups split each step: this one's part, as staged rows (vec4s).
+    let shift = (p.part_col0.as_ref()).map(|c0| k.let_("part_rows", c0 * p.row_vec4s()));
+    let shift = shift.as_ref();
 
     k.comment("Query steps from the one holding the block's first key to the last real row.");
     let first = k.let_("first", &p.origin / p.step);
@@ -984,10 +1109,16 @@ fn key_grads_body(k: &mut KernelBuilder) {
                 });
             }
             k.workgroup_barrier();
-            scores_into(k, &p, &own_k, &stage, (0, None), &s_scratch);
-            scores_into(k, &p, &own_v, &stage, (p.step, None), &dp_scratch);
+            scores_into(k, &p, &own_k, &stage, (0, shift), &s_scratch);
+            scores_into(k, &p, &own_v, &stage, (p.step, shift), &dp_scratch);
             k.workgroup_barrier();
-            let cols = my_columns(&p);
+            // The step's columns (queries from `q0`) this invocation handles.
+            let cols: Vec<Expr<u32>> = (my_columns(&p).into_iter())
+                .map(|c| match &p.part_col0 {
+                    Some(c0) => c0 + c,
+                    None => c,
+                })
+                .collect();
             let scores = scratch_reads(k, &p, &s_scratch);
             let dps = scratch_reads(k, &p, &dp_scratch);
             let stats: Vec<(Expr<f32>, Expr<f32>)> = (cols.iter())
@@ -1014,9 +1145,13 @@ fn key_grads_body(k: &mut KernelBuilder) {
                 .collect();
             let (prob, ds): (Vec<_>, Vec<_>) = values.into_iter().unzip();
             if let (Some(out), Some(row)) = (&d_scores, &scores_row) {
-                // The run of queries `my_columns` holds, four a store (whole vec4s of the row).
-                let run4 = p.step / p.per_row / 4;
-                let at = k.let_("scores_at", row + &q0 / 4u32 + &p.part * run4);
+                // The run of queries `cols` holds, four a store (whole vec4s of the row).
+                let run4 = p.cols / p.per_row / 4;
+                let first = match &p.part_col0 {
+                    Some(c0) => (&q0 + c0) / 4u32,
+                    None => &q0 / 4u32,
+                };
+                let at = k.let_("scores_at", row + first + &p.part * run4);
                 for (i, quad) in ds.chunks(4).enumerate() {
                     let v = vec4_of(quad.iter().map(|v| v.clone().cast::<F16>()).collect());
                     k.store(out, offset(&at, i as u32), v);
@@ -1025,8 +1160,8 @@ fn key_grads_body(k: &mut KernelBuilder) {
             tile_stores(k, &p, &probs, prob);
             tile_stores(k, &p, &grads, ds);
             k.workgroup_barrier();
-            accumulate(k, &p, &probs, &stage, (p.step, None), &dv);
-            accumulate(k, &p, &grads, &stage, (0, None), &dk);
+            accumulate(k, &p, &probs, &stage, (p.step, shift), &dv);
+            accumulate(k, &p, &grads, &stage, (0, shift), &dk);
         });
     });
     let unscale = |_: &Expr<u32>| down.clone();
@@ -1059,7 +1194,7 @@ fn query_grads_body(k: &mut KernelBuilder) {
     let tau = k.param::<f32>("scale");
     let (up, down) = grad_scales(k);
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, true);
+    let p = place(k, true, 1);
     let block = 16 * p.subgroups;
     let rows = block.max(p.step);
     let staged = query_grads_staged(rows, p.step, reads_ahead(&p, 2));
@@ -1178,7 +1313,7 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
     let d_q = k.storage_rw::<f32>("d_q");
     let down = k.param::<f32>("grad_unscale");
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, true);
+    let p = place(k, true, 1);
     let block = 16 * p.subgroups;
     let stage = k.workgroup_array::<Vec4<F16>>("stage", p.step * p.row_vec4s());
     // A staged `dSᵀ` row: the block's queries, padded as the staged keys are.
@@ -1233,24 +1368,31 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
 /// The WGSL of this module's kernels at a representative shape (SmolLM2's heads, padded
 /// batches, 2 subgroups of 32 stepping 32 rows: within the default limits' workgroup memory):
 /// the forward, the key gradients, the query gradients, then the key gradients that write the
-/// scores' gradients and the query gradients from them.
+/// scores' gradients and the query gradients from them, and last the key gradients writing the
+/// scores' gradients with each step split between two subgroups a row tile.
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let shape = SeqShape::new(2, 128, 9, 3, 64);
     let tile = CoopSeqTile {
         subgroups: 2,
         step: 32,
+        split: 1,
     };
+    let split = CoopSeqTile { split: 2, ..tile };
     [
-        Which::Forward,
-        Which::KeyGrads {
-            write_scores: false,
-        },
-        Which::QueryGrads,
-        Which::KeyGrads { write_scores: true },
-        Which::QueryGradsFromScores,
+        (Which::Forward, tile),
+        (
+            Which::KeyGrads {
+                write_scores: false,
+            },
+            tile,
+        ),
+        (Which::QueryGrads, tile),
+        (Which::KeyGrads { write_scores: true }, tile),
+        (Which::QueryGradsFromScores, tile),
+        (Which::KeyGrads { write_scores: true }, split),
     ]
     .into_iter()
-    .map(|which| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
+    .map(|(which, tile)| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
     .collect()
 }
 
@@ -1286,19 +1428,8 @@ pub(crate) mod build {
         if !(16..=128).contains(&subgroup) || !subgroup.is_power_of_two() {
             return rule("the subgroup must be 16, 32, 64 or 128 invocations");
         }
-        if tile.subgroups == 0 || tile.step == 0 || !tile.step.is_multiple_of(16) {
-            return rule("at least one subgroup, and a step that is a positive multiple of 16");
-        }
-        if !tile.step.is_multiple_of(4 * (subgroup / 16)) {
-            return rule(
-                "the step must share out in whole vec4s among a row's subgroup/16 invocations",
-            );
-        }
-        if writes_or_reads_scores(which) && !tile.scores_fit() {
-            return rule(&format!(
-                "the scores' gradients take blocks (16·row_tiles) and steps that divide \
-                 {SCORES_ALIGN}"
-            ));
+        if let Some(why) = tile.rule(which, subgroup) {
+            return rule(&why);
         }
         let key = key(which, &shape, tile, subgroup, padded);
         Ok(Kernel::build_with_limits(&key, limits, which.body())?)
@@ -1329,8 +1460,12 @@ mod tests {
         for which in kinds {
             for hd in [64, 128] {
                 let shape = SeqShape::new(1, 128, 4, 2, hd as usize);
-                for &(subgroups, step) in CoopSeqTile::standard(which) {
-                    let tile = CoopSeqTile { subgroups, step };
+                for &(subgroups, step, split) in CoopSeqTile::standard(which) {
+                    let tile = CoopSeqTile {
+                        subgroups,
+                        step,
+                        split,
+                    };
                     let key = key(which, &shape, tile, 32, true);
                     let kernel = Kernel::build_with_limits(&key, &limits, which.body()).unwrap();
                     let used = kernel.workgroup_memory_bytes();
