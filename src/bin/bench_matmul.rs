@@ -244,59 +244,70 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     }
                 }
             }
-            // Split-K where `execute_gemm_split` splits this GEMM (a long depth, few tiles).
-            let gemm = Gemm::new(product, (m, n, k), false).with_precision(Precision::F16);
-            let scratch_len = gemm_split_scratch_len(&gpu, &gemm);
-            if scratch_len > 0 {
-                let mut scratch = gpu.zeros::<f32>(scratch_len)?;
-                let weights = Weights::Half { w: &w, scale: 1.0 };
-                let config = BenchConfig {
-                    warmup: Duration::from_millis(800),
-                    reps: 20,
+            // Split-K where `execute_gemm_split` splits this GEMM (a long depth, few tiles), at
+            // the tile it takes (`None`) and at others.
+            let split_tiles = [None, Some(CoopTile::WIDE_12), Some(CoopTile::WIDE)];
+            for split_tile in split_tiles {
+                let gemm = Gemm {
+                    coop_tile: split_tile,
+                    ..Gemm::new(product, (m, n, k), false).with_precision(Precision::F16)
                 };
-                let parts = scratch_len / (m * gemm_cols(product, n, k)).next_multiple_of(4);
-                // f16 input; f32 input (the step's `dz` before 2026-12-07); the logits with the
-                // cross-entropy's gradient as the prologue (the step's lm-head backward since).
-                let (inputs, stats) = match product {
-                    Product::Nt => (vec![("f16 input", Operand::F16(&x))], None),
-                    Product::Nn => (
-                        vec![
-                            ("f16 input", Operand::F16(&x)),
-                            ("f32 input", Operand::F32(&x32)),
-                            (
-                                "f32 logits, the cross-entropy's gradient as prologue",
-                                Operand::F32(&x32),
-                            ),
-                        ],
-                        Some(cross_entropy_stats(&gpu, &x32, (m, n), &mut rng)?),
-                    ),
+                let scratch_len = gemm_split_scratch_len(&gpu, &gemm);
+                let tile_name = match split_tile {
+                    None => "128×256×32, 64×64 (as the step)".to_string(),
+                    Some(t) => format!("{}×{}×{}, {}×{}", t.bm, t.bn, t.bk, t.wm, t.wn),
                 };
-                let grad = stats
-                    .as_ref()
-                    .map(|(stats, labels)| CrossEntropyGrad { stats, labels });
-                for (how, input) in inputs {
-                    let prologue = grad.as_ref().filter(|_| how.contains("prologue"));
-                    let fusion = Fusion {
-                        prologue: prologue.map(|g| g as &dyn GemmFusion),
-                        epilogues: &[],
+                if scratch_len > 0 {
+                    let mut scratch = gpu.zeros::<f32>(scratch_len)?;
+                    let weights = Weights::Half { w: &w, scale: 1.0 };
+                    let config = BenchConfig {
+                        warmup: Duration::from_millis(800),
+                        reps: 20,
                     };
-                    let r = bench(&gpu, "matmul", config, |rec| {
-                        let out = OutputBuffer::F32(&mut y);
-                        execute_gemm_split_fused(
-                            rec,
-                            &gemm,
-                            &fusion,
-                            input,
-                            weights,
-                            out,
-                            &mut scratch,
-                        )
-                    })?;
-                    println!(
-                        "| {label} {product:?} | {m}×{n}×{k} | split-K: {parts} parts of 128×256×32, 64×64 (and their sum), {how} | {:.1} | {:.1} |",
-                        r.median_ns() / 1e3,
-                        r.tflop_per_s(flops)
-                    );
+                    let parts = scratch_len / (m * gemm_cols(product, n, k)).next_multiple_of(4);
+                    // f16 input; f32 input (the step's `dz` before 2026-12-07); the logits with the
+                    // cross-entropy's gradient as the prologue (the step's lm-head backward since).
+                    let (inputs, stats) = match product {
+                        Product::Nt => (vec![("f16 input", Operand::F16(&x))], None),
+                        Product::Nn => (
+                            vec![
+                                ("f16 input", Operand::F16(&x)),
+                                ("f32 input", Operand::F32(&x32)),
+                                (
+                                    "f32 logits, the cross-entropy's gradient as prologue",
+                                    Operand::F32(&x32),
+                                ),
+                            ],
+                            Some(cross_entropy_stats(&gpu, &x32, (m, n), &mut rng)?),
+                        ),
+                    };
+                    let grad = stats
+                        .as_ref()
+                        .map(|(stats, labels)| CrossEntropyGrad { stats, labels });
+                    for (how, input) in inputs {
+                        let prologue = grad.as_ref().filter(|_| how.contains("prologue"));
+                        let fusion = Fusion {
+                            prologue: prologue.map(|g| g as &dyn GemmFusion),
+                            epilogues: &[],
+                        };
+                        let r = bench(&gpu, "matmul", config, |rec| {
+                            let out = OutputBuffer::F32(&mut y);
+                            execute_gemm_split_fused(
+                                rec,
+                                &gemm,
+                                &fusion,
+                                input,
+                                weights,
+                                out,
+                                &mut scratch,
+                            )
+                        })?;
+                        println!(
+                            "| {label} {product:?} | {m}×{n}×{k} | split-K: {parts} parts of {tile_name} (and their sum), {how} | {:.1} | {:.1} |",
+                            r.median_ns() / 1e3,
+                            r.tflop_per_s(flops)
+                        );
+                    }
                 }
             }
         }
