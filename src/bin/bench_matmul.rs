@@ -13,6 +13,7 @@
 //! HESPER_BENCH_TUNED=1 scripts/with-gpu cargo run --release --bin bench_matmul   # tuned tiles only
 //! HESPER_BENCH_SHAPES='lm-head|down' scripts/with-gpu cargo run --release --bin bench_matmul  # shapes whose label has one
 //! HESPER_BENCH_TILES='128x64x32/64x64,256x64x32/64x64' …   # these tiles instead of the extra ones
+//!                                                       # (with HESPER_BENCH_TUNED=1: tuned and these)
 //! HESPER_BENCH_INPUT=f32 …   # the input as f32, rounded as it is staged (the step's forward)
 //! ```
 
@@ -156,12 +157,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         .filter(|(label, _)| only.split('|').any(|part| label.contains(part)))
         .collect();
     let tuned_only = std::env::var("HESPER_BENCH_TUNED").is_ok_and(|v| v == "1");
-    let extra = match std::env::var("HESPER_BENCH_TILES") {
-        Ok(list) => list
-            .split(',')
-            .map(parse_tile)
-            .collect::<Result<Vec<_>, _>>()?,
-        Err(_) => EXTRA_TILES.to_vec(),
+    let named = match std::env::var("HESPER_BENCH_TILES") {
+        Ok(list) => Some(
+            list.split(',')
+                .map(parse_tile)
+                .collect::<Result<Vec<_>, _>>()?,
+        ),
+        Err(_) => None,
     };
     let f32_input = match std::env::var("HESPER_BENCH_INPUT").as_deref() {
         Ok("f32") => true,
@@ -169,8 +171,13 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
         Ok(other) => return Err(format!("HESPER_BENCH_INPUT: f16 or f32, not {other}").into()),
     };
     let mut tiles: Vec<Option<CoopTile>> = vec![None];
-    if !tuned_only {
-        tiles.extend(coop::TILES.iter().chain(&extra).map(|t| Some(*t)));
+    match (tuned_only, named) {
+        (true, None) => {}
+        (true, Some(named)) => tiles.extend(named.into_iter().map(Some)),
+        (false, named) => {
+            let extra = named.unwrap_or(EXTRA_TILES.to_vec());
+            tiles.extend(coop::TILES.iter().chain(&extra).map(|t| Some(*t)));
+        }
     }
     let mut first = true;
     println!();
