@@ -584,7 +584,7 @@ fn numbers(text: &str) -> Option<Vec<u32>> {
 fn coop_attention(s: &Shape<'_>, which: CoopWhich) -> Result<Kernel, Failure> {
     let dims = (s.u32("head_dim"), s.u32("heads"), s.u32("kv_heads"));
     let split = match which {
-        CoopWhich::KeyGrads { .. } => s.u32("split"),
+        CoopWhich::KeyGrads { .. } | CoopWhich::Forward => s.u32("split"),
         _ => 1,
     };
     let tile = attention::coop::CoopSeqTile {
@@ -761,6 +761,22 @@ const COOP_SEQ_PARAMS: &[Param] = &[
     COOP_STEP,
     COOP_SUBGROUP,
 ];
+const COOP_SPLIT: Param = u32_param(
+    "split",
+    "1",
+    "subgroups a row tile, each taking step/split of a step's rows (their sums added when \
+     stored)",
+);
+const COOP_SEQ_FORWARD_PARAMS: &[Param] = &[
+    SEQ_HEAD_DIM,
+    SEQ_HEADS,
+    SEQ_KV_HEADS,
+    PADDED,
+    COOP_ROW_TILES,
+    COOP_STEP,
+    COOP_SUBGROUP,
+    COOP_SPLIT,
+];
 const COOP_SEQ_KV_PARAMS: &[Param] = &[
     SEQ_HEAD_DIM,
     SEQ_HEADS,
@@ -769,12 +785,7 @@ const COOP_SEQ_KV_PARAMS: &[Param] = &[
     COOP_ROW_TILES,
     COOP_STEP,
     COOP_SUBGROUP,
-    u32_param(
-        "split",
-        "1",
-        "subgroups a row tile, each taking step/split of a step's queries (their sums added \
-         when stored)",
-    ),
+    COOP_SPLIT,
     bool_param(
         "write_scores",
         "false",
@@ -891,7 +902,7 @@ static ENTRIES: [Entry; 56] = [
         module: "attention::coop",
         summary: "causal attention over whole sequences on tensor cores (GQA): O and lse, two \
                   passes over the keys (statistics, then P·V), f16 products, f32 softmax",
-        params: COOP_SEQ_PARAMS,
+        params: COOP_SEQ_FORWARD_PARAMS,
         build: |s| coop_attention(s, CoopWhich::Forward),
     },
     // attention::decode

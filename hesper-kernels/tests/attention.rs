@@ -439,6 +439,7 @@ fn wgsl_snapshots() {
         "coop_attention_backward_kv_hd64_heads9_kv_heads3_row_tiles2_step32_padded_writes_scores",
         "coop_attention_backward_q_from_scores_hd64_heads9_kv_heads3_row_tiles2_step32_padded",
         "coop_attention_backward_kv_hd64_heads9_kv_heads3_row_tiles2_step32_split2_padded_writes_scores",
+        "coop_attention_forward_hd64_heads9_kv_heads3_row_tiles2_step32_split2_padded",
     ];
     let kernels = attention::kernels().unwrap();
     for (name, k) in hesper_kernels::testing::named_by_key(&kernels, &names) {

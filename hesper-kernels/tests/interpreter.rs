@@ -541,8 +541,8 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
 /// read each step's rows a step ahead (the query gradients' keys in two buffers), the fourth
 /// (16 invocations holding 32 rows) stages them as it reads them. The last three are the tiles
 /// the H200 takes (`CoopSeqTile::standard`): the forward's 4 × 16, the key gradients' 2 × 32,
-/// the query gradients' 4 × 32. The last four split the key gradients' steps among two or four
-/// subgroups a row tile (their partial sums added as they are stored).
+/// the query gradients' 4 × 32. The last four split the forward's and the key gradients' steps
+/// among two or four subgroups a row tile (their partial sums added as they are stored).
 #[test]
 fn the_tensor_core_attention_is_right_on_the_interpreter() {
     let tiles = [
@@ -571,8 +571,8 @@ fn tensor_core_attention_on_the_interpreter(
 ) {
     use hesper_kernels::attention::{SeqShape, reference};
     println!(
-        "subgroups of {subgroup}, {row_tiles} tiles of 16 rows, steps of {step}, the key \
-         gradients' split {split} ways:"
+        "subgroups of {subgroup}, {row_tiles} tiles of 16 rows, steps of {step}, the forward's \
+         and key gradients' split {split} ways:"
     );
     let (batch, seq, heads, kv_heads, hd) = (2usize, 40usize, 2usize, 1usize, 32usize);
     let lens = [40usize, 29];
@@ -647,7 +647,12 @@ fn tensor_core_attention_on_the_interpreter(
     let mut run = base([blocks, heads as u32, batch as u32])
         .buffer("o", &nan(shape.q_len()))
         .buffer("lse", &nan(rows));
-    interpret(&build("coop_attention_forward"), &mut run).unwrap();
+    let split = ("split", split.to_string());
+    interpret(
+        &build_with("coop_attention_forward", std::slice::from_ref(&split)),
+        &mut run,
+    )
+    .unwrap();
     let o: Vec<f32> = run.read("o").unwrap();
     let lse: Vec<f32> = run.read("lse").unwrap();
     check("O", &o, &want_o, 2e-3);
@@ -678,7 +683,6 @@ fn tensor_core_attention_on_the_interpreter(
     let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
         .buffer("d_k", &nan(shape.kv_len()))
         .buffer("d_v", &nan(shape.kv_len()));
-    let split = ("split", split.to_string());
     interpret(
         &build_with("coop_attention_backward_kv", std::slice::from_ref(&split)),
         &mut run,

@@ -34,13 +34,16 @@
 //!   are small (~1/N): `dO` is multiplied by `2^grad_exponent` before it is rounded to f16
 //!   (`D` with it), and the results by `2^−grad_exponent` ([`SeqShape::grad_exponent`]).
 //!
-//! ## Splitting the query steps
+//! ## Splitting the steps
 //! The key gradients' grid is small (a workgroup per 32 keys, KV head and sequence: 384 at
 //! SmolLM2's B = 8), and each workgroup steps through all the queries after its keys for every
 //! query head of its group. With `split > 1` ([`CoopSeqTile::split`]) each row tile has
-//! `split` subgroups, each taking `step/split` of a step's staged queries: its own scores,
-//! softmax and products into its own partial `dK`, `dV`, added when they are stored. More
-//! subgroups share the work of a step without more workgroups or more staging.
+//! `split` subgroups, each taking `step/split` of a step's staged rows (queries): its own
+//! scores, softmax and products into its own partial `dK`, `dV`, added when they are stored.
+//! More subgroups share the work of a step without more workgroups or more staging. The
+//! forward splits its key steps so too: each subgroup's row maxima, then its sums `l`, are
+//! combined across the row tile's subgroups through workgroup memory (the maximum before the
+//! second pass, so every part's `P` has the same reference and their `P·V` add up).
 //!
 //! ## The scores' gradients kept
 //! The query gradients need the same `P` and `dS` as the key gradients: computed again, that
@@ -102,8 +105,8 @@ fn writes_or_reads_scores(which: Which) -> bool {
 
 /// A tensor-core attention kernel's blocking: `subgroups` tiles of 16 rows each, the other
 /// side stepped `step` rows at a time, each step's rows shared out among `split` subgroups a
-/// row tile (the workgroup has `subgroups·split` subgroups). Only the key gradients split
-/// (the module doc, "Splitting the query steps"); elsewhere `split` is 1.
+/// row tile (the workgroup has `subgroups·split` subgroups). Only the forward and the key
+/// gradients split (the module doc, "Splitting the steps"); elsewhere `split` is 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CoopSeqTile {
     pub subgroups: u32,
@@ -173,7 +176,13 @@ impl CoopSeqTile {
         let scratch = 4 * 16 * (self.cols() + SCRATCH_PAD) * self.workgroup_subgroups();
         let probs = 2 * 16 * (self.cols() + PAD) * self.workgroup_subgroups();
         match which {
-            Which::Forward => block.max(2 * step) * row + scratch + probs + 4 * block,
+            Which::Forward => {
+                let part_stats = match self.split {
+                    1 => 0,
+                    _ => 2 * 4 * 16 * self.workgroup_subgroups(),
+                };
+                block.max(2 * step) * row + scratch + probs + 4 * block + part_stats
+            }
             Which::KeyGrads { .. } => {
                 2 * block.max(step) * row + 2 * scratch + 2 * probs + 8 * step
             }
@@ -200,7 +209,8 @@ impl CoopSeqTile {
         subgroup: u32,
     ) -> Option<CoopSeqTile> {
         let measured = match which {
-            Which::KeyGrads { .. } => tiles_to_measure(),
+            Which::KeyGrads { .. } => tiles_to_measure("HESPER_ATTENTION_KV_TILES"),
+            Which::Forward => tiles_to_measure("HESPER_ATTENTION_FORWARD_TILES"),
             _ => Vec::new(),
         };
         (measured
@@ -225,8 +235,10 @@ impl CoopSeqTile {
                 "at least one subgroup, and a step that is a positive multiple of 16·split".into(),
             );
         }
-        if self.split > 1 && !matches!(which, Which::KeyGrads { .. }) {
-            return Some("only the key gradients split their steps (split = 1)".into());
+        if self.split > 1 && !matches!(which, Which::KeyGrads { .. } | Which::Forward) {
+            return Some(
+                "only the forward and the key gradients split their steps (split = 1)".into(),
+            );
         }
         // Each invocation of a scratch row handles whole vec4s of it.
         if !self.cols().is_multiple_of(4 * (subgroup / 16)) {
@@ -266,12 +278,13 @@ impl CoopSeqTile {
     }
 }
 
-/// The key gradients' tiles named in `HESPER_ATTENTION_KV_TILES` (`SUBGROUPSxSTEPxSPLIT`,
-/// comma-separated: `2x32x2,1x64x4`), tried before the standard ones: for measuring tiles on a
-/// device (BENCHMARKS.md). What does not parse, fit the device or follow
-/// [`CoopSeqTile::rule`] is passed over.
-fn tiles_to_measure() -> Vec<(u32, u32, u32)> {
-    let Ok(text) = std::env::var("HESPER_ATTENTION_KV_TILES") else {
+/// The tiles named in the environment variable `var` (`SUBGROUPSxSTEPxSPLIT`, comma-separated:
+/// `2x32x2,1x64x4`), tried before the standard ones: `HESPER_ATTENTION_KV_TILES` for the key
+/// gradients, `HESPER_ATTENTION_FORWARD_TILES` for the forward; for measuring tiles on a device
+/// (BENCHMARKS.md). What does not parse, fit the device or follow [`CoopSeqTile::rule`] is
+/// passed over.
+fn tiles_to_measure(var: &str) -> Vec<(u32, u32, u32)> {
+    let Ok(text) = std::env::var(var) else {
         return Vec::new();
     };
     (text.split(','))
@@ -303,6 +316,7 @@ pub(crate) fn key(
         Which::KeyGrads { write_scores } => key
             .shape("write_scores", write_scores)
             .shape("split", tile.split),
+        Which::Forward => key.shape("split", tile.split),
         _ => key,
     };
     key.workgroup_size(tile.workgroup_subgroups() * subgroup)
@@ -703,6 +717,41 @@ fn my_columns(p: &Place) -> Vec<Expr<u32>> {
     (0..run).map(|c| &p.part * run + c).collect()
 }
 
+/// [`my_columns`] as columns of the whole step: where a row tile's subgroups split it, from
+/// this subgroup's part's first column.
+fn step_columns(p: &Place) -> Vec<Expr<u32>> {
+    (my_columns(p).into_iter())
+        .map(|c| match &p.part_col0 {
+            Some(c0) => c0 + c,
+            None => c,
+        })
+        .collect()
+}
+
+/// Where a row tile's subgroups split the steps: `value` (one a row, the same in each of the
+/// row's invocations) combined over the row tile's subgroups through `parts` (16 floats a
+/// subgroup), a barrier between the writes and the reads; as it is otherwise.
+fn across_parts(
+    k: &mut KernelBuilder,
+    p: &Place,
+    parts: Option<&WorkgroupArray<f32>>,
+    value: Expr<f32>,
+    combine: fn(Expr<f32>, Expr<f32>) -> Expr<f32>,
+) -> Expr<f32> {
+    let Some(parts) = parts else {
+        return value;
+    };
+    k.if_(p.part.eq(0u32), |k| {
+        k.store(parts, &p.sg * 16u32 + &p.row, value)
+    });
+    k.workgroup_barrier();
+    let all = (0..p.split)
+        .map(|t| parts.at((&p.row_tile + t * p.subgroups) * 16u32 + &p.row))
+        .reduce(combine)
+        .expect("a row tile has a subgroup");
+    k.let_("across_parts", all)
+}
+
 /// The first vec4 of this invocation's run of columns in its subgroup's `16 × row4`-vec4
 /// tile of `len4` vec4s.
 fn my_vec4(p: &Place, (len4, row4): (u32, u32)) -> Expr<u32> {
@@ -856,13 +905,25 @@ fn forward_body(k: &mut KernelBuilder) {
     let lse = k.storage_rw::<f32>("lse");
     let tau = k.param::<f32>("scale");
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, true, 1);
+    let split: u32 = k.shape("split");
+    let p = place(k, true, split);
     let block = 16 * p.subgroups;
+    let all = p.subgroups * p.split;
     let stage = k.workgroup_array::<Vec4<F16>>("stage", block.max(2 * p.step) * p.row_vec4s());
-    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
-    let probs = k.workgroup_array::<Vec4<F16>>("probs", p.subgroups * p.probs_len() / 4);
+    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", all * p.scratch_len() / 4);
+    let probs = k.workgroup_array::<Vec4<F16>>("probs", all * p.probs_len() / 4);
     // Each owned row's 1/l.
     let row_scale = k.workgroup_array::<f32>("row_scale", block);
+    // Where the steps are split: each subgroup's rows' maxima, then sums.
+    let part_stats = (split > 1).then(|| {
+        (
+            k.workgroup_array::<f32>("part_max", 16 * all),
+            k.workgroup_array::<f32>("part_sum", 16 * all),
+        )
+    });
+    // Where a row tile's subgroups split each step: this one's part, as staged rows (vec4s).
+    let shift = (p.part_col0.as_ref()).map(|c0| k.let_("part_rows", c0 * p.row_vec4s()));
+    let shift = shift.as_ref();
     let kv = k.let_("kv", &p.head / p.group);
     let q_rows = rows_of(k, &q, &p, p.heads, &p.head);
     let k_rows = rows_of(k, &kb, &p, p.kv_heads, &kv);
@@ -905,10 +966,10 @@ fn forward_body(k: &mut KernelBuilder) {
                 None
             }
         };
-        scores_into(k, &p, &own, &stage, (0, None), &scratch);
+        scores_into(k, &p, &own, &stage, (0, shift), &scratch);
         k.workgroup_barrier();
         let read = scratch_reads(k, &p, &scratch);
-        let scores: Vec<Expr<f32>> = (my_columns(&p).iter().zip(read))
+        let scores: Vec<Expr<f32>> = (step_columns(&p).iter().zip(read))
             .map(|(col, s)| {
                 let ok = valid(k, &(&c0 + col));
                 k.let_("ts", select(ok, s * &tau, lit(NEG_BIG)))
@@ -928,6 +989,11 @@ fn forward_body(k: &mut KernelBuilder) {
         let m_other = k.subgroup_shuffle_xor(m.get(), mask);
         k.assign(&m, m.get().max(m_other));
         mask *= 2;
+    }
+    if let Some((part_max, _)) = &part_stats {
+        k.comment("Across the row tile's subgroups.");
+        let top = across_parts(k, &p, Some(part_max), m.get(), |a, b| a.max(b));
+        k.assign(&m, top);
     }
 
     k.comment("Second pass: O = Σ P·V with P = exp(τ·S − m), at most 1 (f16 keeps its digits);");
@@ -967,10 +1033,10 @@ fn forward_body(k: &mut KernelBuilder) {
                 None
             }
         };
-        scores_into(k, &p, &own, &stage, (0, None), &scratch);
+        scores_into(k, &p, &own, &stage, (0, shift), &scratch);
         k.workgroup_barrier();
         let scores = scratch_reads(k, &p, &scratch);
-        let probs_of: Vec<Expr<f32>> = (my_columns(&p).iter().zip(scores))
+        let probs_of: Vec<Expr<f32>> = (step_columns(&p).iter().zip(scores))
             .map(|(col, s)| {
                 let ok = valid(k, &(&c0 + col));
                 k.let_("p", select(ok, (s * &tau - m.get()).exp(), lit(0.0f32)))
@@ -980,7 +1046,7 @@ fn forward_body(k: &mut KernelBuilder) {
         k.assign(&l, l.get() + sum.unwrap_or(lit(0.0f32)));
         tile_stores(k, &p, &probs, probs_of);
         k.workgroup_barrier();
-        accumulate(k, &p, &probs, &stage, (p.step, None), &acc);
+        accumulate(k, &p, &probs, &stage, (p.step, shift), &acc);
         if let (Some(next), Some(more)) = (&kv_next, &more) {
             k.workgroup_barrier();
             k.if_(more, |k| stage_next(k, next));
@@ -993,16 +1059,25 @@ fn forward_body(k: &mut KernelBuilder) {
         k.assign(&l, l.get() + l_other);
         mask *= 2;
     }
+    if let Some((_, part_sum)) = &part_stats {
+        let sum = across_parts(k, &p, Some(part_sum), l.get(), |a, b| a + b);
+        k.assign(&l, sum);
+    }
     let real = k.let_("real", l.get().gt(0.0f32).and(my_row.lt(&p.len)));
-    k.if_(p.part.eq(0u32), |k| {
+    // One invocation a row (of the row tile's first subgroup) writes its statistics.
+    let writes = match split {
+        1 => p.part.eq(0u32),
+        _ => p.part.eq(0u32).and(p.sg.lt(p.subgroups)),
+    };
+    k.if_(writes, |k| {
         let inv_l = select(real.clone(), 1.0f32 / l.get(), lit(0.0f32));
-        k.store(&row_scale, &p.sg * 16u32 + &p.row, inv_l);
+        k.store(&row_scale, &p.row_tile * 16u32 + &p.row, inv_l);
         k.if_(my_row.lt(&p.seq_len), |k| {
             let value = select(real.clone(), m.get() + l.get().log(), lit(0.0f32));
             k.store(&lse, (&p.token0 + &my_row) * p.heads + &p.head, value);
         });
     });
-    let inv_l = |r: &Expr<u32>| row_scale.at(&p.sg * 16u32 + r);
+    let inv_l = |r: &Expr<u32>| row_scale.at(&p.row_tile * 16u32 + r);
     store_own(
         k,
         &p,
@@ -1113,12 +1188,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
             scores_into(k, &p, &own_v, &stage, (p.step, shift), &dp_scratch);
             k.workgroup_barrier();
             // The step's columns (queries from `q0`) this invocation handles.
-            let cols: Vec<Expr<u32>> = (my_columns(&p).into_iter())
-                .map(|c| match &p.part_col0 {
-                    Some(c0) => c0 + c,
-                    None => c,
-                })
-                .collect();
+            let cols = step_columns(&p);
             let scores = scratch_reads(k, &p, &s_scratch);
             let dps = scratch_reads(k, &p, &dp_scratch);
             let stats: Vec<(Expr<f32>, Expr<f32>)> = (cols.iter())
@@ -1369,7 +1439,7 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
 /// batches, 2 subgroups of 32 stepping 32 rows: within the default limits' workgroup memory):
 /// the forward, the key gradients, the query gradients, then the key gradients that write the
 /// scores' gradients and the query gradients from them, and last the key gradients writing the
-/// scores' gradients with each step split between two subgroups a row tile.
+/// scores' gradients and the forward with each step split between two subgroups a row tile.
 pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
     let shape = SeqShape::new(2, 128, 9, 3, 64);
     let tile = CoopSeqTile {
@@ -1390,6 +1460,7 @@ pub fn kernels() -> Result<Vec<Kernel>, hesper_dsl::DslError> {
         (Which::KeyGrads { write_scores: true }, tile),
         (Which::QueryGradsFromScores, tile),
         (Which::KeyGrads { write_scores: true }, split),
+        (Which::Forward, split),
     ]
     .into_iter()
     .map(|(which, tile)| Kernel::build(&key(which, &shape, tile, 32, true), which.body()))
