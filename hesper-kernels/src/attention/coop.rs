@@ -230,7 +230,8 @@ impl CoopSeqTile {
 
     /// Why `which` cannot take this tile with subgroups of `subgroup`, or `None`.
     pub(crate) fn rule(&self, which: Which, subgroup: u32) -> Option<String> {
-        if self.subgroups == 0 || self.split == 0 || !self.step.is_multiple_of(16 * self.split) {
+        let step_ok = self.step > 0 && self.step.is_multiple_of(16 * self.split);
+        if self.subgroups == 0 || self.split == 0 || !step_ok {
             return Some(
                 "at least one subgroup, and a step that is a positive multiple of 16·split".into(),
             );
@@ -262,15 +263,18 @@ impl CoopSeqTile {
     /// "Attention tiles"): short steps keep the workgroup memory small, so more workgroups
     /// share a multiprocessor, and the scalar softmax of a step is short.
     /// - forward: 4 subgroups stepping 16 keys (hd 64: 84 µs against 126 stepping 64);
-    /// - key gradients: 2 subgroups stepping 32 queries (hd 64: 171 µs against 188 with 4;
-    ///   2 stepping 16 measured 2.7–5× slower);
+    /// - key gradients: 2 row tiles stepping 64 queries, each step split between 2 subgroups a
+    ///   row tile (on an H100 at hd 64, B = 8, writing the scores' gradients: 116.0 µs against
+    ///   138.3 for 2 × 32 unsplit; 2 × 32 split 2 ways 132.1, 1 × 64 split 4 ways 143.0;
+    ///   BENCHMARKS.md, "Splitting the attention's steps"), else 2 stepping 32 (hd 64 on the
+    ///   H200: 171 µs against 188 with 4; 2 stepping 16 measured 2.7–5× slower);
     /// - query gradients: 4 subgroups stepping 32 keys, else 16 (hd 128: 278 µs against 611
     ///   with 2 subgroups stepping 32);
     /// - query gradients from the scores' gradients: 4 subgroups stepping 32 keys (not swept).
     fn standard(which: Which) -> &'static [(u32, u32, u32)] {
         match which {
             Which::Forward => &[(4, 16, 1), (2, 16, 1), (1, 16, 1)],
-            Which::KeyGrads { .. } => &[(2, 32, 1), (1, 16, 1)],
+            Which::KeyGrads { .. } => &[(2, 64, 2), (2, 32, 1), (1, 16, 1)],
             Which::QueryGrads | Which::QueryGradsFromScores => {
                 &[(4, 32, 1), (4, 16, 1), (2, 16, 1), (1, 16, 1)]
             }
