@@ -347,9 +347,11 @@ struct Place {
     step: u32,
     split: u32,
     /// Columns of a step the subgroup's scores take (`step / split`), and where it has a part
-    /// of the step (`split > 1`) its first column.
+    /// of the step (`split > 1`) its first column and that column's first vec4 in the staged
+    /// rows (the shift of [`scores_into`] and [`accumulate`]).
     cols: u32,
     part_col0: Option<Expr<u32>>,
+    part_shift: Option<Expr<u32>>,
     /// Invocations a scratch row (`subgroup / 16`), and the row and part of this invocation.
     per_row: u32,
     row: Expr<u32>,
@@ -424,12 +426,13 @@ fn place(k: &mut KernelBuilder, queries: bool, split: u32) -> Place {
     let row = k.let_("row", &lane / per_row);
     let part = k.let_("part", &lane % per_row);
     // A row tile's subgroups are `row_tile`, `row_tile + subgroups`, …: the parts of its steps.
-    let (row_tile, part_col0) = match split {
-        1 => (sg.clone(), None),
+    let (row_tile, part_col0, part_shift) = match split {
+        1 => (sg.clone(), None, None),
         _ => {
             let row_tile = k.let_("row_tile", &sg % subgroups);
             let col0 = k.let_("part_col0", &sg / subgroups * cols);
-            (row_tile, Some(col0))
+            let shift = k.let_("part_rows", &col0 * ((hd + PAD) / 4));
+            (row_tile, Some(col0), Some(shift))
         }
     };
     let own0 = k.let_("own0", &origin + &row_tile * 16u32);
@@ -444,6 +447,7 @@ fn place(k: &mut KernelBuilder, queries: bool, split: u32) -> Place {
         split,
         cols,
         part_col0,
+        part_shift,
         per_row,
         row,
         part,
@@ -925,9 +929,7 @@ fn forward_body(k: &mut KernelBuilder) {
             k.workgroup_array::<f32>("part_sum", 16 * all),
         )
     });
-    // Where a row tile's subgroups split each step: this one's part, as staged rows (vec4s).
-    let shift = (p.part_col0.as_ref()).map(|c0| k.let_("part_rows", c0 * p.row_vec4s()));
-    let shift = shift.as_ref();
+    let shift = p.part_shift.as_ref();
     let kv = k.let_("kv", &p.head / p.group);
     let q_rows = rows_of(k, &q, &p, p.heads, &p.head);
     let k_rows = rows_of(k, &kb, &p, p.kv_heads, &kv);
@@ -1157,9 +1159,7 @@ fn key_grads_body(k: &mut KernelBuilder) {
     let dk = accumulators(k, &p, "dk_acc");
     let dv = accumulators(k, &p, "dv_acc");
     let my_key = k.let_("my_key", &p.own0 + &p.row);
-    // Where a row tile's subgroups split each step: this one's part, as staged rows (vec4s).
-    let shift = (p.part_col0.as_ref()).map(|c0| k.let_("part_rows", c0 * p.row_vec4s()));
-    let shift = shift.as_ref();
+    let shift = p.part_shift.as_ref();
 
     k.comment("Query steps from the one holding the block's first key to the last real row.");
     let first = k.let_("first", &p.origin / p.step);
