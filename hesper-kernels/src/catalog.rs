@@ -584,8 +584,8 @@ fn numbers(text: &str) -> Option<Vec<u32>> {
 fn coop_attention(s: &Shape<'_>, which: CoopWhich) -> Result<Kernel, Failure> {
     let dims = (s.u32("head_dim"), s.u32("heads"), s.u32("kv_heads"));
     let split = match which {
-        CoopWhich::KeyGrads { .. } | CoopWhich::Forward => s.u32("split"),
-        _ => 1,
+        CoopWhich::QueryGrads => 1,
+        _ => s.u32("split"),
     };
     let tile = attention::coop::CoopSeqTile {
         subgroups: s.u32("row_tiles"),
@@ -767,7 +767,7 @@ const COOP_SPLIT: Param = u32_param(
     "subgroups a row tile, each taking step/split of a step's rows (their sums added when \
      stored)",
 );
-const COOP_SEQ_FORWARD_PARAMS: &[Param] = &[
+const COOP_SEQ_SPLIT_PARAMS: &[Param] = &[
     SEQ_HEAD_DIM,
     SEQ_HEADS,
     SEQ_KV_HEADS,
@@ -894,7 +894,7 @@ static ENTRIES: [Entry; 56] = [
         summary: "causal attention backward on tensor cores, one workgroup per query block: dQ = \
                   dS·K over the scores' gradients coop_attention_backward_kv wrote (masked as \
                   staged)",
-        params: COOP_SEQ_PARAMS,
+        params: COOP_SEQ_SPLIT_PARAMS,
         build: |s| coop_attention(s, CoopWhich::QueryGradsFromScores),
     },
     Entry {
@@ -902,7 +902,7 @@ static ENTRIES: [Entry; 56] = [
         module: "attention::coop",
         summary: "causal attention over whole sequences on tensor cores (GQA): O and lse, two \
                   passes over the keys (statistics, then P·V), f16 products, f32 softmax",
-        params: COOP_SEQ_FORWARD_PARAMS,
+        params: COOP_SEQ_SPLIT_PARAMS,
         build: |s| coop_attention(s, CoopWhich::Forward),
     },
     // attention::decode

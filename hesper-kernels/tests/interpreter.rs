@@ -541,9 +541,11 @@ fn the_tensor_core_gemm_is_right_on_the_interpreter() {
 /// read each step's rows a step ahead (the query gradients' keys in two buffers), the fourth
 /// (16 invocations holding 32 rows) stages them as it reads them. The next three are the tiles
 /// NVIDIA's devices take (`CoopSeqTile::standard`): the forward's 4 × 16, the key gradients' 2
-/// × 64 with each step split between two subgroups a row tile, the query gradients' 4 × 32.
-/// Where the fourth number is more than 1, the forward's and the key gradients' steps are split
-/// among that many subgroups a row tile (their partial sums added as they are stored).
+/// × 64 with each step split between two subgroups a row tile, the query gradients' 4 × 32
+/// (from the scores' gradients: split two ways too).
+/// Where the fourth number is more than 1, the forward's, the key gradients' and the query
+/// gradients' (from the scores' gradients) steps are split among that many subgroups a row
+/// tile (their partial sums added as they are stored).
 #[test]
 fn the_tensor_core_attention_is_right_on_the_interpreter() {
     let tiles = [
@@ -643,9 +645,9 @@ fn tensor_core_attention_on_the_interpreter(
     let mut run = base([blocks, heads as u32, batch as u32])
         .buffer("o", &nan(shape.q_len()))
         .buffer("lse", &nan(rows));
-    let split = ("split", split.to_string());
+    let split_param = ("split", split.to_string());
     interpret(
-        &build_with("coop_attention_forward", std::slice::from_ref(&split)),
+        &build_with("coop_attention_forward", std::slice::from_ref(&split_param)),
         &mut run,
     )
     .unwrap();
@@ -680,7 +682,10 @@ fn tensor_core_attention_on_the_interpreter(
         .buffer("d_k", &nan(shape.kv_len()))
         .buffer("d_v", &nan(shape.kv_len()));
     interpret(
-        &build_with("coop_attention_backward_kv", std::slice::from_ref(&split)),
+        &build_with(
+            "coop_attention_backward_kv",
+            std::slice::from_ref(&split_param),
+        ),
         &mut run,
     )
     .unwrap();
@@ -693,14 +698,15 @@ fn tensor_core_attention_on_the_interpreter(
 
     // The scores' gradients kept: the key gradients also write `dSᵀ` into a workspace poisoned
     // with NaN, and `dQ` is one product over it, which must mask what was never written: with
-    // this tile, and with the executor's 4 × 32 (blocks of 64 queries over key blocks of 32).
+    // this tile, and with the executor's 4 × 32 (blocks of 64 queries over key blocks of 32),
+    // unsplit and split two ways (each subgroup a partial dQ over 16 of a step's keys).
     let side = seq.next_multiple_of(64);
     let scores = vec![f16::NAN; batch * heads * side * side];
     let mut run = grad(base([blocks, kv_heads as u32, batch as u32]))
         .buffer("d_k", &nan(shape.kv_len()))
         .buffer("d_v", &nan(shape.kv_len()))
         .buffer("d_scores", &scores);
-    let write = [("write_scores", "true".to_string()), split];
+    let write = [("write_scores", "true".to_string()), split_param];
     interpret(&build_with("coop_attention_backward_kv", &write), &mut run).unwrap();
     check(
         "dK (writing dS)",
@@ -715,7 +721,7 @@ fn tensor_core_attention_on_the_interpreter(
         2e-3,
     );
     let scores: Vec<f16> = run.read("d_scores").unwrap();
-    for (q_tiles, q_step) in [(row_tiles, step), (4, 32)] {
+    for (q_tiles, q_step, q_split) in [(row_tiles, step, split), (4, 32, 1), (4, 32, 2)] {
         let q_blocks = seq.div_ceil(16 * q_tiles) as u32;
         let mut run = Run::new([q_blocks, heads as u32, batch as u32])
             .buffer("k", &k)
@@ -728,10 +734,11 @@ fn tensor_core_attention_on_the_interpreter(
         let tile = [
             ("row_tiles", q_tiles.to_string()),
             ("step", q_step.to_string()),
+            ("split", q_split.to_string()),
         ];
         let kernel = build_with("coop_attention_backward_q_from_scores", &tile);
         interpret(&kernel, &mut run).unwrap();
-        let what = format!("dQ (from dS, {q_tiles} × {q_step})");
+        let what = format!("dQ (from dS, {q_tiles} × {q_step} split {q_split} ways)");
         check(&what, &run.read::<f32>("d_q").unwrap(), &want_dq, 2e-3);
     }
 }

@@ -527,7 +527,8 @@ fn stats_match_reference() {
 
 /// `dn = dz·E` with `dz` computed from the logits as the GEMM reads them
 /// (`loss::CrossEntropyGrad` as a prologue), against the f64 product of the reference's `dz`:
-/// on the test device (lavapipe: the f32 GEMM, whole and ragged vocabularies) and on the DSL's
+/// on the test device (lavapipe: the f32 GEMM, whole and ragged vocabularies; a device with
+/// tensor cores splits the depth in two at the standard tile for f32 logits) and on the DSL's
 /// interpreter's tensor cores (CI: lavapipe has none), where the depth is split into four parts
 /// (each part's prologue sees its own columns: the one-hot lands in one of them) and `dz` is
 /// multiplied by `2^e` and rounded to f16 as it is staged, as in the step. Labels masked in both
@@ -538,7 +539,9 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
     use hesper_exec::half::f16;
     use hesper_kernels::linear::coop::CoopTile;
     use hesper_kernels::linear::fusion::Fusion;
-    use hesper_kernels::linear::split::{execute_gemm_split_fused, gemm_split_scratch_len};
+    use hesper_kernels::linear::split::{
+        execute_gemm_split_fused, gemm_split_scratch_len, split_plan,
+    };
     use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
     let interpreter = hesper_kernels::testing::interpreter_with_tensor_cores();
     let small = CoopTile {
@@ -550,9 +553,13 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
     };
     // (device, tokens, vocab, dim, tile, parts the interpreter splits the depth into)
     type Case<'a> = (&'a Gpu, usize, usize, usize, Option<CoopTile>, usize);
-    let cases: [Case; 3] = [
+    let cases: [Case; 4] = [
         (gpu(), 40, 4096, 48, None, 0),
         (gpu(), 7, 1001, 24, None, 0),
+        // On a device with tensor cores, split in two at the standard tile for f32 logits,
+        // `WIDE_12` where it fits (its 48-deep step cuts 3072, not 4096, into two parts of 32
+        // steps): the step's lm-head backward at its tile. Too slow for the interpreter in CI.
+        (gpu(), 40, 3072, 48, None, 0),
         (interpreter, 40, 4096, 48, Some(small), 4),
     ];
     for (i, (g, t, v, d, tile, parts)) in cases.into_iter().enumerate() {
@@ -583,6 +590,11 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
                 parts * t * d,
                 "the interpreter splits the depth"
             );
+        }
+        let plan = split_plan(g, &gemm, false);
+        if tensor_cores && v == 3072 {
+            let plan = plan.expect("the tensor cores split 40 × 48 over 3072");
+            assert_eq!(plan.parts, 2, "{plan:?}");
         }
         let (z, y, w) = (
             g.upload(&logits).unwrap(),
@@ -632,7 +644,7 @@ fn the_gradient_as_a_gemm_prologue_matches_reference() {
             }
         }
         let got = dn.read(g).unwrap();
-        let what = format!("dz·E by the prologue, T={t} V={v} D={d} (case {i})");
+        let what = format!("dz·E by the prologue, T={t} V={v} D={d} (case {i}, split {plan:?})");
         for (j, ((got, want), tol)) in got.iter().zip(&want).zip(&tol).enumerate() {
             let err = (*got as f64 - want).abs();
             assert!(

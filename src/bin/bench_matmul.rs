@@ -24,7 +24,9 @@ use hesper::exec::profile::{BenchConfig, bench};
 use hesper::exec::{Gpu, GpuBuffer, GpuOptions};
 use hesper::kernels::linear::coop::{self, CoopTile};
 use hesper::kernels::linear::fusion::{Fusion, GemmFusion};
-use hesper::kernels::linear::split::{execute_gemm_split_fused, gemm_split_scratch_len};
+use hesper::kernels::linear::split::{
+    execute_gemm_split_fused, gemm_split_scratch_len, split_plan,
+};
 use hesper::kernels::linear::{
     Gemm, GemmPath, HalfBuffers, Operand, OutputBuffer, Precision, Product, Weights, execute_gemm,
     gemm_path,
@@ -102,14 +104,6 @@ fn parse_tile(text: &str) -> Result<CoopTile, String> {
         _ => Err(format!(
             "HESPER_BENCH_TILES: {text:?}: expected bm×bn×bk/wm×wn, e.g. 128x64x32/64x64"
         )),
-    }
-}
-
-/// The output's columns of a product through `W: [n, k]`.
-fn gemm_cols(product: Product, n: usize, k: usize) -> usize {
-    match product {
-        Product::Nt => n,
-        Product::Nn => k,
     }
 }
 
@@ -260,10 +254,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                     ..Gemm::new(product, (m, n, k), false).with_precision(Precision::F16)
                 };
                 let scratch_len = gemm_split_scratch_len(&gpu, &gemm);
-                let tile_name = match split_tile {
-                    None => "128×256×32, 64×64 (as the step)".to_string(),
-                    Some(t) => format!("{}×{}×{}, {}×{}", t.bm, t.bn, t.bk, t.wm, t.wn),
-                };
                 if scratch_len > 0 {
                     let mut scratch = gpu.zeros::<f32>(scratch_len)?;
                     let weights = Weights::Half { w: &w, scale: 1.0 };
@@ -271,7 +261,6 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         warmup: Duration::from_millis(800),
                         reps: 20,
                     };
-                    let parts = scratch_len / (m * gemm_cols(product, n, k)).next_multiple_of(4);
                     // f16 input; f32 input (the step's `dz` before 2026-12-07); the logits with the
                     // cross-entropy's gradient as the prologue (the step's lm-head backward since).
                     let (inputs, stats) = match product {
@@ -292,6 +281,24 @@ fn run() -> Result<(), Box<dyn std::error::Error>> {
                         .as_ref()
                         .map(|(stats, labels)| CrossEntropyGrad { stats, labels });
                     for (how, input) in inputs {
+                        let half = matches!(input, Operand::F16(_));
+                        let Some(plan) = split_plan(&gpu, &gemm, half) else {
+                            continue;
+                        };
+                        let (t, parts) = (plan.tile, plan.parts);
+                        let tile_name = format!(
+                            "{}×{}×{}, {}×{}{}",
+                            t.bm,
+                            t.bn,
+                            t.bk,
+                            t.wm,
+                            t.wn,
+                            if split_tile.is_none() {
+                                " (as the step)"
+                            } else {
+                                ""
+                            }
+                        );
                         let prologue = grad.as_ref().filter(|_| how.contains("prologue"));
                         let fusion = Fusion {
                             prologue: prologue.map(|g| g as &dyn GemmFusion),

@@ -43,7 +43,10 @@
 //! More subgroups share the work of a step without more workgroups or more staging. The
 //! forward splits its key steps so too: each subgroup's row maxima, then its sums `l`, are
 //! combined across the row tile's subgroups through workgroup memory (the maximum before the
-//! second pass, so every part's `P` has the same reference and their `P·V` add up).
+//! second pass, so every part's `P` has the same reference and their `P·V` add up). The query
+//! gradients from the scores' gradients (below) split their key steps as the key gradients
+//! split their query steps: each subgroup multiplies its part of a step's keys into its own
+//! partial `dQ`.
 //!
 //! ## The scores' gradients kept
 //! The query gradients need the same `P` and `dS` as the key gradients: computed again, that
@@ -105,8 +108,8 @@ fn writes_or_reads_scores(which: Which) -> bool {
 
 /// A tensor-core attention kernel's blocking: `subgroups` tiles of 16 rows each, the other
 /// side stepped `step` rows at a time, each step's rows shared out among `split` subgroups a
-/// row tile (the workgroup has `subgroups·split` subgroups). Only the forward and the key
-/// gradients split (the module doc, "Splitting the steps"); elsewhere `split` is 1.
+/// row tile (the workgroup has `subgroups·split` subgroups). The query gradients that recompute
+/// the scores do not split (the module doc, "Splitting the steps"): `split` is 1 there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct CoopSeqTile {
     pub subgroups: u32,
@@ -211,7 +214,8 @@ impl CoopSeqTile {
         let measured = match which {
             Which::KeyGrads { .. } => tiles_to_measure("HESPER_ATTENTION_KV_TILES"),
             Which::Forward => tiles_to_measure("HESPER_ATTENTION_FORWARD_TILES"),
-            _ => Vec::new(),
+            Which::QueryGradsFromScores => tiles_to_measure("HESPER_ATTENTION_Q_TILES"),
+            Which::QueryGrads => Vec::new(),
         };
         (measured
             .into_iter()
@@ -236,9 +240,11 @@ impl CoopSeqTile {
                 "at least one subgroup, and a step that is a positive multiple of 16·split".into(),
             );
         }
-        if self.split > 1 && !matches!(which, Which::KeyGrads { .. } | Which::Forward) {
+        if self.split > 1 && which == Which::QueryGrads {
             return Some(
-                "only the forward and the key gradients split their steps (split = 1)".into(),
+                "the query gradients that recompute the scores do not split their steps \
+                 (split = 1)"
+                    .into(),
             );
         }
         // Each invocation of a scratch row handles whole vec4s of it.
@@ -270,13 +276,18 @@ impl CoopSeqTile {
     ///   H200: 171 µs against 188 with 4; 2 stepping 16 measured 2.7–5× slower);
     /// - query gradients: 4 subgroups stepping 32 keys, else 16 (hd 128: 278 µs against 611
     ///   with 2 subgroups stepping 32);
-    /// - query gradients from the scores' gradients: 4 subgroups stepping 32 keys (not swept).
+    /// - query gradients from the scores' gradients: 4 row tiles stepping 32 keys, each step
+    ///   split between 2 subgroups a row tile (on an H100 at hd 64, B = 8: 43.3 µs against
+    ///   45.4 unsplit; 2 × 64 split 4 ways 44.6, 2 × 64 split 2 ways 46.2, 4 × 64 split 2 ways
+    ///   47.6, 4 × 64 unsplit 51.5, 1 × 64 split 4 ways 62.3; BENCHMARKS.md, "The query
+    ///   gradients' steps split"), else the query gradients' tiles.
     fn standard(which: Which) -> &'static [(u32, u32, u32)] {
         match which {
             Which::Forward => &[(4, 16, 1), (2, 16, 1), (1, 16, 1)],
             Which::KeyGrads { .. } => &[(2, 64, 2), (2, 32, 1), (1, 16, 1)],
-            Which::QueryGrads | Which::QueryGradsFromScores => {
-                &[(4, 32, 1), (4, 16, 1), (2, 16, 1), (1, 16, 1)]
+            Which::QueryGrads => &[(4, 32, 1), (4, 16, 1), (2, 16, 1), (1, 16, 1)],
+            Which::QueryGradsFromScores => {
+                &[(4, 32, 2), (4, 32, 1), (4, 16, 1), (2, 16, 1), (1, 16, 1)]
             }
         }
     }
@@ -284,7 +295,8 @@ impl CoopSeqTile {
 
 /// The tiles named in the environment variable `var` (`SUBGROUPSxSTEPxSPLIT`, comma-separated:
 /// `2x32x2,1x64x4`), tried before the standard ones: `HESPER_ATTENTION_KV_TILES` for the key
-/// gradients, `HESPER_ATTENTION_FORWARD_TILES` for the forward; for measuring tiles on a device
+/// gradients, `HESPER_ATTENTION_FORWARD_TILES` for the forward, `HESPER_ATTENTION_Q_TILES` for
+/// the query gradients from the scores' gradients; for measuring tiles on a device
 /// (BENCHMARKS.md). What does not parse, fit the device or follow [`CoopSeqTile::rule`] is
 /// passed over.
 fn tiles_to_measure(var: &str) -> Vec<(u32, u32, u32)> {
@@ -320,8 +332,8 @@ pub(crate) fn key(
         Which::KeyGrads { write_scores } => key
             .shape("write_scores", write_scores)
             .shape("split", tile.split),
-        Which::Forward => key.shape("split", tile.split),
-        _ => key,
+        Which::Forward | Which::QueryGradsFromScores => key.shape("split", tile.split),
+        Which::QueryGrads => key,
     };
     key.workgroup_size(tile.workgroup_subgroups() * subgroup)
         .features(Features::COOPERATIVE_MATRIX | Features::SUBGROUPS)
@@ -1380,28 +1392,36 @@ fn query_grads_body(k: &mut KernelBuilder) {
 /// `2^grad_exponent` in it; the module doc). Each step stages its keys (f16) and the block's
 /// columns of its `dSᵀ` rows, masked: a key past the query contributes 0, whatever the
 /// workspace holds there. (For a query row inside the sequence's length that is every key the
-/// key gradients did not write; rows past it are stored as zeros whatever they sum.)
+/// key gradients did not write; rows past it are stored as zeros whatever they sum.) Where the
+/// steps are split, each of a row tile's subgroups takes `step/split` of the staged keys into
+/// its own partial `dQ`, added when stored.
 fn query_grads_from_scores_body(k: &mut KernelBuilder) {
     let keys = k.storage::<Vec4<f32>>("k");
     let d_scores = k.storage::<Vec4<F16>>("d_scores");
     let d_q = k.storage_rw::<f32>("d_q");
     let down = k.param::<f32>("grad_unscale");
     let subgroup: u32 = k.shape("subgroup");
-    let p = place(k, true, 1);
+    let split: u32 = k.shape("split");
+    let p = place(k, true, split);
     let block = 16 * p.subgroups;
     let stage = k.workgroup_array::<Vec4<F16>>("stage", p.step * p.row_vec4s());
     // A staged `dSᵀ` row: the block's queries, padded as the staged keys are.
     let ds_row4 = (block + PAD) / 4;
     let ds_stage = k.workgroup_array::<Vec4<F16>>("ds_stage", p.step * ds_row4);
-    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", p.subgroups * p.scratch_len() / 4);
+    let all = p.subgroups * p.split;
+    let scratch = k.workgroup_array::<Vec4<f32>>("scratch", all * p.scratch_len() / 4);
     let kv = k.let_("kv", &p.head / p.group);
     let k_rows = rows_of(k, &keys, &p, p.kv_heads, &kv);
     let (square, row4) = scores_square(k, &p, &p.head);
     let block_at = k.let_("block_at", &square + &p.origin / 4u32);
     let dq = accumulators(k, &p, "dq_acc");
     let steps = key_steps(k, &p);
-    // `dS` is the left operand: the subgroup's 16 queries are 16 columns of the staged `dSᵀ`.
-    let own_at = k.let_("own_at", &p.sg * 4u32);
+    // `dS` is the left operand: the subgroup's 16 queries are 16 columns of the staged `dSᵀ`,
+    // its part's keys (where the steps are split) its rows.
+    let own_at = match &p.part_col0 {
+        Some(c0) => k.let_("own_at", &p.row_tile * 4u32 + c0 * ds_row4),
+        None => k.let_("own_at", &p.row_tile * 4u32),
+    };
     let left = |k: &mut KernelBuilder, kk: u32| {
         let at = offset(&own_at, kk * 16 * ds_row4);
         k.coop_load::<TileA, _>(&ds_stage, at, ds_row4, Major::Column)
@@ -1424,7 +1444,7 @@ fn query_grads_from_scores_body(k: &mut KernelBuilder) {
             k.store(&ds_stage, &r * ds_row4 + &c4, vec4_of(lanes));
         });
         k.workgroup_barrier();
-        accumulate_from(k, &p, &left, &stage, (0, None), &dq);
+        accumulate_from(k, &p, &left, &stage, (0, p.part_shift.as_ref()), &dq);
     });
     let unscale = |_: &Expr<u32>| down.clone();
     store_own(

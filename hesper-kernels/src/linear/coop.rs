@@ -188,7 +188,7 @@ pub(crate) fn check_splits(
 /// when the tiles already give each of ~132 multiprocessors (the H200's) a workgroup; else
 /// the most (a power of two up to [`MAX_SPLITS`]) that keeps the grid within four workgroups
 /// a multiprocessor and each part at least 32 whole steps. The lm-head's `·W` over a chunk of
-/// 1024 tokens (24 tiles of 128×256, 49 152 deep) takes 16.
+/// 1024 tokens (24 tiles of 128×192 or of 128×256, 49 152 deep) takes 16.
 pub fn splits_for(tiles: usize, depth: u32, bk: u32) -> u32 {
     if tiles >= 132 || bk == 0 {
         return 1;
@@ -1699,19 +1699,36 @@ fn fits_device(gpu: &Gpu, tile: &CoopTile, subgroup: u32) -> bool {
 }
 
 /// The tile, subgroup size and parts of `gemm`'s split on the tensor cores ([`splits_for`]),
-/// where `gpu` has them and the GEMM gains from a split: the tile asked for, else
+/// where `gpu` has them and the GEMM gains from a split: the tile asked for, else the first of
+/// the split's standard tiles that fits the device and splits the depth. An f16 input takes
 /// [`CoopTile::LARGE`] (the fastest per product on the H200; a split supplies the workgroups
-/// that a smaller tile would).
-pub(crate) fn split_path(gpu: &Gpu, gemm: &super::Gemm) -> Option<(CoopTile, u32, u32)> {
+/// that a smaller tile would); an f32 input, converted to f16 as it is staged, takes
+/// [`CoopTile::WIDE_12`] first, its twelve subgroups sharing the conversion: the step's
+/// lm-head backward (f32 logits through the cross-entropy's gradient) took 399.6 µs a chunk
+/// on the H100 with it against 493.9 with `LARGE`, where an f16 input took 359.3 against 313.8
+/// (BENCHMARKS.md, "Splitting the attention's steps among subgroups"). `WIDE_12`'s 48-deep
+/// step cuts fewer depths into whole parts (none a power of two): `LARGE` is then next.
+pub(crate) fn split_path(
+    gpu: &Gpu,
+    gemm: &super::Gemm,
+    input_half: bool,
+) -> Option<(CoopTile, u32, u32)> {
     let subgroup = subgroup_size(gpu)?;
-    let tile = gemm.coop_tile.unwrap_or(CoopTile::LARGE);
-    if !fits_device(gpu, &tile, subgroup) {
-        return None;
-    }
+    let candidates: &[CoopTile] = match (&gemm.coop_tile, input_half) {
+        (Some(tile), _) => std::slice::from_ref(tile),
+        (None, true) => &[CoopTile::LARGE],
+        (None, false) => &[CoopTile::WIDE_12, CoopTile::LARGE],
+    };
     let (cols, depth) = gemm.cols_depth();
-    let tiles = gemm.m.div_ceil(tile.bm as usize) * cols.div_ceil(tile.bn as usize);
-    let parts = splits_for(tiles, u32::try_from(depth).ok()?, tile.bk);
-    (parts > 1).then_some((tile, subgroup, parts))
+    let depth = u32::try_from(depth).ok()?;
+    candidates.iter().find_map(|tile| {
+        if !fits_device(gpu, tile, subgroup) {
+            return None;
+        }
+        let tiles = gemm.m.div_ceil(tile.bm as usize) * cols.div_ceil(tile.bn as usize);
+        let parts = splits_for(tiles, depth, tile.bk);
+        (parts > 1).then_some((*tile, subgroup, parts))
+    })
 }
 
 /// The standard tiles, largest first.

@@ -1,7 +1,7 @@
 //! Split-K on the tensor cores: a GEMM whose output has few tiles but whose depth is long leaves
 //! most multiprocessors idle, each of its few workgroups stepping through the whole depth. The
 //! lm-head's `dn = dz·E` over a chunk of 1024 tokens is one: a `[1024, 576]` output (24 tiles
-//! of 128×256) summed over 49 152 vocabulary entries. [`execute_gemm_split`] cuts the depth into
+//! of 128×192) summed over 49 152 vocabulary entries. [`execute_gemm_split`] cuts the depth into
 //! parts ([`coop::splits_for`]): layer `z` of the grid sums part `z` into slice `z` of a scratch
 //! buffer, and `gemm_split_sum` adds the slices into the output (or to it, accumulating). Where
 //! a split does not pay (enough tiles, a short depth, no tensor cores, an f16 output) it is
@@ -42,21 +42,42 @@ use super::{
 };
 use crate::{Len, expect_len, expect_u32};
 
-/// The split `execute_gemm_split` runs for `gemm` on `gpu`: its tensor-core tile, subgroup size
-/// and parts; `None` where it runs `execute_gemm`.
-fn plan(gpu: &Gpu, gemm: &Gemm) -> Option<(coop::CoopTile, u32, u32)> {
+/// How [`execute_gemm_split`] cuts a GEMM's depth on a device: the tensor-core tile and the
+/// parts ([`split_plan`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitPlan {
+    /// Each part's workgroup tile.
+    pub tile: coop::CoopTile,
+    /// Parts of the depth (at least 2), each summed into its own slice of the scratch.
+    pub parts: u32,
+}
+
+/// The split [`execute_gemm_split`] runs for `gemm` on `gpu` with an f16 input (`input_half`)
+/// or an f32 one (the tile depends on it: [`coop::CoopTile::WIDE_12`] shares the conversion of
+/// an f32 input among twelve subgroups); `None` where it runs `execute_gemm`.
+pub fn split_plan(gpu: &Gpu, gemm: &Gemm, input_half: bool) -> Option<SplitPlan> {
+    plan(gpu, gemm, input_half).map(|(tile, _, parts)| SplitPlan { tile, parts })
+}
+
+/// [`split_plan`] with the subgroup size the tile is laid out for.
+fn plan(gpu: &Gpu, gemm: &Gemm, input_half: bool) -> Option<(coop::CoopTile, u32, u32)> {
     let (cols, depth) = gemm.cols_depth();
     if gemm.precision != Precision::F16 || gemm.m == 0 || cols == 0 || depth == 0 {
         return None;
     }
-    coop::split_path(gpu, gemm)
+    coop::split_path(gpu, gemm, input_half)
 }
 
 /// Floats of the scratch buffer [`execute_gemm_split`] needs for `gemm` on `gpu`: one
-/// `[m, cols]` slice (rounded up to 4 floats) a part; 0 where it does not split.
+/// `[m, cols]` slice (rounded up to 4 floats) a part, for an input of either type; 0 where it
+/// does not split.
 pub fn gemm_split_scratch_len(gpu: &Gpu, gemm: &Gemm) -> usize {
     let (cols, _) = gemm.cols_depth();
-    plan(gpu, gemm).map_or(0, |(_, _, parts)| {
+    let parts = [false, true]
+        .into_iter()
+        .filter_map(|half| plan(gpu, gemm, half).map(|(_, _, parts)| parts))
+        .max();
+    parts.map_or(0, |parts| {
         parts as usize * (gemm.m * cols).next_multiple_of(4)
     })
 }
@@ -103,7 +124,8 @@ pub fn execute_gemm_split_fused<'a>(
         });
     }
     let dense = !matches!(weights, Weights::Ternary { .. });
-    let plan = plan(rec.gpu(), gemm).filter(|_| dense);
+    let input_half = matches!(input, Operand::F16(_));
+    let plan = plan(rec.gpu(), gemm, input_half).filter(|_| dense);
     let (Some((tile, subgroup, parts)), OutputBuffer::F32(out)) = (plan, &output) else {
         return execute_gemm_fused(rec, gemm, fusion, input, weights, output);
     };
