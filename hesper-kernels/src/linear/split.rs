@@ -13,7 +13,7 @@
 //! ```
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! use hesper_exec::Gpu;
-//! use hesper_kernels::linear::split::{execute_gemm_split, gemm_split_scratch_len};
+//! use hesper_kernels::linear::split::{execute_gemm_split, gemm_split_scratch_len, split_plan};
 //! use hesper_kernels::linear::{Gemm, Precision, Product, Weights};
 //!
 //! let gpu = Gpu::new()?;
@@ -25,6 +25,10 @@
 //! let mut dx = gpu.zeros::<f32>(m * k)?;
 //! // Zero where the device has no tensor cores or the GEMM is not split.
 //! let mut scratch = gpu.zeros::<f32>(gemm_split_scratch_len(&gpu, &gemm).max(1))?;
+//! // The tile and parts this device splits it into, for an f32 input.
+//! if let Some(plan) = split_plan(&gpu, &gemm, false) {
+//!     println!("{} parts of {:?}", plan.parts, plan.tile);
+//! }
 //! let mut rec = gpu.recorder();
 //! execute_gemm_split(&mut rec, &gemm, &dy, Weights::Dense(&w), &mut dx, &mut scratch)?;
 //! rec.submit()?;
